@@ -1,0 +1,4 @@
+from nxd_finetune.cli import main
+
+if __name__ == "__main__":
+    main()

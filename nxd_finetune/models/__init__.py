@@ -1,0 +1,24 @@
+"""Plain PyTorch Llama-family decoders with HuggingFace module names, and HF checkpoint I/O."""
+
+from nxd_finetune.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig
+from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.models.loading import (
+    build_model,
+    checkpoint_index,
+    load_pretrained,
+    materialize,
+    resolve_dtype,
+    save_pretrained,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "DecoderConfig",
+    "DecoderForCausalLM",
+    "build_model",
+    "checkpoint_index",
+    "load_pretrained",
+    "materialize",
+    "resolve_dtype",
+    "save_pretrained",
+]

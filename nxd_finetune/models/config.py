@@ -1,0 +1,140 @@
+"""Decoder configuration read from a HuggingFace ``config.json``.
+
+One dataclass covers the Llama family (Llama 2, Llama 3/3.1/3.2, Mistral, Qwen2/2.5). Field names
+are HF's so ``config.json`` maps onto it directly and parallel code can check divisibility on the
+same names users see in their checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from nxd_finetune.errors import ModelLoadError
+
+# architecture name in config.json -> family defaults that differ from Llama
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass
+class DecoderConfig:
+    """Hyper-parameters of a Llama-family decoder, with HF field names.
+
+    ``rope_scaling`` is the HF dict (``rope_type`` / ``type``: ``default``, ``linear`` or ``llama3``)
+    or None. ``qkv_bias`` is True for Qwen2 (bias on q/k/v, none on o) and follows
+    ``attention_bias`` (bias on q/k/v/o) for Llama.
+    """
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    raw: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.hidden_act not in ("silu", "swish"):
+            raise ModelLoadError(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> DecoderConfig:
+        """Build from a config dict, a ``config.json`` path or a model directory.
+
+        Raises ModelLoadError for an unreadable file or an unsupported architecture (the message
+        lists the supported ones).
+        """
+        if isinstance(source, dict):
+            raw = dict(source)
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ModelLoadError(f"model config not found: {path}")
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+        archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ModelLoadError(f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in fields and k not in ("raw", "architecture")}
+        # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints
+        # write rope_theta + rope_scaling. Normalise to the latter.
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_params = dict(rope_params)
+            kwargs["rope_theta"] = rope_params.pop("rope_theta", kwargs.get("rope_theta", 10000.0))
+            kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+            kwargs["rope_scaling"] = None if kind == "default" else rope_params
+        kwargs.update(SUPPORTED_ARCHITECTURES[arch])
+        if arch == "LlamaForCausalLM":
+            kwargs["qkv_bias"] = bool(raw.get("attention_bias", False))
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            kwargs["sliding_window"] = None
+        return cls(architecture=arch, raw=raw, **kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (the original one when read from disk)."""
+        if self.raw:
+            return dict(self.raw)
+        model_type = {v: k for k, v in _MODEL_TYPES.items()}[self.architecture]
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("raw", "architecture", "qkv_bias")}
+        out.update(architectures=[self.architecture], model_type=model_type, torch_dtype="float32")
+        return out
+
+    def config_hash(self) -> str:
+        """A short stable hash of the HF config, recorded in adapters to tie them to a base."""
+        blob = json.dumps(self.to_hf(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+
+    def num_parameters(self) -> int:
+        """Total parameter count, computed from shapes (no tensors built)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_hidden_layers * per_layer + h + head

@@ -1,0 +1,225 @@
+"""A plain PyTorch decoder for the Llama family (Llama 2/3, Mistral, Qwen2) with HF module names.
+
+Module names equal HuggingFace's so checkpoints load by name and LoRA adapters come out in PEFT
+layout without a renaming table. ``model.layers`` is an ``nn.ModuleDict`` keyed ``"0".."N-1"``: a
+pipeline stage may delete layers it does not own, or set ``embed_tokens``/``norm``/``lm_head`` to
+None, and the remaining names stay those of the full model.
+
+This module imports nothing from ``nxd_finetune.parallel``; parallelism is applied from outside by
+replacing ``nn.Linear``/``nn.Embedding`` modules according to a plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.models.config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as HF's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for ``default``, ``linear`` and ``llama3`` RoPE."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [B, T, head_dim] computed in fp32 (HF's rotate-half layout)."""
+    freqs = position_ids[:, :, None].float() * inv_freq[None, None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(
+    segment_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask [B or 1, 1, T, T] (True = may attend), or None for plain causal attention.
+
+    A token attends to itself and earlier tokens of the same segment, and, with a sliding window,
+    only to the last ``sliding_window`` of those.
+    """
+    if segment_ids is None and (sliding_window is None or sliding_window >= seq_len):
+        return None
+    pos = torch.arange(seq_len, device=device)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None and sliding_window < seq_len:
+        mask = mask & (pos[:, None] - pos[None, :] < sliding_window)
+    mask = mask[None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = mask & same
+    return mask
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; heads are derived from the projection sizes so that a
+    tensor-parallel plan that shards q/k/v/o on heads needs no change here."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=config.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: nn.Module | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.config, device)
+        return self._inv_freq[device]
+
+    def forward(
+        self,
+        hidden_or_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``hidden_or_ids``: token ids [B, T] when this stage owns the embeddings, else hidden
+        states [B, T, H]. Returns hidden states [B, T, H] (normed when this stage owns ``norm``)."""
+        x = self.embed_tokens(hidden_or_ids) if self.embed_tokens is not None else hidden_or_ids
+        b, t = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(t, device=x.device).expand(b, t)
+        cos, sin = rotary_cos_sin(self.inv_freq(x.device), position_ids, x.dtype)
+        mask = attention_mask(segment_ids, t, self.config.sliding_window, x.device)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, mask)
+        return self.norm(x) if self.norm is not None else x
+
+
+class DecoderForCausalLM(nn.Module):
+    """Causal LM with HF names: ``model.*`` and ``lm_head``.
+
+    ``forward(input_ids [B,T], position_ids=None [B,T], segment_ids=None [B,T]) -> logits [B,T,V]``.
+    For packed batches pass per-sample ``position_ids`` (restarting at 0) and ``segment_ids``;
+    no token then attends across a segment boundary.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head: nn.Module | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` (tied-embedding configs)."""
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.model(input_ids, position_ids, segment_ids)
+        return self.lm_head(h) if self.lm_head is not None else h

@@ -1,0 +1,169 @@
+"""Reading and writing HF checkpoints (safetensors, single file or sharded with an index).
+
+The model is built on the meta device and materialised tensor by tensor, so at no point are two
+copies of a weight in memory. ``materialize`` takes a ``reader`` hook: the default reads whole
+tensors; the parallel code passes one that reads only this rank's slice through
+``safe_open(...).get_slice``, so no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.llama import DecoderForCausalLM
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+# reader(name, safe_slice, target_param) -> tensor of target_param's shape
+Reader = Callable[[str, object, torch.Tensor], torch.Tensor]
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+    return DTYPES[dtype]
+
+
+def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name of an HF checkpoint directory to the safetensors file holding it."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pth")):
+        raise ModelLoadError(f"{model_dir} holds only pickle checkpoints; convert them to safetensors")
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def _read_full(name: str, safe_slice: object, target: torch.Tensor) -> torch.Tensor:
+    return safe_slice[:]  # type: ignore[index]
+
+
+def materialize(
+    model: nn.Module,
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    reader: Reader = _read_full,
+    name_map: Callable[[str], str] | None = None,
+) -> nn.Module:
+    """Replace every meta parameter of ``model`` with its tensor from the checkpoint.
+
+    ``name_map`` turns a module parameter name into a checkpoint key (LoRA-wrapped models map
+    ``...q_proj.base_layer.weight`` to ``...q_proj.weight``). Parameters the checkpoint lacks but
+    that are tied (``lm_head.weight`` with tied embeddings) are re-tied afterwards; any other
+    missing tensor or a shape mismatch raises ModelLoadError naming the tensor.
+    """
+    index = checkpoint_index(model_dir)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    by_file: dict[Path, list[tuple[str, str, nn.Module, str]]] = {}
+    for full_name, param in list(model.named_parameters(remove_duplicate=False)):
+        key = name_map(full_name) if name_map else full_name
+        module_name, _, attr = full_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if key not in index:
+            if tied and key == "lm_head.weight":
+                continue
+            if param.device.type != "meta":
+                continue  # built fresh (e.g. LoRA matrices), not a checkpoint tensor
+            raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {key!r}")
+        by_file.setdefault(index[key], []).append((full_name, key, module, attr))
+    for path, entries in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for full_name, key, module, attr in entries:
+                target = getattr(module, attr)
+                tensor = reader(key, f.get_slice(key), target)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelLoadError(
+                        f"tensor {key!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype),
+                                                  requires_grad=target.requires_grad))
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {leftover[0]!r}")
+    return model
+
+
+def build_model(config: DecoderConfig, device: str | torch.device = "meta") -> DecoderForCausalLM:
+    """Construct the model; on the meta device by default (no memory, shapes only)."""
+    with torch.device(device):
+        return DecoderForCausalLM(config)
+
+
+def load_pretrained(
+    model_dir: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DecoderForCausalLM:
+    """Load an HF checkpoint directory into :class:`DecoderForCausalLM`."""
+    config = DecoderConfig.from_hf(model_dir)
+    model = build_model(config)
+    materialize(model, model_dir, resolve_dtype(dtype), device)
+    return model
+
+
+def save_pretrained(
+    config: DecoderConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> None:
+    """Write an HF checkpoint: ``config.json`` plus safetensors shards (with an index when more
+    than one). ``tensors`` may be a generator, so callers can stream (merge tensor by tensor).
+    Files are written under temporary names and renamed, so a crash leaves no half file named
+    as a complete one. ``lm_head.weight`` is skipped for tied-embedding configs, as HF does.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, shard in zip(names, shards):
+        tmp = out / (fname + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / fname)
+        for k, t in shard.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = config.to_hf()
+    if dtype is not None:
+        cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        cfg.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
