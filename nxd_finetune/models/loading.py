@@ -88,7 +88,7 @@ def materialize(
         by_file.setdefault(index[key], []).append((full_name, key, module, attr))
     for path, entries in by_file.items():
         with safe_open(path, framework="pt") as f:
-            for full_name, key, module, attr in entries:
+            for _, key, module, attr in entries:
                 target = getattr(module, attr)
                 tensor = reader(key, f.get_slice(key), target)
                 if tuple(tensor.shape) != tuple(target.shape):
@@ -152,7 +152,7 @@ def save_pretrained(
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
     total = 0
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=True):
         tmp = out / (fname + ".tmp")
         save_file(shard, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, out / fname)
