@@ -1,0 +1,329 @@
+"""Adapter files in PEFT's format, and the three ways to save a LoRA-trained model.
+
+An adapter directory is what ``peft.PeftModel.save_pretrained`` writes: ``adapter_config.json``
+and ``adapter_model.safetensors`` keyed ``base_model.model.<module>.lora_A.weight`` /
+``.lora_B.weight`` (no adapter name), ``modules_to_save`` modules under their own keys
+(``base_model.model.lm_head.weight``) and, with ``bias`` other than ``none``, the trained biases
+under their model names (``...q_proj.base_layer.bias``, ``...k_proj.bias``).
+
+Only JSON and safetensors are read; nothing is unpickled (``adapter_model.bin`` is refused).
+Files are written under temporary names and renamed, so a crash never leaves a half file under
+the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from nxd_finetune.errors import AdapterError
+from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
+from nxd_finetune.lora.inject import (
+    OUTPUT_LAYER,
+    inject_lora,
+    lora_modules,
+    saved_modules,
+    untied_config,
+)
+
+PEFT_PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+SAVE_MODES = ("adapter", "base_and_adapter", "merged")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _owner(key: str, owners: dict[str, nn.Module]) -> tuple[str, str] | None:
+    """Split ``key`` into (owner module name, rest) for the innermost owner holding it."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in owners:
+            return prefix, ".".join(parts[i:])
+    return None
+
+
+def lora_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the model's own parameter names (for training checkpoints).
+
+    LoRA factors, ``modules_to_save`` copies (``<name>.modules_to_save.<param>``) and, per ``bias``
+    (``none|all|lora_only``, PEFT's selection), biases. Tensors are detached, not copied.
+    """
+    sd = model.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, m in lora_modules(model):
+        out[f"{name}.lora_A.weight"] = m.lora_A.weight
+        out[f"{name}.lora_B.weight"] = m.lora_B.weight
+        if bias == "lora_only" and m.base_layer.bias is not None:
+            out[f"{name}.base_layer.bias"] = m.base_layer.bias
+    wrappers = dict(saved_modules(model))
+    for name, w in wrappers.items():
+        for k in w.modules_to_save.state_dict():
+            out[f"{name}.modules_to_save.{k}"] = sd[f"{name}.modules_to_save.{k}"]
+    if bias == "all":
+        for k, t in sd.items():
+            if k.endswith(".bias") and _owner(k, wrappers) is None:
+                out[k] = t
+    return {k: v.detach() for k, v in out.items()}
+
+
+def adapter_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
+    """:func:`lora_state_dict` under PEFT's file keys: ``base_model.model.`` prefix, and
+    ``modules_to_save`` copies under the module's own name (``lm_head.weight``)."""
+    wrappers = dict(saved_modules(model))
+    out = {}
+    for k, t in lora_state_dict(model, bias).items():
+        owner = _owner(k, wrappers)
+        if owner is not None:
+            k = f"{owner[0]}.{owner[1].removeprefix('modules_to_save.')}"
+        out[PEFT_PREFIX + k] = t
+    return out
+
+
+def _resolved_targets(model: nn.Module, cfg: LoraConfig) -> list[str] | str:
+    if cfg.target_modules != ALL_LINEAR:
+        return cfg.target_modules
+    return sorted({name.rpartition(".")[2] for name, _ in lora_modules(model)})
+
+
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_adapter(
+    model: nn.Module,
+    cfg: LoraConfig,
+    out_dir: str | Path,
+    base_model_name_or_path: str | None,
+    extra_config: dict[str, Any] | None = None,
+    revision: str | None = None,
+    config_hash: str | None = None,
+) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
+
+    ``"all-linear"`` is written as the sorted short names of the wrapped modules (PEFT also writes
+    the resolved names). ``config_hash`` defaults to ``model.config.config_hash()`` when the model
+    has one. ``extra_config`` keys are added to the JSON (PEFT ignores unknown keys). Returns the
+    directory. Raises AdapterError when the model holds no LoRA layer.
+    """
+    if next(lora_modules(model), None) is None:
+        raise AdapterError("the model has no LoRA layers to save; call inject_lora first")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
+        config_hash = model.config.config_hash()
+    d = cfg.to_peft_dict(base_model_name_or_path, revision=revision, config_hash=config_hash)
+    d["target_modules"] = _resolved_targets(model, cfg)
+    clash = sorted(set(extra_config or {}) & set(d))
+    if clash:
+        raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
+    d.update(extra_config or {})
+    tensors = {k: v.to("cpu").contiguous() for k, v in adapter_state_dict(model, cfg.bias).items()}
+    _write_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _write_atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(d, indent=2, sort_keys=True)))
+    return out
+
+
+def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """Read an adapter directory (ours or PEFT's): its config and its tensors, keyed by module
+    path with the ``base_model.model.`` prefix removed. Raises AdapterError for a missing or
+    unreadable file, a pickle-only adapter or an unsupported config."""
+    d = Path(adapter_dir)
+    cfg_path, weights = d / CONFIG_NAME, d / WEIGHTS_NAME
+    if not cfg_path.is_file():
+        raise AdapterError(f"no {CONFIG_NAME} in {d}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_path} is not valid JSON: {e}") from None
+    cfg = LoraConfig.from_peft_dict(raw)
+    if not weights.is_file():
+        if (d / "adapter_model.bin").is_file():
+            raise AdapterError(
+                f"{d} holds only adapter_model.bin (pickle), which is not loaded; re-save it as safetensors"
+            )
+        raise AdapterError(f"no {WEIGHTS_NAME} in {d}")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"cannot read {weights}: {e}") from None
+    return cfg, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
+
+
+def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True) -> LoraConfig:
+    """Load an adapter (ours or PEFT's) into ``model``; returns the adapter's config.
+
+    ``inject=True``: wrap the model as the adapter's config says, then load. ``inject=False``: the
+    model already holds LoRA layers (e.g. injected from a recipe); their scaling must equal the
+    adapter's. Every tensor is checked before any is copied: a key the model lacks, a tensor the
+    adapter lacks, or a shape that differs raises AdapterError naming the tensor (and both shapes).
+    Values are cast to each parameter's dtype and device.
+    """
+    cfg, tensors = read_adapter(adapter_dir)
+    if inject:
+        inject_lora(model, cfg)
+    else:
+        modules = list(lora_modules(model))
+        if not modules:
+            raise AdapterError("the model has no LoRA layers; load with inject=True")
+        for name, m in modules:
+            if abs(m.scaling - cfg.scaling) > 1e-9 * max(1.0, abs(cfg.scaling)):
+                raise AdapterError(f"adapter scaling {cfg.scaling:g} differs from {name}'s {m.scaling:g}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    wrappers = dict(saved_modules(model))
+    # any bias may come along (PEFT loads them whatever the bias mode); base weights may not
+    allowed = set(lora_state_dict(model, "all")) | {n for n in params if n.endswith(".bias")}
+    targets: dict[str, tuple[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key
+        if name not in allowed:
+            owner = _owner(key, wrappers)
+            name = f"{owner[0]}.modules_to_save.{owner[1]}" if owner else key
+        if name not in allowed:
+            raise AdapterError(f"adapter tensor {key!r} has no counterpart among the model's adapter parameters")
+        want = tuple(params[name].shape)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(f"adapter tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {want}")
+        targets[name] = (key, tensor)
+    missing = sorted(set(lora_state_dict(model, cfg.bias)) - set(targets))
+    if missing:
+        raise AdapterError(f"adapter {adapter_dir} lacks tensor {missing[0]!r} ({len(missing)} missing)")
+    merged = [m for _, m in lora_modules(model) if m.merged]
+    for m in merged:
+        m.unmerge()
+    with torch.no_grad():
+        for name, (_, tensor) in targets.items():
+            p = params[name]
+            p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+    for m in merged:
+        m.merge()
+    return cfg
+
+
+# ----------------------------------------------------------------------------- save modes
+
+
+def _hf_tensors(model: nn.Module, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model as HF checkpoint tensors, one at a time (nothing in ``model`` changes).
+
+    ``merged=False``: the original base (LoRA factors dropped, merged layers un-merged,
+    ``modules_to_save`` originals). ``merged=True``: LoRA folded in, ``modules_to_save`` copies.
+    """
+    loras = dict(lora_modules(model))
+    wrappers = dict(saved_modules(model))
+    owners: dict[str, nn.Module] = {**loras, **wrappers}
+    for key, t in model.state_dict().items():
+        owner = _owner(key, owners)
+        if owner is None:
+            yield key, t
+            continue
+        name, rest = owner
+        if name in wrappers:
+            keep = "modules_to_save." if merged else "original_module."
+            if rest.startswith(keep):
+                yield f"{name}.{rest.removeprefix(keep)}", t
+        elif rest == "base_layer.weight":
+            m = loras[name]
+            yield f"{name}.weight", m.merged_weight() if merged else m.unmerged_weight()
+        elif rest.startswith("base_layer."):
+            yield f"{name}.{rest.removeprefix('base_layer.')}", t
+
+
+def _needs_untie(model: nn.Module, config: Any) -> bool:
+    changed = {n for n, _ in lora_modules(model)} | {n for n, _ in saved_modules(model)}
+    return bool(config.tie_word_embeddings) and any(n == OUTPUT_LAYER or n.endswith(".embed_tokens") for n in changed)
+
+
+def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
+    """Write tokenizer files to ``out_dir``: ``tokenizer`` is a directory (its tokenizer files are
+    copied), an object with ``save_pretrained``, or None (nothing is written)."""
+    if tokenizer is None:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(out))
+        return
+    src = Path(tokenizer)
+    files = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if not files:
+        raise AdapterError(f"no tokenizer files in {src}")
+    for f in files:
+        shutil.copyfile(f, out / f.name)
+
+
+def save_model(
+    model: nn.Module,
+    cfg: LoraConfig,
+    out_dir: str | Path,
+    mode: str,
+    *,
+    base_model_name_or_path: str | None = None,
+    base_config: Any = None,
+    tokenizer: Any = None,
+    revision: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Save a LoRA-trained model in one of three modes, without changing ``model``.
+
+    - ``adapter``: ``out_dir`` = PEFT adapter (+ tokenizer files).
+    - ``base_and_adapter``: ``out_dir/base`` = HF checkpoint of the original base weights
+      (+ tokenizer), ``out_dir/adapter`` = PEFT adapter (+ tokenizer). With ``bias`` other than
+      ``none`` the base holds the trained biases (they are trained in place, as in PEFT); the
+      adapter carries them too, so base + adapter is exact.
+    - ``merged``: ``out_dir`` = HF checkpoint with LoRA folded in, loadable by
+      ``transformers.AutoModelForCausalLM`` alone. Merged tensors are computed one at a time and
+      streamed to disk. A tied ``lm_head`` whose LoRA or copy changed it is written untied.
+
+    ``base_config``: the ``models.DecoderConfig`` (default ``model.config``), needed for the HF
+    modes. ``tokenizer``: a directory or an object with ``save_pretrained``. ``dtype``: dtype of the
+    HF checkpoint tensors (default: as in the model). Returns ``out_dir``.
+    """
+    from nxd_finetune.models import save_pretrained
+
+    if mode not in SAVE_MODES:
+        raise AdapterError(f"unknown save mode {mode!r}; use one of {', '.join(SAVE_MODES)}")
+    out = Path(out_dir)
+    config = base_config if base_config is not None else getattr(model, "config", None)
+    config_hash = config.config_hash() if hasattr(config, "config_hash") else None
+    if mode == "adapter":
+        save_adapter(model, cfg, out, base_model_name_or_path, extra_config, revision, config_hash)
+        save_tokenizer(tokenizer, out)
+        return out
+    if config is None:
+        raise AdapterError(f"save mode {mode!r} needs the base model's config")
+    if mode == "base_and_adapter":
+        save_pretrained(config, _hf_tensors(model, merged=False), out / "base", dtype, max_shard_bytes)
+        save_tokenizer(tokenizer, out / "base")
+        save_adapter(model, cfg, out / "adapter", base_model_name_or_path, extra_config, revision, config_hash)
+        save_tokenizer(tokenizer, out / "adapter")
+        return out
+    if _needs_untie(model, config):
+        config = untied_config(config)
+    save_pretrained(config, _hf_tensors(model, merged=True), out, dtype, max_shard_bytes)
+    save_tokenizer(tokenizer, out)
+    return out

@@ -1,0 +1,181 @@
+"""``nxd-finetune adapters ...``: the registry from the command line.
+
+``adapters_app`` is a Typer sub-app mounted by the main CLI. Commands raise
+:class:`~nxd_finetune.errors.NxdError` with one line for every user error; the main ``cli.main()``
+prints ``error: ...`` and exits 2. Heavy imports (the registry, boto3, rich) happen inside commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+adapters_app = typer.Typer(
+    name="adapters",
+    help="Push, pull, list, show, tag and remove adapters in a registry (local directory or s3://bucket/prefix).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+_REF_HELP = "REGISTRY/NAME[:VERSION|@TAG], e.g. s3://team-adapters/support-bot:3 or ./reg/support-bot@prod"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _say(message: str, console=None) -> None:
+    """One status line, never wrapped (scripts grep it)."""
+    (console or _console()).print(message, soft_wrap=True, highlight=False, markup=False)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@adapters_app.command("push")
+def push_cmd(
+    src: Annotated[Path, typer.Argument(help="adapter directory (adapter_config.json + adapter_model.safetensors)")],
+    ref: Annotated[str, typer.Argument(help="REGISTRY/NAME, e.g. s3://team-adapters/support-bot")],
+    tag: Annotated[list[str] | None, typer.Option("--tag", "-t", help="tag the new version (repeatable)")] = None,
+) -> None:
+    """Publish an adapter directory as the next version of NAME."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from nxd_finetune.registry import core
+
+    console = _console()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(fname: str, n: int) -> None:
+            if fname not in tasks:
+                tasks[fname] = bar.add_task(fname, total=(src / fname).stat().st_size)
+            bar.advance(tasks[fname], n)
+
+        v = core.push(src, ref, tags=tag or (), progress=progress)
+    tags = f" (tags: {', '.join(v.tags)})" if v.tags else ""
+    if v.reused:
+        _say(f"unchanged: identical to {v.ref}{tags}", console)
+    else:
+        _say(f"pushed {v.ref}{tags}", console)
+
+
+@adapters_app.command("pull")
+def pull_cmd(
+    ref: Annotated[str, typer.Argument(help=_REF_HELP)],
+    dest: Annotated[Path, typer.Argument(help="directory to create (must not exist, or be empty)")],
+) -> None:
+    """Download a version into DEST, verifying every file against its manifest."""
+    from nxd_finetune.registry import core
+
+    v = core.pull(ref, dest)
+    _say(f"pulled {v.ref} -> {dest}")
+
+
+@adapters_app.command("ls")
+def ls_cmd(
+    registry: Annotated[str, typer.Argument(help="registry root: ./reg, s3://bucket[/prefix]")],
+    name: Annotated[str | None, typer.Argument(help="list the versions of this adapter")] = None,
+) -> None:
+    """List adapter names in REGISTRY, or the versions of NAME."""
+    from rich.table import Table
+
+    from nxd_finetune.registry import core
+
+    reg = core.open_registry(registry)
+    console = _console()
+    if name is None:
+        names = reg.list_names()
+        if not names:
+            _say(f"no adapters in {reg.uri}", console)
+            return
+        table = Table("name", "versions", "latest", "tags", title=reg.uri)
+        for n in names:
+            versions = reg.versions(n)
+            tags = reg.list_tags(n)
+            tag_text = ", ".join(f"{t}->{v}" for t, v in sorted(tags.items()))
+            table.add_row(n, str(len(versions)), str(versions[-1]) if versions else "-", tag_text)
+        console.print(table)
+        return
+    versions = reg.list_versions(name)
+    if not versions:
+        _say(f"no versions of {name!r} in {reg.uri}", console)
+        return
+    table = Table("version", "created", "size", "base model", "tags", title=f"{reg.uri.rstrip('/')}/{name}")
+    latest = versions[-1].version
+    for v in versions:
+        size = sum(f["size"] for f in v.manifest["files"].values())
+        tags = list(v.tags) + (["latest"] if v.version == latest else [])
+        base = v.manifest.get("base_model") or {}
+        table.add_row(
+            str(v.version),
+            str(v.manifest.get("created", "")),
+            _size(size),
+            str(base.get("name_or_path") or "-"),
+            ", ".join(tags),
+        )
+    console.print(table)
+
+
+@adapters_app.command("show")
+def show_cmd(ref: Annotated[str, typer.Argument(help=_REF_HELP)]) -> None:
+    """Print the manifest of a version (JSON) after a line naming it."""
+    import json
+
+    from nxd_finetune.registry import core
+
+    v = core.show(ref)
+    console = _console()
+    tags = f"  tags: {', '.join(v.tags)}" if v.tags else ""
+    _say(f"{v.ref}{tags}", console)
+    console.print_json(json.dumps(v.manifest))
+
+
+@adapters_app.command("rm")
+def rm_cmd(
+    ref: Annotated[str, typer.Argument(help="REGISTRY/NAME:VERSION or REGISTRY/NAME@TAG")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+) -> None:
+    """Remove one version (tags pointing to it are dropped)."""
+    from nxd_finetune.errors import NxdError
+    from nxd_finetune.registry import core
+
+    target = core.show(ref)  # fail early on a bad REF or a missing version
+    if not yes:
+        if not sys.stdin.isatty():
+            raise NxdError(f"refusing to remove {target.ref} without confirmation: pass --yes")
+        if not typer.confirm(f"remove {target.ref}?", default=False):
+            raise typer.Exit(1)
+    v = core.open_registry(target.registry).remove(target.name, target.version)
+    dropped = f" (dropped tags: {', '.join(v.tags)})" if v.tags else ""
+    _say(f"removed {v.ref}{dropped}")
+
+
+@adapters_app.command("tag")
+def tag_cmd(
+    ref: Annotated[str, typer.Argument(help=_REF_HELP)],
+    tag: Annotated[str, typer.Argument(help="tag to set or move, e.g. prod")],
+) -> None:
+    """Point TAG at the version REF names (moves the tag if it exists)."""
+    from nxd_finetune.registry import core
+
+    v = core.tag(ref, tag)
+    _say(f"tagged {v.ref} as {tag}")

@@ -1,0 +1,462 @@
+"""The adapter registry: versioned PEFT adapters under one storage root (local directory or S3 prefix).
+
+Layout under the root::
+
+    <name>/<version>/adapter_config.json, adapter_model.safetensors, [other allowed files], manifest.json
+    <name>/<version>/.claim-<gen>.json      only while a push is in flight
+    <name>/aliases/<tag>.json               {"version": N}; "latest" is rewritten after every push/rm
+
+Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
+conditional create, so a push killed at any point leaves no visible version.
+
+Version allocation. "Upload, then conditionally create the manifest" alone is not enough: two
+pushes that pick the same number would overwrite each other's files before one of them loses the
+manifest race, and the winner's files would no longer match its manifest. So a push first *claims*
+the number with a conditional create of ``.claim-1.json`` and only then uploads; the loser of a
+claim moves to the next number before writing anything. A claim left by a dead push is taken over
+by creating the next generation (``.claim-<gen+1>.json``, again a conditional create, so only one
+taker wins). A claim is dead when its holder ran on this host (same hostname and PID namespace) and
+its PID is gone, or when it is older than ``claim_ttl`` (default 6 h; the only way to detect a dead
+push from another machine). Consequently a SIGKILLed push is invisible and the next push on the
+same machine reuses its number; numbers only ever grow and may skip one left by a push that died
+elsewhere. A holder checks it still owns its claim before writing the manifest, and the manifest
+create stays conditional; if it loses anyway it retries with the next number.
+
+``latest`` is resolved by listing (the highest visible version), which stays right under
+concurrent pushes; ``aliases/latest.json`` is a best-effort copy for tools that read the layout.
+
+All user-facing failures raise one-line :class:`~nxd_finetune.errors.NxdError` subclasses
+(:class:`RegistryError`, :class:`IntegrityError`, :class:`StorageError` and its subclasses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nxd_finetune.registry import manifest as mf
+from nxd_finetune.registry.errors import IntegrityError, RegistryError, StorageNotFoundError
+from nxd_finetune.registry.ref import LATEST, Ref, check_name, check_tag, parse_ref
+from nxd_finetune.registry.storage import Storage, open_storage
+
+PushProgress = Callable[[str, int], None]
+"""``progress(file_name, bytes_since_last_call)`` during push."""
+
+_VERSION_MANIFEST_RE = re.compile(r"([^/]+)/([1-9][0-9]*)/manifest\.json")
+_CLAIM_RE = re.compile(r"\.claim-([1-9][0-9]*)\.json")
+_MAX_ATTEMPTS = 20
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists but is not ours (EPERM)
+    return True
+
+
+@dataclass(frozen=True)
+class Version:
+    """One published version. ``reused`` is True when a push found identical content already at the latest version."""
+
+    registry: str
+    name: str
+    version: int
+    manifest: dict[str, Any] = field(repr=False)
+    tags: tuple[str, ...] = ()
+    reused: bool = False
+
+    @property
+    def ref(self) -> str:
+        return f"{self.registry.rstrip('/')}/{self.name}:{self.version}"
+
+
+class Registry:
+    """A registry rooted at a :class:`Storage` (or a URI for :func:`open_storage`)."""
+
+    def __init__(self, storage: Storage | str | os.PathLike, *, claim_ttl: float = 6 * 3600.0):
+        self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
+        self.claim_ttl = claim_ttl
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def list_names(self) -> list[str]:
+        """Names that have at least one visible version, sorted."""
+        names = {m.group(1) for k in self.storage.list("") if (m := _VERSION_MANIFEST_RE.fullmatch(k))}
+        return sorted(names)
+
+    def versions(self, name: str) -> list[int]:
+        """Visible version numbers of ``name``, ascending (empty if none)."""
+        check_name(name)
+        found = []
+        for key in self.storage.list(f"{name}/"):
+            m = _VERSION_MANIFEST_RE.fullmatch(key)
+            if m and m.group(1) == name:
+                found.append(int(m.group(2)))
+        return sorted(found)
+
+    def list_tags(self, name: str) -> dict[str, int]:
+        """User tags of ``name`` -> version (``latest`` excluded: it is derived)."""
+        tags = {}
+        for key in self.storage.list(f"{check_name(name)}/aliases/"):
+            tag = key.rsplit("/", 1)[1].removesuffix(".json")
+            if tag == LATEST or not key.endswith(".json"):
+                continue
+            try:
+                tags[tag] = int(json.loads(self.storage.get_bytes(key))["version"])
+            except (StorageNotFoundError, ValueError, KeyError, TypeError):
+                continue  # removed meanwhile or not ours: not a tag
+        return tags
+
+    def list_versions(self, name: str) -> list[Version]:
+        """Every visible version of ``name`` with its manifest and tags, ascending."""
+        tags = self.list_tags(name)
+        out = []
+        for v in self.versions(name):
+            try:
+                manifest = self._manifest(name, v)
+            except RegistryError:
+                continue  # removed while listing
+            out.append(Version(self.uri, name, v, manifest, tuple(sorted(t for t, tv in tags.items() if tv == v))))
+        return out
+
+    def resolve(self, name: str, version: int | None = None, tag: str | None = None) -> int:
+        """The version number a selector names: ``version``, else ``tag``, else the latest."""
+        check_name(name)
+        where = f"{self.uri.rstrip('/')}/{name}"
+        if version is None and tag not in (None, LATEST):
+            try:
+                version = int(json.loads(self.storage.get_bytes(f"{name}/aliases/{check_tag(tag)}.json"))["version"])
+            except StorageNotFoundError:
+                raise RegistryError(f"{where} has no tag {tag!r}") from None
+            except (ValueError, KeyError, TypeError):
+                raise RegistryError(f"{where}: alias {tag!r} is malformed") from None
+        if version is not None:
+            if not self.storage.exists(f"{name}/{version}/{mf.MANIFEST}"):
+                known = ", ".join(map(str, self.versions(name))) or "none"
+                via = f" (tag {tag!r})" if tag else ""
+                raise RegistryError(f"{where}:{version}{via} does not exist (versions: {known})")
+            return version
+        versions = self.versions(name)
+        if not versions:
+            raise RegistryError(f"no adapter {name!r} in {self.uri}")
+        return versions[-1]
+
+    def show(self, name: str, version: int | None = None, tag: str | None = None) -> Version:
+        """The resolved version with its manifest and tags."""
+        v = self.resolve(name, version, tag)
+        tags = tuple(sorted(t for t, tv in self.list_tags(name).items() if tv == v))
+        return Version(self.uri, name, v, self._manifest(name, v), tags)
+
+    def _manifest(self, name: str, v: int) -> dict[str, Any]:
+        key = f"{name}/{v}/{mf.MANIFEST}"
+        try:
+            return mf.parse_manifest(self.storage.get_bytes(key), f"{self.uri}/{key}")
+        except StorageNotFoundError:
+            raise RegistryError(f"{self.uri}/{name}:{v} does not exist") from None
+
+    # -- pull -----------------------------------------------------------------------------------
+
+    def pull(self, name: str, dest: str | os.PathLike, version: int | None = None, tag: str | None = None) -> Version:
+        """Download a version into ``dest`` (absent or empty) and verify every file's size and sha256.
+
+        Files land in a temp dir beside ``dest`` that is renamed to ``dest`` only when all match;
+        on any failure the temp dir is removed and ``dest`` is left as it was (IntegrityError for a
+        mismatch or missing file). ``dest`` also receives the version's ``manifest.json``.
+        """
+        found = self.show(name, version, tag)
+        dest = Path(dest).absolute()
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise RegistryError(f"destination {dest} already exists and is not an empty directory")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        try:
+            for fname, entry in found.manifest["files"].items():
+                local = tmp / fname
+                try:
+                    self.storage.get_file(f"{name}/{found.version}/{fname}", local)
+                except StorageNotFoundError:
+                    raise IntegrityError(f"{found.ref} is incomplete: {fname} is missing from storage") from None
+                size, digest = local.stat().st_size, mf.sha256_file(local)
+                if size != entry["size"] or digest != entry["sha256"]:
+                    raise IntegrityError(
+                        f"{found.ref}: {fname} does not match its manifest (size {size} vs {entry['size']}, "
+                        f"sha256 {digest[:12]}.. vs {entry['sha256'][:12]}..); nothing written to {dest}"
+                    )
+            (tmp / mf.MANIFEST).write_bytes(mf.dumps(found.manifest))
+            os.chmod(tmp, 0o755)
+            if dest.exists():
+                dest.rmdir()
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return found
+
+    # -- push -----------------------------------------------------------------------------------
+
+    def push(
+        self,
+        src: str | os.PathLike,
+        name: str,
+        tags: Iterable[str] = (),
+        metadata: Mapping[str, Any] | None = None,
+        progress: PushProgress | None = None,
+    ) -> Version:
+        """Publish the adapter directory ``src`` as the next version of ``name``; return it.
+
+        ``metadata`` keys: ``recipe``, ``metrics``, ``parallel`` (dicts), ``lineage`` (parent REF),
+        ``base_model`` (extra keys such as ``config_sha256``, merged over the values read from
+        ``adapter_config.json``). If the files equal those of the latest version, nothing is
+        uploaded and that version is returned with ``reused=True`` (tags are still applied).
+        """
+        check_name(name)
+        tags = [self._user_tag(t) for t in tags]
+        meta = mf.check_metadata(metadata)
+        files = mf.scan_adapter_dir(src)
+        entries = mf.file_entries(files)
+        adapter_config = mf.read_adapter_config(files["adapter_config.json"])
+        versions = self.versions(name)
+        if versions and self._manifest(name, versions[-1])["files"] == entries:
+            for t in tags:
+                self._write_alias(name, t, versions[-1])
+            return dataclasses.replace(self.show(name, versions[-1]), reused=True)
+        push_id = uuid.uuid4().hex
+        for _ in range(_MAX_ATTEMPTS):
+            v, gen = self._claim(name, push_id, (versions[-1] if versions else 0) + 1)
+            try:
+                published = self._upload_and_publish(name, v, gen, files, entries, adapter_config, meta, progress)
+            except BaseException:
+                self._abandon(name, v, gen, files)
+                raise
+            if published is not None:
+                self._delete_claims(name, v)
+                for t in tags:
+                    self._write_alias(name, t, v)
+                self._refresh_latest(name)
+                return Version(self.uri, name, v, published, tuple(sorted(tags)))
+            versions = self.versions(name)  # lost the manifest race: retry with the next number
+        raise RegistryError(f"could not publish {name} after {_MAX_ATTEMPTS} attempts (too much contention)")
+
+    def _upload_and_publish(self, name, v, gen, files, entries, adapter_config, meta, progress) -> dict | None:
+        for fname, path in files.items():
+            cb = (lambda n, _f=fname: progress(_f, n)) if progress else None
+            self.storage.put_file(path, f"{name}/{v}/{fname}", cb)
+        for key in self.storage.list(f"{name}/{v}/"):  # leftovers of a dead push we took over
+            base = key.rsplit("/", 1)[1]
+            if base not in files and not _CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
+                self.storage.delete(key)
+        manifest = mf.build_manifest(name, v, adapter_config, entries, meta)
+        if self._claim_gens(name, v)[-1:] != [gen]:
+            raise RegistryError(
+                f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claim_ttl:.0f}s "
+                "and another push took the version over); push again"
+            )
+        if self.storage.put_bytes(f"{name}/{v}/{mf.MANIFEST}", mf.dumps(manifest), if_none_match=True):
+            return manifest
+        return None
+
+    def _claim_gens(self, name: str, v: int) -> list[int]:
+        gens = []
+        for key in self.storage.list(f"{name}/{v}/.claim-"):
+            m = _CLAIM_RE.fullmatch(key.rsplit("/", 1)[1])
+            if m:
+                gens.append(int(m.group(1)))
+        return sorted(gens)
+
+    def _claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
+        """Claim the lowest free number >= ``start``; return ``(version, claim generation)``."""
+        payload = mf.dumps(
+            {
+                "push_id": push_id,
+                "host": socket.gethostname(),
+                "pidns": _pid_namespace(),
+                "pid": os.getpid(),
+                "created": time.time(),
+            }
+        )
+        v = start
+        for _ in range(10_000):
+            if self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                v += 1
+                continue
+            gens = self._claim_gens(name, v)
+            if gens:
+                try:
+                    holder = json.loads(self.storage.get_bytes(f"{name}/{v}/.claim-{gens[-1]}.json"))
+                except StorageNotFoundError:
+                    continue  # released or published meanwhile: look again
+                except ValueError:
+                    holder = {}
+                if not self._is_stale(holder):
+                    v += 1
+                    continue
+            gen = gens[-1] + 1 if gens else 1
+            if self.storage.put_bytes(f"{name}/{v}/.claim-{gen}.json", payload, if_none_match=True):
+                if not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                    return v, gen
+                self.storage.delete(f"{name}/{v}/.claim-{gen}.json")  # published under our feet
+                v += 1
+        raise RegistryError(f"could not claim a version of {name} in {self.uri}")
+
+    def _is_stale(self, holder: Any) -> bool:
+        if not isinstance(holder, dict):
+            return True
+        created = holder.get("created")
+        if not isinstance(created, int | float) or time.time() - created > self.claim_ttl:
+            return True
+        if holder.get("host") == socket.gethostname() and holder.get("pidns") == _pid_namespace():
+            return not _pid_alive(holder.get("pid"))
+        return False
+
+    def _abandon(self, name: str, v: int, gen: int, files: Mapping[str, Path]) -> None:
+        """Best effort after a failed push: drop our files and claim if the version is still ours."""
+        try:
+            if self._claim_gens(name, v)[-1:] == [gen] and not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                for fname in files:
+                    self.storage.delete(f"{name}/{v}/{fname}")
+                self.storage.delete(f"{name}/{v}/.claim-{gen}.json")
+        except Exception:  # noqa: BLE001 - never mask the original error
+            pass
+
+    def _delete_claims(self, name: str, v: int) -> None:
+        for gen in self._claim_gens(name, v):
+            self.storage.delete(f"{name}/{v}/.claim-{gen}.json")
+
+    # -- tags and removal -------------------------------------------------------------------------
+
+    def _user_tag(self, tag: str) -> str:
+        if check_tag(tag) == LATEST:
+            raise RegistryError("tag 'latest' is maintained automatically and cannot be set")
+        return tag
+
+    def _write_alias(self, name: str, tag: str, v: int) -> None:
+        self.storage.put_bytes(f"{name}/aliases/{tag}.json", mf.dumps({"version": v}))
+
+    def _refresh_latest(self, name: str) -> None:
+        versions = self.versions(name)
+        if versions:
+            self._write_alias(name, LATEST, versions[-1])
+        else:
+            self.storage.delete(f"{name}/aliases/{LATEST}.json")
+
+    def tag(self, name: str, tag: str, version: int | None = None, from_tag: str | None = None) -> Version:
+        """Point ``tag`` at the version selected by ``version``/``from_tag`` (latest if neither); moves an existing tag."""
+        self._user_tag(tag)
+        v = self.resolve(name, version, from_tag)
+        self._write_alias(name, tag, v)
+        return self.show(name, v)
+
+    def remove(self, name: str, version: int | None = None, tag: str | None = None) -> Version:
+        """Delete one version (manifest first, so it vanishes at once, then its files).
+
+        Tags that pointed to it are dropped (they are listed in the returned ``Version.tags``).
+        A bare name without ``version``/``tag`` is refused: removal must name what it removes.
+        """
+        if version is None and tag in (None, LATEST):
+            raise RegistryError(f"say which version of {name} to remove: NAME:VERSION or NAME@TAG")
+        found = self.show(name, version, tag)
+        self.storage.delete(f"{name}/{found.version}/{mf.MANIFEST}")
+        self.storage.delete_prefix(f"{name}/{found.version}/")
+        for t in found.tags:
+            self.storage.delete(f"{name}/aliases/{t}.json")
+        self._refresh_latest(name)
+        return found
+
+
+# -- REF-level API ------------------------------------------------------------------------------
+
+
+def open_registry(uri: str | os.PathLike, **storage_options) -> Registry:
+    """A :class:`Registry` on ``uri`` (local path, ``file://`` or ``s3://``)."""
+    return Registry(open_storage(uri, **storage_options))
+
+
+def push(
+    src: str | os.PathLike,
+    ref: str,
+    tags: Iterable[str] = (),
+    metadata: Mapping[str, Any] | None = None,
+    progress: PushProgress | None = None,
+) -> Version:
+    """Push ``src`` to ``REGISTRY/NAME`` (a version or tag in ``ref`` is refused: use ``tags``)."""
+    r = parse_ref(ref)
+    if r.version is not None or r.tag is not None:
+        raise RegistryError(f"push takes REGISTRY/NAME without :VERSION/@TAG (got {ref!r}); tag with --tag")
+    return open_registry(r.registry).push(src, r.name, tags, metadata, progress)
+
+
+def pull(ref: str, dest: str | os.PathLike) -> Version:
+    """Pull ``REGISTRY/NAME[:VERSION|@TAG]`` into ``dest``; see :meth:`Registry.pull`."""
+    r = parse_ref(ref)
+    return open_registry(r.registry).pull(r.name, dest, r.version, r.tag)
+
+
+def show(ref: str) -> Version:
+    """The version ``ref`` names, with manifest and tags."""
+    r = parse_ref(ref)
+    return open_registry(r.registry).show(r.name, r.version, r.tag)
+
+
+def remove(ref: str) -> Version:
+    """Remove the version ``ref`` names (needs ``:VERSION`` or ``@TAG``)."""
+    r = parse_ref(ref)
+    return open_registry(r.registry).remove(r.name, r.version, r.tag)
+
+
+def tag(ref: str, new_tag: str) -> Version:
+    """Point ``new_tag`` at the version ``ref`` names."""
+    r = parse_ref(ref)
+    return open_registry(r.registry).tag(r.name, new_tag, r.version, r.tag)
+
+
+def list_names(registry: str | os.PathLike) -> list[str]:
+    """Adapter names with at least one version in ``registry``."""
+    return open_registry(registry).list_names()
+
+
+def list_versions(registry: str | os.PathLike, name: str) -> list[Version]:
+    """All versions of ``name`` in ``registry``, ascending."""
+    return open_registry(registry).list_versions(name)
+
+
+__all__ = [
+    "Ref",
+    "Registry",
+    "Version",
+    "list_names",
+    "list_versions",
+    "open_registry",
+    "parse_ref",
+    "pull",
+    "push",
+    "remove",
+    "show",
+    "tag",
+]

@@ -1,0 +1,190 @@
+"""Adapter directories and the ``manifest.json`` that makes a registry version visible.
+
+A pushable directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (HF PEFT
+layout) and may hold other ``*.json`` / ``*.safetensors`` files and a ``README.md`` (PEFT writes a
+model card). Anything else -- notably pickle-based ``.bin``/``.pt``/``.pkl`` -- or any subdirectory
+is refused, so nothing a registry hands out is ever unpickled. A ``manifest.json`` found in the
+directory (one written by ``pull``) is ignored: the registry writes its own.
+
+Only JSON and safetensors *headers* are parsed; safetensors payloads are hashed, never loaded.
+
+Manifest (``format: nxd-adapter-manifest/1``)::
+
+    {"format", "name", "version", "created" (UTC ISO-8601), "tool": {"name", "version"},
+     "files": {FILE: {"sha256", "size"}},
+     "base_model": {"name_or_path", "revision", ...caller keys such as "config_sha256"},
+     "recipe": dict|null, "metrics": dict|null, "parallel": dict|null, "lineage": REF|null}
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import nxd_finetune
+from nxd_finetune.registry.errors import RegistryError
+
+FORMAT = "nxd-adapter-manifest/1"
+MANIFEST = "manifest.json"
+REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors)|README\.md")
+METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
+_HASH_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_file_name(name: str) -> str:
+    """Names a manifest may list: ``*.json``, ``*.safetensors``, ``README.md``, no paths, no ``..``."""
+    if not FILE_RE.fullmatch(name) or ".." in name or name == MANIFEST:
+        raise RegistryError(f"file {name!r} is not allowed in an adapter (only *.json, *.safetensors, README.md)")
+    return name
+
+
+def scan_adapter_dir(src: str | Path) -> dict[str, Path]:
+    """Validate an adapter directory; return ``{file name: path}`` of the files to push (sorted).
+
+    Raises :class:`RegistryError` naming every offending entry, a missing required file, an
+    ``adapter_config.json`` that is not a JSON object, or a ``.safetensors`` file whose header does
+    not parse.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise RegistryError(f"adapter directory {str(src)!r} does not exist or is not a directory")
+    files: dict[str, Path] = {}
+    bad: list[str] = []
+    for entry in sorted(src.iterdir()):
+        if entry.name == MANIFEST and entry.is_file():
+            continue
+        if entry.is_dir() or not entry.is_file() or not FILE_RE.fullmatch(entry.name) or ".." in entry.name:
+            bad.append(entry.name + ("/" if entry.is_dir() else ""))
+        else:
+            files[entry.name] = entry
+    if bad:
+        raise RegistryError(
+            f"{src} contains files the registry refuses: {', '.join(bad)} "
+            "(only *.json, *.safetensors and README.md; pickle-based .bin/.pt are never accepted)"
+        )
+    missing = [f for f in REQUIRED_FILES if f not in files]
+    if missing:
+        raise RegistryError(f"{src} is not a PEFT adapter directory: missing {', '.join(missing)}")
+    read_adapter_config(files["adapter_config.json"])
+    for name, path in files.items():
+        if name.endswith(".safetensors"):
+            check_safetensors_header(path)
+    return files
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    """``adapter_config.json`` as a dict; not JSON or not an object -> :class:`RegistryError`."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RegistryError(f"{path} is not valid JSON: {e}".replace("\n", " ")) from None
+    if not isinstance(cfg, dict):
+        raise RegistryError(f"{path} must hold a JSON object")
+    return cfg
+
+
+def check_safetensors_header(path: Path) -> None:
+    """Check the 8-byte length + JSON header of a safetensors file (no tensor data is read)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise RegistryError(f"{path} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise RegistryError(f"{path} is not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise RegistryError(f"{path} is not a safetensors file (header is not a JSON object)")
+
+
+def file_entries(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
+    """``{name: {"sha256", "size"}}`` for the given files."""
+    return {name: {"sha256": sha256_file(p), "size": p.stat().st_size} for name, p in sorted(files.items())}
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate caller metadata: only :data:`METADATA_KEYS`, JSON-serialisable, right shapes."""
+    meta = dict(metadata or {})
+    unknown = sorted(set(meta) - set(METADATA_KEYS))
+    if unknown:
+        raise RegistryError(f"unknown metadata key(s) {unknown}; allowed: {', '.join(METADATA_KEYS)}")
+    for key in ("recipe", "metrics", "parallel", "base_model"):
+        if meta.get(key) is not None and not isinstance(meta[key], Mapping):
+            raise RegistryError(f"metadata {key!r} must be a dict, got {type(meta[key]).__name__}")
+    if meta.get("lineage") is not None and not isinstance(meta["lineage"], str):
+        raise RegistryError("metadata 'lineage' must be a REF string")
+    try:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise RegistryError(f"metadata is not JSON-serialisable: {e}") from None
+    return meta
+
+
+def build_manifest(
+    name: str, version: int, adapter_config: Mapping[str, Any], files: dict[str, dict], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The manifest dict for ``name:version`` (see the module docstring)."""
+    base = {
+        "name_or_path": adapter_config.get("base_model_name_or_path"),
+        "revision": adapter_config.get("revision"),
+    }
+    base.update(meta.get("base_model") or {})
+    return {
+        "format": FORMAT,
+        "name": name,
+        "version": version,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "tool": {"name": "nxd-finetune", "version": nxd_finetune.__version__},
+        "files": files,
+        "base_model": base,
+        "recipe": meta.get("recipe"),
+        "metrics": meta.get("metrics"),
+        "parallel": meta.get("parallel"),
+        "lineage": meta.get("lineage"),
+    }
+
+
+def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """Decode and sanity-check a stored manifest; anything off raises :class:`RegistryError`."""
+    try:
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RegistryError(f"{where} is not valid JSON") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        raise RegistryError(f"{where} is not an {FORMAT} manifest")
+    for fname, entry in manifest["files"].items():
+        check_file_name(fname)
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("sha256"), str)
+            or not isinstance(entry.get("size"), int)
+        ):
+            raise RegistryError(f"{where}: bad entry for {fname!r}")
+    return manifest
+
+
+def dumps(obj: Any) -> bytes:
+    """Stable, human-readable JSON bytes (sorted keys, 2-space indent, trailing newline)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()

@@ -1,0 +1,374 @@
+"""Load dataset rows, tokenize them once, and cache the result on disk.
+
+Flow: :func:`load_rows` (``datasets``) -> :func:`tokenize_rows` (formats.py: render, tokenize, mask;
+truncate to ``max_seq_len``; drop samples left with nothing to train) -> :class:`TokenizedDataset`
+(flat int32 tensors + offsets) -> cached as safetensors by :func:`prepare_datasets`.
+
+The cache key hashes the tokenizer (``backend_tokenizer.to_str()``, special tokens, chat template),
+the data settings that change tokens (paths, format, fields, chat template, max_seq_len,
+train_on_prompt, eval_fraction, max_samples) and each data file's path, size and mtime (``save_to_disk``
+directories: every file in them). ``packing`` and ``shuffle`` act later, on the cached samples, so
+changing them reuses the cache. Entries are written to a temporary directory and renamed into place:
+several ranks may call :func:`prepare_datasets` at once safely (have local rank 0 go first and the
+others wait at a barrier to avoid duplicate work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nxd_finetune.errors import DataError
+from nxd_finetune.sft import formats
+from nxd_finetune.sft.formats import IGNORE_INDEX
+
+CACHE_VERSION = 1
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+EVAL_SPLIT_SEED = 0  # eval_fraction split: fixed, so train/eval never mix across runs or seeds
+_CHUNK = 1000
+
+
+@dataclasses.dataclass
+class DataSpec:
+    """The recipe's ``data`` section, with the same attribute names and defaults."""
+
+    train: str | list[str] | None = None
+    eval: str | list[str] | None = None
+    eval_fraction: float = 0.0
+    format: str = "messages"
+    fields: dict[str, str] = dataclasses.field(default_factory=dict)
+    chat_template: str | None = None
+    max_seq_len: int = 2048
+    packing: bool = True
+    train_on_prompt: bool = False
+    cache_dir: str | None = None
+    shuffle: bool = True
+    max_samples: int | None = None
+
+    @classmethod
+    def of(cls, section: Any) -> DataSpec:
+        """From a DataSpec, a mapping, or any object with these attributes (the pydantic section)."""
+        if isinstance(section, cls):
+            return section
+        names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(section, Mapping):
+            unknown = sorted(set(section) - set(names))
+            if unknown:
+                raise DataError(f"unknown data setting(s): {', '.join(unknown)}")
+            values = dict(section)
+        else:
+            values = {n: getattr(section, n) for n in names if hasattr(section, n)}
+        spec = cls(**values)
+        spec.fields = dict(spec.fields or {})
+        if spec.format not in formats.FORMATS:
+            raise DataError(f"unknown data.format {spec.format!r}; use one of {', '.join(formats.FORMATS)}")
+        if spec.max_seq_len < 2:
+            raise DataError(f"data.max_seq_len must be at least 2, got {spec.max_seq_len}")
+        return spec
+
+
+def _as_list(spec: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[str]:
+    if spec is None:
+        return []
+    if isinstance(spec, (str, os.PathLike)):
+        return [os.fspath(spec)]
+    return [os.fspath(s) for s in spec]
+
+
+def _looks_local(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in LOCAL_BUILDERS
+            or os.sep in name and Path(name).parent.exists())
+
+
+def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | None = None) -> list[str]:
+    """Local paths made absolute (relative to ``base_dir``, else the working directory); Hub names
+    (``org/name`` or ``hf://org/name``) kept as names. A name that looks like a file but does not
+    exist raises DataError naming it; other URL schemes raise DataError."""
+    out = []
+    for name in _as_list(spec):
+        if "://" in name:
+            if not name.startswith("hf://"):
+                raise DataError(f"data source {name!r}: only local paths and hf://<dataset> are supported")
+            out.append(name[len("hf://") :])
+            continue
+        path = Path(name).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if path.exists():
+            out.append(str(path.resolve()))
+        elif _looks_local(name):
+            raise DataError(f"data file not found: {path}")
+        else:
+            out.append(name)
+    return out
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _load_one(source: str, hf_cache: str | None):
+    import datasets
+
+    path = Path(source)
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if "train" not in loaded:
+                    raise DataError(f"{path} holds splits {', '.join(loaded)}; expected a 'train' split")
+                loaded = loaded["train"]
+            return loaded
+        if path.is_file():
+            builder = LOCAL_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise DataError(f"{path}: unsupported file type; use {', '.join(LOCAL_BUILDERS)} or a save_to_disk dir")
+            return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=hf_cache)
+        if _offline():
+            raise DataError(f"{source!r} is not a local file or directory and the Hub is offline (HF_HUB_OFFLINE)")
+        return datasets.load_dataset(source, split="train", cache_dir=hf_cache)
+    except DataError:
+        raise
+    except Exception as e:  # parse errors, hub errors: one line naming the source
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DataError(f"cannot load dataset {source!r}: {type(e).__name__}: {first}") from e
+
+
+def load_rows(spec: str | Sequence[str], base_dir: str | Path | None = None, hf_cache: str | None = None):
+    """A ``datasets.Dataset`` of the rows of one source or several (concatenated in order).
+
+    Sources: ``.jsonl``/``.json``/``.parquet``/``.csv``/``.arrow`` files, ``save_to_disk``
+    directories (their ``train`` split if a DatasetDict), or else a Hub dataset name (its ``train``
+    split; DataError when offline). Missing files, unreadable data and sources whose columns
+    differ raise DataError.
+    """
+    import datasets
+
+    sources = resolve_sources(spec, base_dir)
+    if not sources:
+        raise DataError("no data source given")
+    parts = [_load_one(s, hf_cache) for s in sources]
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        return datasets.concatenate_datasets(parts)
+    except Exception as e:
+        raise DataError(f"data sources {', '.join(sources)} do not share the same columns: {e}".splitlines()[0]) from e
+
+
+class TokenizedDataset:
+    """Tokenized samples stored flat: ``input_ids``/``labels`` int32 [N_tokens], ``offsets`` int64 [n+1].
+
+    Sample ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``; ``stats`` holds the counts of
+    :func:`tokenize_rows`.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor,
+                 stats: dict[str, int]):
+        self.input_ids, self.labels, self.offsets, self.stats = input_ids, labels, offsets, stats
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[tuple[list[int], list[int]]], stats: dict[str, int]) -> TokenizedDataset:
+        lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
+        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        flat_ids = [t for ids, _ in samples for t in ids]
+        flat_labels = [t for _, labels in samples for t in labels]
+        return cls(torch.tensor(flat_ids, dtype=torch.int32), torch.tensor(flat_labels, dtype=torch.int32),
+                   offsets, stats)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist()}
+
+    def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``i`` as (input_ids, labels) int32 views."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[a:b], self.labels[a:b]
+
+    def save(self, path: Path) -> None:
+        save_file({"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets},
+                  str(path), metadata={"stats": json.dumps(self.stats)})
+
+    @classmethod
+    def load(cls, path: Path) -> TokenizedDataset:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            stats = json.loads(f.metadata()["stats"])
+        t = load_file(str(path))
+        return cls(t["input_ids"], t["labels"], t["offsets"], stats)
+
+
+def token_stats(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[str, int]:
+    """``samples``, ``tokens`` and ``trainable_tokens`` (labels other than -100 after position 0:
+    position 0 is never a target once labels are shifted)."""
+    n = tokens = trainable = 0
+    for ids, labels in samples:
+        n += 1
+        tokens += len(ids)
+        trainable += sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+    return {"samples": n, "tokens": tokens, "trainable_tokens": trainable}
+
+
+def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
+    """Tokenize a ``datasets.Dataset`` (or list of dict rows) in ``spec.format``.
+
+    Samples longer than ``max_seq_len`` are truncated (keeping the start) and counted in
+    ``stats["truncated"]``; samples with no trainable token left are dropped and counted in
+    ``stats["dropped"]``. Raises DataError for missing columns or malformed rows.
+    """
+    column_names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0]) if rows else []
+    columns = formats.resolve_columns(column_names, spec.format, spec.fields)
+    adds_bos = formats.adds_bos(tokenizer) if spec.format != "messages" else False
+    kept: list[tuple[list[int], list[int]]] = []
+    truncated = dropped = 0
+    for start in range(0, len(rows), _CHUNK):
+        chunk = rows[start : start + _CHUNK]
+        if isinstance(chunk, Mapping):  # datasets slices are column-major
+            chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
+        rendered = [formats.render_row(row, spec.format, columns, tokenizer, chat_template,
+                                       spec.train_on_prompt, adds_bos) for row in chunk]
+        for ids, labels in formats.tokenize_rendered(tokenizer, rendered):
+            if len(ids) > spec.max_seq_len:
+                truncated += 1
+                ids, labels = ids[: spec.max_seq_len], labels[: spec.max_seq_len]
+            if all(t == IGNORE_INDEX for t in labels[1:]):
+                dropped += 1
+                continue
+            kept.append((ids, labels))
+    stats = {**token_stats(kept), "truncated": truncated, "dropped": dropped}
+    return TokenizedDataset.from_samples(kept, stats)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over what decides token ids: the backend tokenizer JSON, special tokens, chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [
+        type(tokenizer).__name__,
+        backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items())),
+        json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token]),
+        str(getattr(tokenizer, "chat_template", None)),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _source_fingerprint(source: str) -> list:
+    path = Path(source)
+    if path.is_file():
+        st = path.stat()
+        return [source, st.st_size, st.st_mtime_ns]
+    if path.is_dir():
+        return [source] + [[str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns]
+                           for p in sorted(path.rglob("*")) if p.is_file()]
+    return [source]  # hub name
+
+
+def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], chat_template: str | None) -> str:
+    """Hex key of a tokenized-data cache entry (see the module docstring for what it covers)."""
+    payload = {
+        "version": CACHE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "train": [_source_fingerprint(s) for s in train],
+        "eval": [_source_fingerprint(s) for s in eval_],
+        "chat_template": chat_template,
+        **{k: getattr(spec, k) for k in ("eval_fraction", "format", "fields", "max_seq_len",
+                                         "train_on_prompt", "max_samples")},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def default_cache_dir(spec: DataSpec) -> Path:
+    if spec.cache_dir:
+        return Path(spec.cache_dir).expanduser()
+    from nxd_finetune.quickstart import cache_home
+
+    return cache_home() / "data"
+
+
+def _split_eval(rows, fraction: float):
+    n = len(rows)
+    n_eval = max(1, round(n * fraction))
+    if n_eval >= n:
+        raise DataError(f"data.eval_fraction={fraction} leaves no training rows out of {n}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED)).tolist()
+    return rows.select(sorted(order[n_eval:])), rows.select(sorted(order[:n_eval]))
+
+
+def _build_entry(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], chat_template: str | None,
+                 base_dir: str | Path | None, hf_cache: str) -> dict[str, TokenizedDataset]:
+    train_rows = load_rows(train, base_dir, hf_cache)
+    eval_rows = load_rows(eval_, base_dir, hf_cache) if eval_ else None
+    if eval_rows is None and spec.eval_fraction > 0:
+        train_rows, eval_rows = _split_eval(train_rows, spec.eval_fraction)
+    if spec.max_samples is not None:
+        train_rows = train_rows.select(range(min(spec.max_samples, len(train_rows))))
+    out = {"train": tokenize_rows(train_rows, spec, tokenizer, chat_template)}
+    if eval_rows is not None:
+        out["eval"] = tokenize_rows(eval_rows, spec, tokenizer, chat_template)
+    if len(out["train"]) == 0:
+        s = out["train"].stats
+        raise DataError(f"no training samples left: all {s['dropped']} rows have no trainable token "
+                        f"within max_seq_len={spec.max_seq_len}")
+    return out
+
+
+def prepare_datasets(data: Any, tokenizer, base_dir: str | Path | None = None,
+                     use_cache: bool = True) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """Tokenized (train, eval) for the recipe's ``data`` section, from the cache when possible.
+
+    ``eval`` is None when neither ``data.eval`` nor ``data.eval_fraction`` is set. Relative paths
+    (files, ``chat_template``) are taken from ``base_dir`` (the recipe's folder). ``max_samples``
+    caps the training rows (taken from the start, after the eval split).
+    """
+    spec = DataSpec.of(data)
+    if spec.train is None:
+        raise DataError("data.train is not set")
+    if spec.eval is not None and spec.eval_fraction > 0:
+        raise DataError("set either data.eval or data.eval_fraction, not both")
+    train, eval_ = resolve_sources(spec.train, base_dir), resolve_sources(spec.eval, base_dir)
+    chat_template = formats.load_chat_template(spec.chat_template, base_dir)
+    root = default_cache_dir(spec)
+    entry = root / cache_key(spec, tokenizer, train, eval_, chat_template)
+    if use_cache and (entry / "meta.json").is_file():
+        loaded_eval = entry / "eval.safetensors"
+        return (TokenizedDataset.load(entry / "train.safetensors"),
+                TokenizedDataset.load(loaded_eval) if loaded_eval.is_file() else None)
+    built = _build_entry(spec, tokenizer, train, eval_, chat_template, base_dir, str(root / "hf-datasets"))
+    if use_cache:
+        _write_entry(entry, built)
+    return built["train"], built.get("eval")
+
+
+def _write_entry(entry: Path, built: dict[str, TokenizedDataset]) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+    try:
+        for split, ds in built.items():
+            ds.save(tmp / f"{split}.safetensors")
+        (tmp / "meta.json").write_text(json.dumps({split: ds.stats for split, ds in built.items()}, indent=1))
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not (entry / "meta.json").is_file():  # lost a race to an identical entry: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

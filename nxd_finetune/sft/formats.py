@@ -1,0 +1,250 @@
+"""Dataset formats: one row -> text plus the character spans that are trained -> token ids and labels.
+
+Every format goes through the same two steps:
+
+1. :func:`render_row` turns a row into ``Rendered(text, spans, add_bos, add_eos)``: the full text
+   and the half-open character ranges whose tokens carry loss.
+2. :func:`tokenize_rendered` tokenizes the full text once (fast tokenizer, offsets) and gives a
+   token a label iff its character range overlaps a trained span. Tokenizing the whole text, rather
+   than prompt and answer separately, keeps exactly the tokens the model sees at training time and
+   avoids tokenizer-specific artefacts at the join (SentencePiece prefix spaces, merges across it).
+
+Formats (``fields`` maps these canonical names to the dataset's column names):
+
+- ``messages``: a list of ``{role, content}`` rendered with the tokenizer's chat template (or the
+  recipe's ``chat_template``). The trained spans are the assistant turns, found by rendering the
+  conversation prefix by prefix: turn ``i`` spans from the end of
+  ``render(messages[:i], add_generation_prompt=True)`` to the end of ``render(messages[:i+1])``, so
+  it includes the template's end-of-turn marker (what the model must learn to emit to stop).
+  Templates for which these renders are not prefixes of each other raise DataError.
+  Optional ``fields.role`` / ``fields.content`` rename the keys inside messages (ShareGPT's
+  ``from``/``value``); the roles ``human``/``gpt`` are read as ``user``/``assistant``.
+- ``alpaca``: ``instruction``, optional ``input``, ``output`` with the standard Alpaca prompt;
+  the response is trained.
+- ``prompt_completion``: ``prompt`` + ``completion`` concatenated as is (put any separator in the
+  data); the completion is trained.
+- ``text``: plain language modelling, every token trained.
+
+BOS: the non-chat formats prepend the tokenizer's BOS when the tokenizer itself adds one to plain
+text (as Llama's do); chat templates write their own. EOS: appended (and trained with the answer) to
+every non-chat sample, and to a chat sample whose rendering does not already end with ``eos_token``.
+With ``train_on_prompt`` every token of the text is trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nxd_finetune.errors import DataError
+
+IGNORE_INDEX = -100
+FORMATS = ("messages", "alpaca", "prompt_completion", "text")
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"alpaca": ("input",), "messages": ("role", "content")}
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A sample as text: ``spans`` are the trained ``[start, end)`` character ranges, in order."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    add_bos: bool = False
+    add_eos: bool = True
+    eos_trained: bool = True
+
+
+def load_chat_template(value: str | None, base_dir: str | Path | None = None) -> str | None:
+    """The recipe's ``chat_template``: a Jinja string, or a path to a file holding one.
+
+    A value containing ``{{`` or ``{%`` is a template; anything else must be an existing file
+    (relative paths are taken from ``base_dir``), else DataError.
+    """
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise DataError(f"data.chat_template: {value!r} is neither a Jinja template nor an existing file")
+    return path.read_text(encoding="utf-8")
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping], chat_template: str | None = None,
+                add_generation_prompt: bool = False) -> str:
+    """``messages`` rendered to text with ``chat_template`` or the tokenizer's own template."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat template; set data.chat_template (a Jinja string or file)")
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except Exception as e:  # jinja errors, template-raised exceptions
+        raise DataError(f"chat template failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+
+
+def resolve_columns(column_names: Sequence[str], fmt: str, fields: Mapping[str, str] | None) -> dict[str, str]:
+    """Canonical field name -> dataset column (or message key) for ``fmt``.
+
+    Raises DataError for an unknown format, an unknown key in ``fields``, or a required column that
+    the dataset lacks (listing the available columns).
+    """
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data.format {fmt!r}; use one of {', '.join(FORMATS)}")
+    fields = dict(fields or {})
+    known = REQUIRED_FIELDS[fmt] + OPTIONAL_FIELDS.get(fmt, ())
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise DataError(f"data.fields: {', '.join(unknown)} not used by format {fmt!r} (it uses {', '.join(known)})")
+    columns = {name: fields.get(name, name) for name in known}
+    missing = [f"{columns[n]!r}" for n in REQUIRED_FIELDS[fmt] if columns[n] not in column_names]
+    if missing:
+        raise DataError(
+            f"format {fmt!r} needs column(s) {', '.join(missing)}; the dataset has: "
+            f"{', '.join(column_names) or '(none)'} (map them with data.fields)"
+        )
+    if fmt == "alpaca" and columns["input"] not in column_names:
+        columns.pop("input")
+    return columns
+
+
+def _normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, str]]:
+    role_key, content_key = columns["role"], columns["content"]
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise DataError(f"messages must be a list of {{{role_key}, {content_key}}} dicts, got {type(raw).__name__}")
+    messages = []
+    for m in raw:
+        if not isinstance(m, Mapping) or role_key not in m or content_key not in m:
+            raise DataError(f"each message needs keys {role_key!r} and {content_key!r}; got {m!r}"[:300])
+        role = ROLE_ALIASES.get(m[role_key], m[role_key])
+        messages.append({"role": role, "content": m[content_key]})
+    return messages
+
+
+def _render_messages(row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None,
+                     train_on_prompt: bool) -> Rendered:
+    messages = _normalize_messages(row[columns["messages"]], columns)
+    text = render_chat(tokenizer, messages, chat_template)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before = render_chat(tokenizer, messages[:i], chat_template, add_generation_prompt=True)
+        except DataError:
+            if i:
+                raise
+            # conversation opens with the assistant and the template cannot render zero messages:
+            # the turn starts where its content does
+            found = render_chat(tokenizer, messages[:1], chat_template).find(str(message["content"]))
+            before = render_chat(tokenizer, messages[:1], chat_template)[: max(found, 0)]
+        through = render_chat(tokenizer, messages[: i + 1], chat_template)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise DataError(
+                "the chat template renders conversation prefixes inconsistently (turn "
+                f"{i} is not a prefix of the full rendering), so assistant turns cannot be located; "
+                "set data.chat_template to a prefix-stable template"
+            )
+        spans.append((len(before), len(through)))
+    eos = tokenizer.eos_token
+    add_eos = bool(eos) and not text.rstrip().endswith(eos)
+    ends_with_answer = bool(messages) and messages[-1]["role"] == "assistant"
+    if train_on_prompt:
+        spans = [(0, len(text))]
+    return Rendered(text, tuple(spans), add_bos=False, add_eos=add_eos,
+                    eos_trained=ends_with_answer or train_on_prompt)
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer prepends BOS to plain text by itself (Llama does, Qwen does not)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def render_row(row: Mapping, fmt: str, columns: Mapping[str, str], tokenizer,
+               chat_template: str | None = None, train_on_prompt: bool = False,
+               add_bos: bool | None = None) -> Rendered:
+    """One dataset row as a :class:`Rendered` sample (see the module docstring for each format).
+
+    ``add_bos`` (non-chat formats): prepend BOS; None asks the tokenizer (:func:`adds_bos`).
+    """
+    if fmt == "messages":
+        return _render_messages(row, columns, tokenizer, chat_template, train_on_prompt)
+    if add_bos is None:
+        add_bos = adds_bos(tokenizer)
+    if fmt == "text":
+        text = str(row[columns["text"]])
+        return Rendered(text, ((0, len(text)),), add_bos=add_bos)
+    if fmt == "alpaca":
+        values = {"instruction": row[columns["instruction"]],
+                  "input": row[columns["input"]] if "input" in columns else ""}
+        template = ALPACA_PROMPT if values["input"] else ALPACA_PROMPT_NO_INPUT
+        prompt, answer = template.format(**values), str(row[columns["output"]])
+    else:
+        prompt, answer = str(row[columns["prompt"]]), str(row[columns["completion"]])
+    text = prompt + answer
+    start = 0 if train_on_prompt else len(prompt)
+    return Rendered(text, ((start, len(text)),), add_bos=add_bos)
+
+
+def _label_tokens(ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+                  spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Token ``i`` keeps its id as label iff ``offsets[i]`` overlaps a span, else -100."""
+    labels = []
+    k = 0
+    for tok, (start, end) in zip(ids, offsets, strict=True):
+        while k < len(spans) and spans[k][1] <= start:  # spans wholly before this token
+            k += 1
+        # spans[k] ends after ``start``; it overlaps the token iff it starts before the token ends
+        # (a zero-width token counts as the single character at ``start``)
+        trained = k < len(spans) and spans[k][0] < max(end, start + 1)
+        labels.append(tok if trained else IGNORE_INDEX)
+    return labels
+
+
+def tokenize_rendered(tokenizer, samples: Sequence[Rendered]) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` for each sample, untruncated; one batched tokenizer call.
+
+    Needs a fast (Rust) tokenizer for character offsets; a slow one raises DataError.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"{type(tokenizer).__name__} is a slow tokenizer; SFT needs a fast one (tokenizer.json)")
+    if not samples:
+        return []
+    enc = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for sample, ids, offsets in zip(samples, enc["input_ids"], enc["offset_mapping"], strict=True):
+        ids = list(ids)
+        labels = _label_tokens(ids, offsets, sample.spans)
+        if sample.add_bos:
+            ids.insert(0, tokenizer.bos_token_id)
+            labels.insert(0, IGNORE_INDEX)
+        if sample.add_eos and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+            labels.append(tokenizer.eos_token_id if sample.eos_trained else IGNORE_INDEX)
+        out.append((ids, labels))
+    return out

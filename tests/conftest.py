@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random HF models written to temporary directories (never downloaded).
+
+``make_tiny_hf(family, seed=0, **overrides) -> (hf_model, model_dir)`` builds a transformers model
+from a tiny config with fixed seeds, gives norms and biases non-trivial values (so every
+parameter matters), and saves it with ``save_pretrained``. ``tiny_llama_dir`` is one such Llama.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+# no test may reach the Hub (set before transformers / huggingface_hub read it)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_hf_config(family: str = "llama", **overrides):
+    """A tiny transformers config; ``family``: llama, mistral or qwen2 (q/k/v bias)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    return cls(**{**TINY, **overrides})
+
+
+def build_tiny_hf(config, path: Path, seed: int = 0):
+    """Random-init ``config`` with ``seed``, perturb norms/biases, save to ``path``; returns the model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture
+def make_tiny_hf(tmp_path):
+    counter = itertools.count()
+
+    def make(family: str = "llama", seed: int = 0, **overrides):
+        path = tmp_path / f"hf-{family}-{next(counter)}"
+        return build_tiny_hf(tiny_hf_config(family, **overrides), path, seed), path
+
+    return make
+
+
+@pytest.fixture
+def tiny_llama_dir(make_tiny_hf) -> Path:
+    return make_tiny_hf("llama")[1]

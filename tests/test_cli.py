@@ -1,0 +1,211 @@
+"""The CLI: light import, one-line errors with exit code 2, ``validate`` on the shipped recipes
+against tiny stand-in checkpoints of the same architectures, ``run`` delegating to the trainer."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nxd_finetune.cli import estimate_memory, main
+from nxd_finetune.recipe import recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[1]
+
+# same architecture, head and kv-head counts as the real models; tiny widths; layers enough for pp
+STANDINS = {
+    "llama3-8b-lora": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+                       "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "vocab_size": 1024, "rope_theta": 500000.0},
+    "mistral-7b-sft": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
+                       "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "vocab_size": 1024},
+    "qwen2-7b-lora": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 224,
+                      "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 28,
+                      "num_key_value_heads": 4, "vocab_size": 1024},
+}
+ROWS = {
+    "messages": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    "alpaca": {"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+    "qa": {"question": "2+3?", "answer": "5"},
+}
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return info.value.code or 0, out.out, out.err
+
+
+def write_standin(path: Path, hf_config: dict) -> Path:
+    """An HF directory: config.json, zero bf16 weights of the right shapes, a tokenizer file."""
+    from nxd_finetune.models import DecoderConfig, build_model, save_pretrained
+
+    config = DecoderConfig.from_hf(hf_config)
+    shapes = build_model(config).state_dict()
+    save_pretrained(config, ((n, torch.zeros(t.shape, dtype=torch.bfloat16)) for n, t in shapes.items()), path)
+    (path / "config.json").write_text(json.dumps(hf_config))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("assets")
+    models = {name: write_standin(root / name, cfg) for name, cfg in STANDINS.items()}
+    for name in ("messages", "alpaca"):
+        (root / f"{name}.jsonl").write_text("\n".join(json.dumps(ROWS[name]) for _ in range(3)) + "\n")
+    pq.write_table(pa.Table.from_pylist([ROWS["qa"]] * 3), root / "qa.parquet")
+    data = {
+        "llama3-8b-lora": [f"data.train={root}/messages.jsonl", f"data.eval={root}/messages.jsonl"],
+        "mistral-7b-sft": [f"data.train={root}/alpaca.jsonl"],
+        "qwen2-7b-lora": [f"data.train=[{root}/qa.parquet, {root}/qa.parquet]", f"data.eval={root}/qa.parquet"],
+    }
+    return SimpleNamespace(root=root, models=models, data=data)
+
+
+def validate_args(assets, name: str, *extra: str) -> list[str]:
+    return ["validate", REPO / "recipes" / f"{name}.yaml", f"model.path={assets.models[name]}",
+            *assets.data[name], *extra]
+
+
+def test_import_is_light():
+    code = ("import sys, nxd_finetune.cli; "
+            "print([m for m in ('torch', 'transformers', 'nxd_finetune.recipe') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_bad_recipe_subprocess_exit_2_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: /m}\ndata: {train: /t.jsonl}\nlora: {rnak: 8}\n")
+    proc = subprocess.run([sys.executable, "-m", "nxd_finetune", "validate", str(bad)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "unknown key 'lora.rnak' (did you mean 'lora.rank'?)" in lines[0]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["validate", "missing.yaml"], "error: recipe file not found: missing.yaml"),
+    (["run", "RECIPE", "lora.rank"], "error: override 'lora.rank' has no '='"),
+    (["run", "RECIPE", "--resume", "latest", "--no-resume"], "error: --resume and --no-resume are mutually"),
+    (["validate", "RECIPE", "parallel.tp=2"], "error: override 'parallel.tp=2': parallel.nproc=1 is not "
+                                              "divisible by tp*pp=2*1=2"),
+])
+def test_cli_errors(capsys, tmp_path, args, expected):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: /m}\ndata: {train: /t.jsonl}\n")
+    code, out, err = cli(capsys, *[recipe if a == "RECIPE" else a for a in args])
+    assert code == 2
+    assert err.startswith(expected) and err.count("\n") == 1
+
+
+def test_run_delegates_to_the_trainer(capsys, monkeypatch, tmp_path):
+    from nxd_finetune.sft import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "run", seen.append)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: builtin:tiny-llama}\ndata: {train: t.jsonl}\ncheckpoint: {resume: latest}\n")
+    assert cli(capsys, "run", recipe, "lora.rank=4", "--nproc", "2", "--resume", "ck/step-5")[0] == 0
+    assert cli(capsys, "run", recipe, "--no-resume")[0] == 0
+    first, second = seen
+    assert first.parallel.nproc == 2 and first.lora.rank == 4
+    assert first.checkpoint.resume == str(Path.cwd() / "ck" / "step-5")
+    assert first.data.train == str(tmp_path / "t.jsonl")
+    assert second.checkpoint.resume is None and second.parallel.nproc == 1
+
+
+LORA_TRAINABLE = {
+    # rank * (in + out) summed over the targets of one layer, times 2 layers (hand-computed)
+    "llama3-8b-lora": 2 * 16 * ((256 + 256) * 2 + (256 + 64) * 2 + (256 + 512) * 3),  # q,o k,v gate,up,down
+    "qwen2-7b-lora": 2 * 64 * ((224 + 224) * 2 + (224 + 32) * 2 + (224 + 512) * 3),  # all-linear
+}
+
+
+@pytest.mark.parametrize("name", list(STANDINS))
+def test_validate_shipped_recipes(capsys, assets, name):
+    from nxd_finetune.models import DecoderConfig
+
+    code, out, err = cli(capsys, *validate_args(assets, name))
+    assert code == 0, err
+    assert "recipe is valid" in out and "Traceback" not in err
+    assert f"path: {assets.models[name]}" in out  # the resolved recipe is printed
+    total, trainable = (int(x.replace(",", "")) for x in
+                        re.search(r"parameters: total ([\d,]+)\s+trainable ([\d,]+)", out).groups())
+    assert total == DecoderConfig.from_hf(STANDINS[name]).num_parameters() + LORA_TRAINABLE.get(name, 0)
+    assert trainable == LORA_TRAINABLE.get(name, total)
+    for row in ("weights", "gradients", "optimizer", "activations", "total"):
+        assert re.search(rf"{row}\s+.*\d+\.\d+ (KiB|MiB|GiB)", out), row
+
+
+@pytest.mark.parametrize(("name", "extra", "expected"), [
+    ("llama3-8b-lora", ["parallel.nproc=6", "parallel.tp=3", "parallel.sequence_parallel=false"],
+     "error: parallel.tp=3 does not divide the model's num_attention_heads=32"),
+    ("qwen2-7b-lora", ["parallel.nproc=8", "parallel.tp=8"],
+     "error: parallel.tp=8 does not divide the model's num_attention_heads=28"),
+    ("mistral-7b-sft", ["parallel.virtual_stages=3"],
+     "error: the model's num_hidden_layers=4 is not divisible by pp*virtual_stages=2*3=6"),
+    ("llama3-8b-lora", ["lora.target_modules=[qkv_proj]"], "['qkv_proj'] matched no module"),
+    ("qwen2-7b-lora", ["data.fields={}"], "format 'prompt_completion' needs column(s) 'prompt', 'completion'"),
+    ("mistral-7b-sft", ["data.train=/nonexistent/train.jsonl"], "error: data.train: not found: /nonexistent"),
+    ("mistral-7b-sft", ["model.path=/nonexistent/model"], "/nonexistent/model"),
+])
+def test_validate_failures(capsys, assets, name, extra, expected):
+    code, out, err = cli(capsys, *validate_args(assets, name), *extra)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert expected in err, err
+
+
+def test_validate_unreadable_data(capsys, assets, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS["messages"]) + "\n{oops\n")
+    code, _, err = cli(capsys, *validate_args(assets, "llama3-8b-lora"), f"data.eval={bad}")
+    assert code == 2 and f"{bad}:2: invalid JSON" in err
+    garbage = tmp_path / "qa.parquet"
+    garbage.write_text("not parquet")
+    code, _, err = cli(capsys, *validate_args(assets, "qwen2-7b-lora"), f"data.eval={garbage}")
+    assert code == 2 and f"error: data.eval: cannot read {garbage}: " in err and err.count("\n") == 1
+
+
+def test_validate_checks_checkpoint_tensors(capsys, assets, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in assets.models["llama3-8b-lora"].iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**STANDINS["llama3-8b-lora"], "num_hidden_layers": 4}))
+    code, _, err = cli(capsys, *validate_args(assets, "llama3-8b-lora"), f"model.path={model}")
+    assert code == 2 and "lacks model.layers.2." in err
+    (model / "config.json").write_text(json.dumps({**STANDINS["llama3-8b-lora"], "intermediate_size": 1024}))
+    code, _, err = cli(capsys, *validate_args(assets, "llama3-8b-lora"), f"model.path={model}")
+    assert code == 2 and "has shape [512, 256], the config implies [1024, 256]" in err
+
+
+def test_memory_estimate_by_hand():
+    cfg = SimpleNamespace(hidden_size=4, num_attention_heads=2, num_hidden_layers=2, vocab_size=8)
+    base = {"model": {"path": "/m"}, "data": {"train": "/t", "max_seq_len": 4}}
+    mem = estimate_memory(recipe_from_dict(base), cfg, total=100, trainable=100)
+    # fp32 full SFT: 4 B weights, 4 B grads, 8 B AdamW states per param
+    # activations: s*b*h*(10 + 24 + 5*a*s/h) = 16 * 44 = 704 per layer, x2 layers, x2 for fp32; logits 8*b*s*V = 256
+    assert mem == {"weights": 400, "gradients": 400, "optimizer": 800, "activations": 2 * 704 * 2 + 256}
+    lora = {**base, "lora": {}, "parallel": {"nproc": 4, "tp": 2, "zero1": True, "sequence_parallel": True},
+            "training": {"precision": "bf16"}, "model": {"path": "/m", "dtype": "bf16"}}
+    mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=20)
+    # pure bf16: 2 B per param; optimizer 8 + 4 (fp32 master) per trainable, / tp 2, / dp 2 (zero1)
+    # activations with sp: 16 * (34/2 + 5*2*4/(4*2)) = 16 * 22 = 352 per layer, bf16; logits 256 / tp 2
+    assert mem == {"weights": 100, "gradients": 20, "optimizer": 20 * 12 / 2 / 2, "activations": 2 * 352 + 128}
