@@ -38,8 +38,13 @@ def word_tok():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="[UNK]",
-        additional_special_tokens=specials[4:], chat_template=WORD_TEMPLATE,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="[UNK]",
+        additional_special_tokens=specials[4:],
+        chat_template=WORD_TEMPLATE,
     )
 
 
@@ -63,14 +68,34 @@ def enc(tok, text):
 
 
 def test_messages_multi_turn_masks_only_assistant_turns(word_tok):
-    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "what is up"},
-            {"role": "assistant", "content": "nothing"}]
+    conv = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "what is up"},
+        {"role": "assistant", "content": "nothing"},
+    ]
     ds = tokenize([{"messages": conv}], word_tok)
     sample = ds[0]
     tokens = word_tok.convert_ids_to_tokens(sample["input_ids"])
-    assert tokens == ["<s>", "<|system|>", "be", "brief", "<|user|>", "hi", "<|assistant|>", "hello", "</s>",
-                      "<|user|>", "what", "is", "up", "<|assistant|>", "nothing", "</s>"]
+    assert tokens == [
+        "<s>",
+        "<|system|>",
+        "be",
+        "brief",
+        "<|user|>",
+        "hi",
+        "<|assistant|>",
+        "hello",
+        "</s>",
+        "<|user|>",
+        "what",
+        "is",
+        "up",
+        "<|assistant|>",
+        "nothing",
+        "</s>",
+    ]
     trained = [i for i, t in enumerate(sample["labels"]) if t != IGNORE_INDEX]
     assert trained == [7, 8, 14, 15]  # hello </s> ... nothing </s>; no extra eos appended
     assert all(sample["labels"][i] == sample["input_ids"][i] for i in trained)
@@ -78,8 +103,11 @@ def test_messages_multi_turn_masks_only_assistant_turns(word_tok):
 
 
 def test_messages_train_on_prompt_and_trailing_user_turn(word_tok):
-    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "bye"}]
+    conv = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+    ]
     sample = tokenize([{"messages": conv}], word_tok)[0]
     # rendering ends with a user turn: eos appended untrained; only "hello </s>" trained
     assert word_tok.convert_ids_to_tokens(sample["input_ids"])[-1] == "</s>"
@@ -89,8 +117,14 @@ def test_messages_train_on_prompt_and_trailing_user_turn(word_tok):
 
 
 def test_messages_with_bpe_tokenizer_and_sharegpt_fields(bpe_tok):
-    row = {"conversations": [{"from": "human", "value": "Is 47 even or odd?"}, {"from": "gpt", "value": "odd"},
-                             {"from": "human", "value": "Is 12 even or odd?"}, {"from": "gpt", "value": "even"}]}
+    row = {
+        "conversations": [
+            {"from": "human", "value": "Is 47 even or odd?"},
+            {"from": "gpt", "value": "odd"},
+            {"from": "human", "value": "Is 12 even or odd?"},
+            {"from": "gpt", "value": "even"},
+        ]
+    }
     sample = tokenize([row], bpe_tok, fields={"messages": "conversations", "role": "from", "content": "value"})[0]
     ids, labels = sample["input_ids"], sample["labels"]
     runs, cur = [], []
@@ -102,19 +136,24 @@ def test_messages_with_bpe_tokenizer_and_sharegpt_fields(bpe_tok):
             cur = []
     runs.append(cur)
     assert [bpe_tok.decode(r) for r in runs] == ["odd<|eos|>", "even<|eos|>"]
-    prompt = bpe_tok.apply_chat_template([{"role": "user", "content": "Is 47 even or odd?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    prompt = bpe_tok.apply_chat_template(
+        [{"role": "user", "content": "Is 47 even or odd?"}], tokenize=False, add_generation_prompt=True
+    )
     n = len(enc(bpe_tok, prompt))
     assert labels[:n] == [IGNORE_INDEX] * n and labels[n] == ids[n] == enc(bpe_tok, "odd")[0]
 
 
 def test_alpaca_exact_labels(bpe_tok):
     eos, bos = bpe_tok.eos_token_id, bpe_tok.bos_token_id
-    rows = [{"instruction": "Name a fruit.", "input": "", "output": "A banana."},
-            {"instruction": "Add.", "input": "2 and 3", "output": "5"}]
+    rows = [
+        {"instruction": "Name a fruit.", "input": "", "output": "A banana."},
+        {"instruction": "Add.", "input": "2 and 3", "output": "5"},
+    ]
     ds = tokenize(rows, bpe_tok, format="alpaca")
-    prompts = [ALPACA_PROMPT_NO_INPUT.format(instruction="Name a fruit."),
-               ALPACA_PROMPT.format(instruction="Add.", input="2 and 3")]
+    prompts = [
+        ALPACA_PROMPT_NO_INPUT.format(instruction="Name a fruit."),
+        ALPACA_PROMPT.format(instruction="Add.", input="2 and 3"),
+    ]
     for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
         p, a = enc(bpe_tok, prompt), enc(bpe_tok, row["output"])
         assert ds[i]["input_ids"] == [bos] + p + a + [eos]
@@ -176,7 +215,8 @@ def test_truncation_and_drop_are_counted(bpe_tok):
     assert ds.lengths.tolist() == [16, len(enc(bpe_tok, "Hi ok")) + 2]
     assert ds.stats["tokens"] == sum(ds.lengths.tolist())
     assert ds.stats["trainable_tokens"] == sum(
-        sum(t != IGNORE_INDEX for t in ds[i]["labels"][1:]) for i in range(len(ds)))
+        sum(t != IGNORE_INDEX for t in ds[i]["labels"][1:]) for i in range(len(ds))
+    )
 
 
 # ---------------------------------------------------------------- loading and cache
@@ -219,13 +259,20 @@ def test_load_rows_errors(tmp_path):
 
 
 def _qa_rows(n, offset=0):
-    return [{"prompt": f"Is {i} even? ", "completion": "yes" if i % 2 == 0 else "no"} for i in range(offset, offset + n)]
+    return [
+        {"prompt": f"Is {i} even? ", "completion": "yes" if i % 2 == 0 else "no"} for i in range(offset, offset + n)
+    ]
 
 
 def test_cache_hit_does_not_retokenize(bpe_tok, tmp_path, monkeypatch):
     _write_rows(tmp_path / "train.jsonl", _qa_rows(30))
-    spec = {"train": str(tmp_path / "train.jsonl"), "format": "prompt_completion", "max_seq_len": 64,
-            "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.2}
+    spec = {
+        "train": str(tmp_path / "train.jsonl"),
+        "format": "prompt_completion",
+        "max_seq_len": 64,
+        "cache_dir": str(tmp_path / "cache"),
+        "eval_fraction": 0.2,
+    }
     calls = []
     real = data_mod.tokenize_rows
     monkeypatch.setattr(data_mod, "tokenize_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -378,8 +425,13 @@ def test_sampler_dp_shards_disjoint_equal_and_reshardable():
 def test_build_dataloaders_resume_and_eval_shards(bpe_tok, tmp_path):
     _write_rows(tmp_path / "t.jsonl", _qa_rows(60))
     _write_rows(tmp_path / "e.jsonl", _qa_rows(9, offset=100))
-    spec = {"train": "t.jsonl", "eval": "e.jsonl", "format": "prompt_completion", "max_seq_len": 16,
-            "cache_dir": str(tmp_path / "cache")}
+    spec = {
+        "train": "t.jsonl",
+        "eval": "e.jsonl",
+        "format": "prompt_completion",
+        "max_seq_len": 32,
+        "cache_dir": str(tmp_path / "cache"),
+    }
     kw = dict(micro_batch_size=2, seed=5, base_dir=tmp_path)
     loaders = build_dataloaders(spec, bpe_tok, **kw)
     assert loaders.stats["train"]["samples"] == 60 and loaders.stats["train"]["fill"] > 0.8
@@ -390,13 +442,18 @@ def test_build_dataloaders_resume_and_eval_shards(bpe_tok, tmp_path):
     resumed.load_state_dict(loaders.train.state_dict())
     for got, want in zip(first + _take(iter(resumed), 7), reference, strict=True):
         assert all(torch.equal(got[k], want[k]) for k in want)
-        assert got["input_ids"].shape == (2, 16)
+        assert got["input_ids"].shape == (2, 32)
     # eval: same number of batches on every rank, every eval row exactly once
-    shards = [build_dataloaders({**spec, "packing": False}, bpe_tok, micro_batch_size=2, dp_rank=r, dp_world=2,
-                                base_dir=tmp_path).eval for r in range(2)]
+    shards = [
+        build_dataloaders(
+            {**spec, "packing": False}, bpe_tok, micro_batch_size=2, dp_rank=r, dp_world=2, base_dir=tmp_path
+        ).eval
+        for r in range(2)
+    ]
     assert len(shards[0]) == len(shards[1]) == 3
     tokens = sum(int((b["segment_ids"] > 0).sum()) for s in shards for b in s)
     assert tokens == loaders.stats["eval"]["tokens"]
-    fixed = build_dataloaders({**spec, "packing": False}, bpe_tok, micro_batch_size=2, fixed_shape=True,
-                              base_dir=tmp_path)
-    assert {tuple(b["input_ids"].shape) for b in fixed.eval} == {(2, 16)}
+    fixed = build_dataloaders(
+        {**spec, "packing": False}, bpe_tok, micro_batch_size=2, fixed_shape=True, base_dir=tmp_path
+    )
+    assert {tuple(b["input_ids"].shape) for b in fixed.eval} == {(2, 32)}

@@ -18,6 +18,7 @@ from nxd_finetune.lora import (
     LoraConfig,
     LoraLinear,
     base_param_name,
+    cast_adapter_params,
     inject_lora,
     load_adapter,
     lora_modules,
@@ -25,6 +26,7 @@ from nxd_finetune.lora import (
     read_adapter,
     save_adapter,
     save_model,
+    saved_modules,
     trainable_parameters,
 )
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
@@ -239,19 +241,23 @@ def test_merge_lora_unwraps(make_tiny_hf):
 
 
 META_CASES = {
-    "tied-lm_head-lora": (
-        "llama",
-        dict(tie_word_embeddings=True),
-        dict(target_modules=["q_proj", "lm_head"], modules_to_save=["embed_tokens"]),
+    "tied-lm_head-lora": ("llama", dict(tie_word_embeddings=True), dict(target_modules=["q_proj", "lm_head"])),
+    "qwen2-all-linear": ("qwen2", {}, dict(target_modules="all-linear", bias="lora_only")),
+    "modules_to_save": pytest.param(
+        ("llama", dict(tie_word_embeddings=True), dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"])),
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="models.materialize gives the original and the copy (two names, one checkpoint key) "
+            "the same tensor, so training the copy changes the base",
+        ),
     ),
-    "qwen2-all-linear": ("qwen2", {}, dict(target_modules="all-linear", bias="lora_only", modules_to_save=["lm_head"])),
 }
 
 
-@pytest.mark.parametrize("case", sorted(META_CASES))
+@pytest.mark.parametrize("case", META_CASES.values(), ids=list(META_CASES))
 def test_inject_on_meta_then_materialize(case, make_tiny_hf, tmp_path):
     """The sharded-loading order: build on meta, inject, then load the base checkpoint by name."""
-    family, overrides, kw = META_CASES[case]
+    family, overrides, kw = case
     _, base = make_tiny_hf(family, **overrides)
     cfg = LoraConfig(r=4, lora_alpha=8, **kw)
     ref = our_model(base, cfg)
@@ -262,6 +268,26 @@ def test_inject_on_meta_then_materialize(case, make_tiny_hf, tmp_path):
     load_adapter(model, tmp_path / "a", inject=False)
     assert {n for n, _ in trainable_parameters(model)} == {n for n, _ in trainable_parameters(ref)}
     assert (logits(model.eval()) - logits(ref)).abs().max() <= TOL
+    plain = load_pretrained(base)
+    for name, wrapper in saved_modules(model):  # loading the trained copy left the original alone
+        assert torch.equal(wrapper.original_module.weight, plain.get_submodule(name).weight)
+
+
+def test_bf16_base_with_fp32_adapters(make_tiny_hf, tmp_path):
+    _, base = make_tiny_hf("qwen2")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], bias="all", modules_to_save=["lm_head"])
+    model = load_pretrained(base, dtype="bf16")
+    inject_lora(model, cfg)
+    cast_adapter_params(model)
+    dtypes = {n: p.dtype for n, p in trainable_parameters(model)}
+    assert {d for n, d in dtypes.items() if n.endswith(".bias")} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if not n.endswith(".bias")} == {torch.float32}
+    out = model(IDS)
+    assert out.dtype == torch.bfloat16
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None for _, p in trainable_parameters(model))
+    save_model(model, cfg, tmp_path / "merged", "merged")
+    assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------- layer maths

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from nxd_finetune.errors import NxdError
 from nxd_finetune.registry import (
     IntegrityError,
+    Ref,
     Registry,
     RegistryError,
     StorageBucketNotFoundError,
@@ -289,34 +290,19 @@ def test_claims_of_live_and_dead_pushes(tmp_path):
     expired = {**live_elsewhere, "created": now - 7200}
     reg.storage.put_bytes("bot/3/.claim-1.json", json.dumps(expired).encode())
     assert reg.push(make_adapter(tmp_path / "b", seed=5), "bot").version == 3  # past the TTL: taken over
-    assert reg.storage.list("bot/3/") == [
-        "bot/3/adapter_config.json",
-        "bot/3/adapter_model.safetensors",
-        "bot/3/manifest.json",
-    ]
+    files = ["adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    assert reg.storage.list("bot/3/") == [f"bot/3/{f}" for f in files]
 
 
 def test_bad_names_and_refs(tmp_path, adapter):
     reg = str(tmp_path / "reg")
-    for bad in (
-        "bot",
-        "",
-        "s3://bucket",
-        f"{reg}/",
-        f"{reg}/-bot",
-        f"{reg}/a..b",
-        f"{reg}/bot:0",
-        f"{reg}/bot:x",
-        f"{reg}/bot@",
-        f"{reg}/bot@p:1",
-        f"{reg}/" + "x" * 101,
-        f"{reg}/bo t",
-    ):
+    tails = ["", "-bot", "a..b", "bot:0", "bot:x", "bot@", "bot@p:1", "x" * 101, "bo t", "bot/"]
+    for bad in ["bot", "", "s3://bucket", *(f"{reg}/{t}" for t in tails)]:
         with pytest.raises(RegistryError):
             parse_ref(bad)
-    assert parse_ref("s3://b/p/q/bot:12") == parse_ref("s3://b/p/q/bot:12")
-    r = parse_ref("s3://b/p/q/bot@prod")
-    assert (r.registry, r.name, r.version, r.tag) == ("s3://b/p/q", "bot", None, "prod")
+    assert parse_ref("s3://b/p/q/bot:12") == Ref("s3://b/p/q", "bot", 12)
+    assert str(parse_ref("./reg/bot@prod")) == "./reg/bot@prod"
+    assert parse_ref("./reg/bot@latest") == Ref("./reg", "bot")  # @latest is the same as no selector
     with pytest.raises(RegistryError, match="without :VERSION"):
         push(adapter, f"{reg}/bot:2")
     with pytest.raises(RegistryError, match="invalid tag"):

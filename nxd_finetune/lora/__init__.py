@@ -3,6 +3,7 @@
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
 from nxd_finetune.lora.inject import (
     base_param_name,
+    cast_adapter_params,
     find_targets,
     inject_lora,
     lora_modules,
@@ -30,6 +31,7 @@ __all__ = [
     "ModulesToSaveWrapper",
     "adapter_state_dict",
     "base_param_name",
+    "cast_adapter_params",
     "find_targets",
     "inject_lora",
     "load_adapter",

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from nxd_finetune.errors import AdapterError
@@ -39,6 +40,20 @@ def saved_modules(model: nn.Module) -> Iterator[tuple[str, ModulesToSaveWrapper]
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` for every parameter with ``requires_grad``, in module order."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def cast_adapter_params(model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Cast LoRA factors and ``modules_to_save`` copies to ``dtype`` (fp32 master weights for a
+    bf16/fp16 base), as PEFT's ``autocast_adapter_dtype`` does. Both layer types convert their
+    inputs and outputs, so the model runs as before. Biases trained in place (``bias`` modes) are
+    left in their base layer's dtype: ``F.linear`` needs weight and bias in one dtype.
+    """
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_A.to(dtype)
+            m.lora_B.to(dtype)
+        for _, w in saved_modules(model):
+            w.modules_to_save.to(dtype)
 
 
 def base_param_name(name: str) -> str:

@@ -179,7 +179,8 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     model already holds LoRA layers (e.g. injected from a recipe); their scaling must equal the
     adapter's. Every tensor is checked before any is copied: a key the model lacks, a tensor the
     adapter lacks, or a shape that differs raises AdapterError naming the tensor (and both shapes).
-    Values are cast to each parameter's dtype and device.
+    Values are cast to each parameter's dtype and device. After an error with ``inject=True`` the
+    model stays injected, with fresh (zero-B, output-preserving) adapters.
     """
     cfg, tensors = read_adapter(adapter_dir)
     if inject:
@@ -256,6 +257,12 @@ def _needs_untie(model: nn.Module, config: Any) -> bool:
     return bool(config.tie_word_embeddings) and any(n == OUTPUT_LAYER or n.endswith(".embed_tokens") for n in changed)
 
 
+def _base_dtype(model: nn.Module) -> torch.dtype | None:
+    for _, m in lora_modules(model):
+        return m.base_layer.weight.dtype
+    return None
+
+
 def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
     """Write tokenizer files to ``out_dir``: ``tokenizer`` is a directory (its tokenizer files are
     copied), an object with ``save_pretrained``, or None (nothing is written)."""
@@ -301,7 +308,7 @@ def save_model(
 
     ``base_config``: the ``models.DecoderConfig`` (default ``model.config``), needed for the HF
     modes. ``tokenizer``: a directory or an object with ``save_pretrained``. ``dtype``: dtype of the
-    HF checkpoint tensors (default: as in the model). Returns ``out_dir``.
+    HF checkpoint tensors (default: the dtype of the LoRA layers' base weights). Returns ``out_dir``.
     """
     from nxd_finetune.models import save_pretrained
 
@@ -316,6 +323,8 @@ def save_model(
         return out
     if config is None:
         raise AdapterError(f"save mode {mode!r} needs the base model's config")
+    if dtype is None:  # one dtype for the checkpoint: the base's, not that of fp32-trained copies/biases
+        dtype = _base_dtype(model)
     if mode == "base_and_adapter":
         save_pretrained(config, _hf_tensors(model, merged=False), out / "base", dtype, max_shard_bytes)
         save_tokenizer(tokenizer, out / "base")

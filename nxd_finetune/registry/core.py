@@ -9,18 +9,9 @@ Layout under the root::
 Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
 conditional create, so a push killed at any point leaves no visible version.
 
-Version allocation. "Upload, then conditionally create the manifest" alone is not enough: two
-pushes that pick the same number would overwrite each other's files before one of them loses the
-manifest race, and the winner's files would no longer match its manifest. So a push first *claims*
-the number with a conditional create of ``.claim-1.json`` and only then uploads; the loser of a
-claim moves to the next number before writing anything. A claim left by a dead push is taken over
-by creating the next generation (``.claim-<gen+1>.json``, again a conditional create, so only one
-taker wins). A claim is dead when its holder ran on this host (same hostname and PID namespace) and
-its PID is gone, or when it is older than ``claim_ttl`` (default 6 h; the only way to detect a dead
-push from another machine). Consequently a SIGKILLed push is invisible and the next push on the
-same machine reuses its number; numbers only ever grow and may skip one left by a push that died
-elsewhere. A holder checks it still owns its claim before writing the manifest, and the manifest
-create stays conditional; if it loses anyway it retries with the next number.
+Version numbers are allocated by claims (:mod:`nxd_finetune.registry.claims`): a push claims the
+next free number before it uploads anything, so concurrent pushes never write into the same
+version, and a claim left by a killed push is taken over by the next push on the same machine.
 
 ``latest`` is resolved by listing (the highest visible version), which stays right under
 concurrent pushes; ``aliases/latest.json`` is a best-effort copy for tools that read the layout.
@@ -36,9 +27,7 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nxd_finetune.registry import manifest as mf
+from nxd_finetune.registry.claims import CLAIM_RE, Claims
 from nxd_finetune.registry.errors import IntegrityError, RegistryError, StorageNotFoundError
 from nxd_finetune.registry.ref import LATEST, Ref, check_name, check_tag, parse_ref
 from nxd_finetune.registry.storage import Storage, open_storage
@@ -54,27 +44,7 @@ PushProgress = Callable[[str, int], None]
 """``progress(file_name, bytes_since_last_call)`` during push."""
 
 _VERSION_MANIFEST_RE = re.compile(r"([^/]+)/([1-9][0-9]*)/manifest\.json")
-_CLAIM_RE = re.compile(r"\.claim-([1-9][0-9]*)\.json")
 _MAX_ATTEMPTS = 20
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists but is not ours (EPERM)
-    return True
 
 
 @dataclass(frozen=True)
@@ -98,7 +68,7 @@ class Registry:
 
     def __init__(self, storage: Storage | str | os.PathLike, *, claim_ttl: float = 6 * 3600.0):
         self.storage = storage if isinstance(storage, Storage) else open_storage(storage)
-        self.claim_ttl = claim_ttl
+        self.claims = Claims(self.storage, claim_ttl)
 
     @property
     def uri(self) -> str:
@@ -249,14 +219,14 @@ class Registry:
             return dataclasses.replace(self.show(name, versions[-1]), reused=True)
         push_id = uuid.uuid4().hex
         for _ in range(_MAX_ATTEMPTS):
-            v, gen = self._claim(name, push_id, (versions[-1] if versions else 0) + 1)
+            v, gen = self.claims.claim(name, push_id, (versions[-1] if versions else 0) + 1)
             try:
                 published = self._upload_and_publish(name, v, gen, files, entries, adapter_config, meta, progress)
             except BaseException:
-                self._abandon(name, v, gen, files)
+                self.claims.release(name, v, gen, files)
                 raise
             if published is not None:
-                self._delete_claims(name, v)
+                self.claims.clear(name, v)
                 for t in tags:
                     self._write_alias(name, t, v)
                 self._refresh_latest(name)
@@ -270,84 +240,17 @@ class Registry:
             self.storage.put_file(path, f"{name}/{v}/{fname}", cb)
         for key in self.storage.list(f"{name}/{v}/"):  # leftovers of a dead push we took over
             base = key.rsplit("/", 1)[1]
-            if base not in files and not _CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
+            if base not in files and not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
                 self.storage.delete(key)
         manifest = mf.build_manifest(name, v, adapter_config, entries, meta)
-        if self._claim_gens(name, v)[-1:] != [gen]:
+        if not self.claims.owns(name, v, gen):
             raise RegistryError(
-                f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claim_ttl:.0f}s "
+                f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claims.ttl:.0f}s "
                 "and another push took the version over); push again"
             )
         if self.storage.put_bytes(f"{name}/{v}/{mf.MANIFEST}", mf.dumps(manifest), if_none_match=True):
             return manifest
         return None
-
-    def _claim_gens(self, name: str, v: int) -> list[int]:
-        gens = []
-        for key in self.storage.list(f"{name}/{v}/.claim-"):
-            m = _CLAIM_RE.fullmatch(key.rsplit("/", 1)[1])
-            if m:
-                gens.append(int(m.group(1)))
-        return sorted(gens)
-
-    def _claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
-        """Claim the lowest free number >= ``start``; return ``(version, claim generation)``."""
-        payload = mf.dumps(
-            {
-                "push_id": push_id,
-                "host": socket.gethostname(),
-                "pidns": _pid_namespace(),
-                "pid": os.getpid(),
-                "created": time.time(),
-            }
-        )
-        v = start
-        for _ in range(10_000):
-            if self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
-                v += 1
-                continue
-            gens = self._claim_gens(name, v)
-            if gens:
-                try:
-                    holder = json.loads(self.storage.get_bytes(f"{name}/{v}/.claim-{gens[-1]}.json"))
-                except StorageNotFoundError:
-                    continue  # released or published meanwhile: look again
-                except ValueError:
-                    holder = {}
-                if not self._is_stale(holder):
-                    v += 1
-                    continue
-            gen = gens[-1] + 1 if gens else 1
-            if self.storage.put_bytes(f"{name}/{v}/.claim-{gen}.json", payload, if_none_match=True):
-                if not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
-                    return v, gen
-                self.storage.delete(f"{name}/{v}/.claim-{gen}.json")  # published under our feet
-                v += 1
-        raise RegistryError(f"could not claim a version of {name} in {self.uri}")
-
-    def _is_stale(self, holder: Any) -> bool:
-        if not isinstance(holder, dict):
-            return True
-        created = holder.get("created")
-        if not isinstance(created, int | float) or time.time() - created > self.claim_ttl:
-            return True
-        if holder.get("host") == socket.gethostname() and holder.get("pidns") == _pid_namespace():
-            return not _pid_alive(holder.get("pid"))
-        return False
-
-    def _abandon(self, name: str, v: int, gen: int, files: Mapping[str, Path]) -> None:
-        """Best effort after a failed push: drop our files and claim if the version is still ours."""
-        try:
-            if self._claim_gens(name, v)[-1:] == [gen] and not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
-                for fname in files:
-                    self.storage.delete(f"{name}/{v}/{fname}")
-                self.storage.delete(f"{name}/{v}/.claim-{gen}.json")
-        except Exception:  # noqa: BLE001 - never mask the original error
-            pass
-
-    def _delete_claims(self, name: str, v: int) -> None:
-        for gen in self._claim_gens(name, v):
-            self.storage.delete(f"{name}/{v}/.claim-{gen}.json")
 
     # -- tags and removal -------------------------------------------------------------------------
 
@@ -367,7 +270,7 @@ class Registry:
             self.storage.delete(f"{name}/aliases/{LATEST}.json")
 
     def tag(self, name: str, tag: str, version: int | None = None, from_tag: str | None = None) -> Version:
-        """Point ``tag`` at the version selected by ``version``/``from_tag`` (latest if neither); moves an existing tag."""
+        """Point ``tag`` at the version ``version``/``from_tag`` selects (latest if neither); moves an existing tag."""
         self._user_tag(tag)
         v = self.resolve(name, version, from_tag)
         self._write_alias(name, tag, v)

@@ -29,6 +29,7 @@ from typing import Any
 
 import nxd_finetune
 from nxd_finetune.registry.errors import RegistryError
+from nxd_finetune.registry.ref import parse_ref
 
 FORMAT = "nxd-adapter-manifest/1"
 MANIFEST = "manifest.json"
@@ -129,8 +130,10 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     for key in ("recipe", "metrics", "parallel", "base_model"):
         if meta.get(key) is not None and not isinstance(meta[key], Mapping):
             raise RegistryError(f"metadata {key!r} must be a dict, got {type(meta[key]).__name__}")
-    if meta.get("lineage") is not None and not isinstance(meta["lineage"], str):
-        raise RegistryError("metadata 'lineage' must be a REF string")
+    if meta.get("lineage") is not None:
+        if not isinstance(meta["lineage"], str):
+            raise RegistryError("metadata 'lineage' must be a REF string")
+        parse_ref(meta["lineage"])
     try:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -24,7 +24,8 @@ def check_name(value: str, what: str = "adapter name") -> str:
     """Return ``value`` if it matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,99}`` without ``..``, else raise."""
     if not NAME_RE.fullmatch(value) or ".." in value:
         raise RegistryError(
-            f"invalid {what} {value!r}: use 1-100 characters from [A-Za-z0-9._-], starting with a letter or digit, no '..'"
+            f"invalid {what} {value!r}: use 1-100 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit, no '..'"
         )
     return value
 

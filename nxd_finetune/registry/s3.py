@@ -7,7 +7,7 @@ Configuration (constructor argument first, then environment, then boto3's own de
 - endpoint: ``endpoint_url=``, ``NXD_S3_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``
   (MinIO, moto, on-prem gateways); ``NXD_S3_ADDRESSING_STYLE`` = ``auto|path|virtual``;
 - region: ``region=``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``;
-- retries: botocore ``standard`` mode with ``max_attempts`` (default 8) for throttling and 5xx;
+- retries: botocore ``standard`` mode with ``max_attempts`` (default 5) for throttling and 5xx;
 - uploads above ``multipart_threshold`` (default 64 MiB) go in ``multipart_chunksize`` parts
   (S3 needs parts of at least 5 MiB; s3transfer raises smaller values to that).
 
@@ -38,7 +38,7 @@ from nxd_finetune.registry.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from nxd_finetune.registry.storage import Progress, Storage, check_key
+from nxd_finetune.registry.storage import Keys, Progress, Storage, check_key
 
 _MIB = 1 << 20
 _CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
@@ -112,7 +112,7 @@ class S3Storage(Storage):
         multipart_threshold: int = 64 * _MIB,
         multipart_chunksize: int = 64 * _MIB,
         max_concurrency: int = 8,
-        max_attempts: int = 8,
+        max_attempts: int = 5,
     ):
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -238,11 +238,11 @@ class S3Storage(Storage):
         pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix, **kwargs)
         return self._call("ListObjectsV2", prefix, list, pages)
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> Keys:
         n = len(self.prefix)
         return sorted(obj["Key"][n:] for page in self._pages(prefix) for obj in page.get("Contents", []))
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> Keys:
         if prefix and not prefix.endswith("/"):
             raise StorageError(f"list_dirs needs '' or a prefix ending in '/', got {prefix!r}")
         n = len(self.prefix) + len(prefix)

@@ -31,6 +31,8 @@ from nxd_finetune.registry.errors import StorageError, StorageNotFoundError
 
 Progress = Callable[[int], None]
 """Called with the number of bytes moved since the previous call."""
+Keys = list[str]
+"""Sorted keys (an alias because ``list`` is also a method name of :class:`Storage`)."""
 
 _TMP_PREFIX = ".nxdtmp-"
 _COPY_CHUNK = 1 << 20
@@ -72,11 +74,11 @@ class Storage(ABC):
         """Whether an object is stored at ``key``."""
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> Keys:
         """All keys under ``prefix`` (a plain string prefix, recursive), sorted."""
 
     @abstractmethod
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> Keys:
         """Names of the immediate "subdirectories" of ``prefix`` (which is empty or ends in ``/``), sorted."""
 
     @abstractmethod
@@ -155,7 +157,7 @@ class LocalStorage(Storage):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> Keys:
         # Walk only the directory that contains the prefix, then filter by the string prefix.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / check_key(base) if base else self.root
@@ -170,7 +172,7 @@ class LocalStorage(Storage):
                     keys.append(key)
         return sorted(keys)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> Keys:
         if prefix and not prefix.endswith("/"):
             raise StorageError(f"list_dirs needs '' or a prefix ending in '/', got {prefix!r}")
         start = self.root / check_key(prefix.rstrip("/")) if prefix else self.root
@@ -178,11 +180,22 @@ class LocalStorage(Storage):
             return []
         return sorted(p.name for p in start.iterdir() if p.is_dir() and any(_has_files(p)))
 
+    def delete_prefix(self, prefix: str) -> int:
+        """As :meth:`Storage.delete_prefix`; also removes temp files that killed writers left there."""
+        count = super().delete_prefix(prefix)
+        directory = self.root / check_key(prefix.rstrip("/"))
+        if directory.is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
+            self._prune(directory.parent)
+        return count
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
-        # Prune directories left empty, so removed versions do not linger as empty folders.
-        parent = path.parent
+        self._prune(path.parent)
+
+    def _prune(self, parent: Path) -> None:
+        """Remove directories left empty up to the root, so removed versions do not linger as folders."""
         while parent != self.root and parent.is_relative_to(self.root):
             try:
                 parent.rmdir()

@@ -86,8 +86,11 @@ def _as_list(spec: str | os.PathLike | Sequence[str | os.PathLike] | None) -> li
 
 
 def _looks_local(name: str) -> bool:
-    return (name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in LOCAL_BUILDERS
-            or os.sep in name and Path(name).parent.exists())
+    return (
+        name.startswith(("/", "./", "../", "~"))
+        or Path(name).suffix.lower() in LOCAL_BUILDERS
+        or (os.sep in name and Path(name).parent.exists())
+    )
 
 
 def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | None = None) -> list[str]:
@@ -114,8 +117,9 @@ def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | Non
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def _load_one(source: str, hf_cache: str | None):
@@ -174,8 +178,7 @@ class TokenizedDataset:
     :func:`tokenize_rows`.
     """
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor,
-                 stats: dict[str, int]):
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, stats: dict[str, int]):
         self.input_ids, self.labels, self.offsets, self.stats = input_ids, labels, offsets, stats
 
     @classmethod
@@ -185,8 +188,9 @@ class TokenizedDataset:
         torch.cumsum(lengths, 0, out=offsets[1:])
         flat_ids = [t for ids, _ in samples for t in ids]
         flat_labels = [t for _, labels in samples for t in labels]
-        return cls(torch.tensor(flat_ids, dtype=torch.int32), torch.tensor(flat_labels, dtype=torch.int32),
-                   offsets, stats)
+        return cls(
+            torch.tensor(flat_ids, dtype=torch.int32), torch.tensor(flat_labels, dtype=torch.int32), offsets, stats
+        )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -205,8 +209,11 @@ class TokenizedDataset:
         return self.input_ids[a:b], self.labels[a:b]
 
     def save(self, path: Path) -> None:
-        save_file({"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets},
-                  str(path), metadata={"stats": json.dumps(self.stats)})
+        save_file(
+            {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets},
+            str(path),
+            metadata={"stats": json.dumps(self.stats)},
+        )
 
     @classmethod
     def load(cls, path: Path) -> TokenizedDataset:
@@ -245,8 +252,10 @@ def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = N
         chunk = rows[start : start + _CHUNK]
         if isinstance(chunk, Mapping):  # datasets slices are column-major
             chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
-        rendered = [formats.render_row(row, spec.format, columns, tokenizer, chat_template,
-                                       spec.train_on_prompt, adds_bos) for row in chunk]
+        rendered = [
+            formats.render_row(row, spec.format, columns, tokenizer, chat_template, spec.train_on_prompt, adds_bos)
+            for row in chunk
+        ]
         for ids, labels in formats.tokenize_rendered(tokenizer, rendered):
             if len(ids) > spec.max_seq_len:
                 truncated += 1
@@ -277,8 +286,11 @@ def _source_fingerprint(source: str) -> list:
         st = path.stat()
         return [source, st.st_size, st.st_mtime_ns]
     if path.is_dir():
-        return [source] + [[str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns]
-                           for p in sorted(path.rglob("*")) if p.is_file()]
+        return [source] + [
+            [str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(path.rglob("*"))
+            if p.is_file()
+        ]
     return [source]  # hub name
 
 
@@ -290,8 +302,10 @@ def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], cha
         "train": [_source_fingerprint(s) for s in train],
         "eval": [_source_fingerprint(s) for s in eval_],
         "chat_template": chat_template,
-        **{k: getattr(spec, k) for k in ("eval_fraction", "format", "fields", "max_seq_len",
-                                         "train_on_prompt", "max_samples")},
+        **{
+            k: getattr(spec, k)
+            for k in ("eval_fraction", "format", "fields", "max_seq_len", "train_on_prompt", "max_samples")
+        },
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -313,8 +327,15 @@ def _split_eval(rows, fraction: float):
     return rows.select(sorted(order[n_eval:])), rows.select(sorted(order[:n_eval]))
 
 
-def _build_entry(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], chat_template: str | None,
-                 base_dir: str | Path | None, hf_cache: str) -> dict[str, TokenizedDataset]:
+def _build_entry(
+    spec: DataSpec,
+    tokenizer,
+    train: list[str],
+    eval_: list[str],
+    chat_template: str | None,
+    base_dir: str | Path | None,
+    hf_cache: str,
+) -> dict[str, TokenizedDataset]:
     train_rows = load_rows(train, base_dir, hf_cache)
     eval_rows = load_rows(eval_, base_dir, hf_cache) if eval_ else None
     if eval_rows is None and spec.eval_fraction > 0:
@@ -326,13 +347,16 @@ def _build_entry(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], 
         out["eval"] = tokenize_rows(eval_rows, spec, tokenizer, chat_template)
     if len(out["train"]) == 0:
         s = out["train"].stats
-        raise DataError(f"no training samples left: all {s['dropped']} rows have no trainable token "
-                        f"within max_seq_len={spec.max_seq_len}")
+        raise DataError(
+            f"no training samples left: all {s['dropped']} rows have no trainable token "
+            f"within max_seq_len={spec.max_seq_len}"
+        )
     return out
 
 
-def prepare_datasets(data: Any, tokenizer, base_dir: str | Path | None = None,
-                     use_cache: bool = True) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+def prepare_datasets(
+    data: Any, tokenizer, base_dir: str | Path | None = None, use_cache: bool = True
+) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """Tokenized (train, eval) for the recipe's ``data`` section, from the cache when possible.
 
     ``eval`` is None when neither ``data.eval`` nor ``data.eval_fraction`` is set. Relative paths
@@ -350,8 +374,10 @@ def prepare_datasets(data: Any, tokenizer, base_dir: str | Path | None = None,
     entry = root / cache_key(spec, tokenizer, train, eval_, chat_template)
     if use_cache and (entry / "meta.json").is_file():
         loaded_eval = entry / "eval.safetensors"
-        return (TokenizedDataset.load(entry / "train.safetensors"),
-                TokenizedDataset.load(loaded_eval) if loaded_eval.is_file() else None)
+        return (
+            TokenizedDataset.load(entry / "train.safetensors"),
+            TokenizedDataset.load(loaded_eval) if loaded_eval.is_file() else None,
+        )
     built = _build_entry(spec, tokenizer, train, eval_, chat_template, base_dir, str(root / "hf-datasets"))
     if use_cache:
         _write_entry(entry, built)

@@ -90,14 +90,17 @@ def load_chat_template(value: str | None, base_dir: str | Path | None = None) ->
     return path.read_text(encoding="utf-8")
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping], chat_template: str | None = None,
-                add_generation_prompt: bool = False) -> str:
+def render_chat(
+    tokenizer, messages: Sequence[Mapping], chat_template: str | None = None, add_generation_prompt: bool = False
+) -> str:
     """``messages`` rendered to text with ``chat_template`` or the tokenizer's own template."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat template; set data.chat_template (a Jinja string or file)")
     try:
         return tokenizer.apply_chat_template(
-            list(messages), chat_template=chat_template, tokenize=False,
+            list(messages),
+            chat_template=chat_template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # jinja errors, template-raised exceptions
@@ -142,8 +145,9 @@ def _normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, 
     return messages
 
 
-def _render_messages(row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None,
-                     train_on_prompt: bool) -> Rendered:
+def _render_messages(
+    row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
+) -> Rendered:
     messages = _normalize_messages(row[columns["messages"]], columns)
     text = render_chat(tokenizer, messages, chat_template)
     spans = []
@@ -172,8 +176,7 @@ def _render_messages(row: Mapping, columns: Mapping[str, str], tokenizer, chat_t
     ends_with_answer = bool(messages) and messages[-1]["role"] == "assistant"
     if train_on_prompt:
         spans = [(0, len(text))]
-    return Rendered(text, tuple(spans), add_bos=False, add_eos=add_eos,
-                    eos_trained=ends_with_answer or train_on_prompt)
+    return Rendered(text, tuple(spans), add_bos=False, add_eos=add_eos, eos_trained=ends_with_answer or train_on_prompt)
 
 
 def adds_bos(tokenizer) -> bool:
@@ -185,9 +188,15 @@ def adds_bos(tokenizer) -> bool:
     return bool(ids) and ids[0] == bos
 
 
-def render_row(row: Mapping, fmt: str, columns: Mapping[str, str], tokenizer,
-               chat_template: str | None = None, train_on_prompt: bool = False,
-               add_bos: bool | None = None) -> Rendered:
+def render_row(
+    row: Mapping,
+    fmt: str,
+    columns: Mapping[str, str],
+    tokenizer,
+    chat_template: str | None = None,
+    train_on_prompt: bool = False,
+    add_bos: bool | None = None,
+) -> Rendered:
     """One dataset row as a :class:`Rendered` sample (see the module docstring for each format).
 
     ``add_bos`` (non-chat formats): prepend BOS; None asks the tokenizer (:func:`adds_bos`).
@@ -200,8 +209,10 @@ def render_row(row: Mapping, fmt: str, columns: Mapping[str, str], tokenizer,
         text = str(row[columns["text"]])
         return Rendered(text, ((0, len(text)),), add_bos=add_bos)
     if fmt == "alpaca":
-        values = {"instruction": row[columns["instruction"]],
-                  "input": row[columns["input"]] if "input" in columns else ""}
+        values = {
+            "instruction": row[columns["instruction"]],
+            "input": row[columns["input"]] if "input" in columns else "",
+        }
         template = ALPACA_PROMPT if values["input"] else ALPACA_PROMPT_NO_INPUT
         prompt, answer = template.format(**values), str(row[columns["output"]])
     else:
@@ -211,8 +222,9 @@ def render_row(row: Mapping, fmt: str, columns: Mapping[str, str], tokenizer,
     return Rendered(text, ((start, len(text)),), add_bos=add_bos)
 
 
-def _label_tokens(ids: Sequence[int], offsets: Sequence[tuple[int, int]],
-                  spans: Sequence[tuple[int, int]]) -> list[int]:
+def _label_tokens(
+    ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[int]:
     """Token ``i`` keeps its id as label iff ``offsets[i]`` overlaps a span, else -100."""
     labels = []
     k = 0

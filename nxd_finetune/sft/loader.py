@@ -39,8 +39,14 @@ def pad_token_id(tokenizer) -> int:
 class TrainLoader:
     """Endless, resumable micro-batches of the training rows for one dp rank (see sampler.py)."""
 
-    def __init__(self, dataset: TokenizedDataset, rows: list[list[int]], sampler: ResumableSampler,
-                 pad_id: int, seq_len: int | None):
+    def __init__(
+        self,
+        dataset: TokenizedDataset,
+        rows: list[list[int]],
+        sampler: ResumableSampler,
+        pad_id: int,
+        seq_len: int | None,
+    ):
         self.dataset, self.rows, self.sampler = dataset, rows, sampler
         self.pad_id, self.seq_len = pad_id, seq_len
 
@@ -72,8 +78,17 @@ class EvalLoader:
     may have fewer rows unless ``fixed_shape``.
     """
 
-    def __init__(self, dataset: TokenizedDataset, rows: list[list[int]], micro_batch_size: int,
-                 dp_rank: int, dp_world: int, pad_id: int, seq_len: int | None, fixed_shape: bool):
+    def __init__(
+        self,
+        dataset: TokenizedDataset,
+        rows: list[list[int]],
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_world: int,
+        pad_id: int,
+        seq_len: int | None,
+        fixed_shape: bool,
+    ):
         per_rank = math.ceil(len(rows) / dp_world)
         mine = [rows[j] if j < len(rows) else [] for j in range(dp_rank, per_rank * dp_world, dp_world)]
         self.batches = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
@@ -99,9 +114,18 @@ class DataLoaders:
     stats: dict[str, dict[str, Any]]
 
 
-def build_dataloaders(data: Any, tokenizer, *, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
-                      seed: int = 0, base_dir: str | Path | None = None, fixed_shape: bool = False,
-                      use_cache: bool = True) -> DataLoaders:
+def build_dataloaders(
+    data: Any,
+    tokenizer,
+    *,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    seed: int = 0,
+    base_dir: str | Path | None = None,
+    fixed_shape: bool = False,
+    use_cache: bool = True,
+) -> DataLoaders:
     """Tokenize (or load from cache), pack, and shard the data of ``data`` (the recipe's section).
 
     ``seed`` drives the per-epoch shuffle (``data.shuffle``); ``base_dir`` resolves relative paths;
@@ -121,11 +145,13 @@ def build_dataloaders(data: Any, tokenizer, *, micro_batch_size: int, dp_rank: i
         return rows
 
     train_rows = rows_of(train_ds, "train")
-    sampler = ResumableSampler(len(train_rows), micro_batch_size, seed=seed, shuffle=spec.shuffle,
-                               dp_rank=dp_rank, dp_world=dp_world)
+    sampler = ResumableSampler(
+        len(train_rows), micro_batch_size, seed=seed, shuffle=spec.shuffle, dp_rank=dp_rank, dp_world=dp_world
+    )
     train = TrainLoader(train_ds, train_rows, sampler, pad_id, seq_len)
     evaluator = None
     if eval_ds is not None and len(eval_ds):
-        evaluator = EvalLoader(eval_ds, rows_of(eval_ds, "eval"), micro_batch_size, dp_rank, dp_world,
-                               pad_id, seq_len, fixed_shape)
+        evaluator = EvalLoader(
+            eval_ds, rows_of(eval_ds, "eval"), micro_batch_size, dp_rank, dp_world, pad_id, seq_len, fixed_shape
+        )
     return DataLoaders(train, evaluator, stats)

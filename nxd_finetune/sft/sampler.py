@@ -29,8 +29,16 @@ class ResumableSampler:
     consuming a batch resumes at the next one.
     """
 
-    def __init__(self, num_items: int, micro_batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 dp_rank: int = 0, dp_world: int = 1):
+    def __init__(
+        self,
+        num_items: int,
+        micro_batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+    ):
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank={dp_rank} is outside dp_world={dp_world}")
         if micro_batch_size < 1:
@@ -77,9 +85,15 @@ class ResumableSampler:
         epoch, position = self.epoch, self.position
         if position >= self.batches_per_epoch:
             epoch, position = epoch + 1, 0
-        return {"epoch": epoch, "position": position, "samples_seen": position * self.global_batch_rows,
-                "seed": self.seed, "num_items": self.num_items, "micro_batch_size": self.micro_batch_size,
-                "dp_world": self.dp_world}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "samples_seen": position * self.global_batch_rows,
+            "seed": self.seed,
+            "num_items": self.num_items,
+            "micro_batch_size": self.micro_batch_size,
+            "dp_world": self.dp_world,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state``; raises DataError when it cannot describe the same order."""

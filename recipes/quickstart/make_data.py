@@ -88,14 +88,36 @@ Anna Ben Clara David Emma Felix Grace Henry Iris Jack Kate Leo Mia Noah Olivia P
 Sam Tara Umar Vera Will Xena Yusuf Zoe
 """.split()
 PLACES = (
-    "in the morning", "near the river", "at the market", "after lunch", "before dinner",
-    "in the garden", "on the hill", "at school", "by the window", "under the old tree",
-    "every day", "in the evening", "during the storm", "on the train",
+    "in the morning",
+    "near the river",
+    "at the market",
+    "after lunch",
+    "before dinner",
+    "in the garden",
+    "on the hill",
+    "at school",
+    "by the window",
+    "under the old tree",
+    "every day",
+    "in the evening",
+    "during the storm",
+    "on the train",
 )
 CONNECTIVES = ("Then", "Later", "Meanwhile", "After that", "Suddenly", "Of course", "Still")
 NUMBER_WORDS = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
 )
 
 
@@ -155,7 +177,7 @@ def _story_sentence(rng: random.Random) -> str:
         return f"{name} was {_gerund(verb)} the {_plural(n1)} {adverb} {place}."
     if form == 5:
         return f"Many {a1} {_plural(n1)} {verb} {_plural(n2)}, but {name} {adverb} {_past(verb)} one."
-    return f"{name} said: \"I will {verb} the {a1} {n1} {adverb}.\""
+    return f'{name} said: "I will {verb} the {a1} {n1} {adverb}."'
 
 
 def _number_sentence(rng: random.Random) -> str:
@@ -180,9 +202,7 @@ def make_corpus(target_bytes: int = 200_000, seed: int = SEED) -> str:
     size = 0
     while size < target_bytes:
         k = rng.randrange(3, 8)
-        sentences = [
-            _number_sentence(rng) if rng.random() < 0.35 else _story_sentence(rng) for _ in range(k)
-        ]
+        sentences = [_number_sentence(rng) if rng.random() < 0.35 else _story_sentence(rng) for _ in range(k)]
         paragraph = " ".join(s.strip() for s in sentences)
         paragraphs.append(paragraph)
         size += len(paragraph) + 2

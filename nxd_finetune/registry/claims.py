@@ -1,0 +1,130 @@
+"""Version claims: how concurrent pushes get distinct version numbers without overwriting each other.
+
+"Upload, then conditionally create the manifest" alone is not enough: two pushes that pick the
+same number would overwrite each other's files before one of them loses the manifest race, and the
+winner's files would no longer match its manifest. So a push first *claims* the number with a
+conditional create of ``<name>/<v>/.claim-1.json`` and only then uploads; the loser of a claim moves
+to the next number before writing anything.
+
+A claim left by a dead push is taken over by creating the next generation
+(``.claim-<gen+1>.json``, again a conditional create, so exactly one taker wins). A claim is dead
+when its holder ran on this machine (same hostname and PID namespace) and its PID is gone, or when
+it is older than the TTL (the only signal for a push that died on another machine). Hence a
+SIGKILLed push is invisible and the next push on the same machine reuses its number; numbers only
+grow, and may skip one held by a push that died elsewhere. A holder checks that it still owns its
+claim before writing the manifest (a push slower than the TTL can lose it), and the manifest create
+stays conditional as the last line of defence. Claims are deleted once the manifest exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from nxd_finetune.registry.errors import RegistryError, StorageNotFoundError
+from nxd_finetune.registry.manifest import MANIFEST, dumps
+from nxd_finetune.registry.storage import Storage
+
+CLAIM_RE = re.compile(r"\.claim-([1-9][0-9]*)\.json")
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else (EPERM)
+    return True
+
+
+class Claims:
+    """Claims on version numbers under one registry storage; ``ttl`` in seconds."""
+
+    def __init__(self, storage: Storage, ttl: float):
+        self.storage = storage
+        self.ttl = ttl
+
+    def _key(self, name: str, v: int, gen: int) -> str:
+        return f"{name}/{v}/.claim-{gen}.json"
+
+    def generations(self, name: str, v: int) -> list[int]:
+        """Claim generations present at ``name/v``, ascending."""
+        gens = []
+        for key in self.storage.list(f"{name}/{v}/.claim-"):
+            m = CLAIM_RE.fullmatch(key.rsplit("/", 1)[1])
+            if m:
+                gens.append(int(m.group(1)))
+        return sorted(gens)
+
+    def owns(self, name: str, v: int, gen: int) -> bool:
+        """Whether generation ``gen`` is still the newest claim at ``name/v``."""
+        return self.generations(name, v)[-1:] == [gen]
+
+    def is_stale(self, holder: Any) -> bool:
+        """Whether a claim's content shows a dead holder (see the module docstring)."""
+        if not isinstance(holder, dict):
+            return True
+        created = holder.get("created")
+        if not isinstance(created, int | float) or time.time() - created > self.ttl:
+            return True
+        if holder.get("host") == socket.gethostname() and holder.get("pidns") == _pid_namespace():
+            return not _pid_alive(holder.get("pid"))
+        return False
+
+    def claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
+        """Claim the lowest free version number >= ``start``; return ``(version, generation)``."""
+        holder = {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid()}
+        v = start
+        for _ in range(10_000):
+            if self.storage.exists(f"{name}/{v}/{MANIFEST}"):
+                v += 1
+                continue
+            gens = self.generations(name, v)
+            if gens:
+                try:
+                    current = json.loads(self.storage.get_bytes(self._key(name, v, gens[-1])))
+                except StorageNotFoundError:
+                    continue  # released or published meanwhile: look again
+                except ValueError:
+                    current = None
+                if not self.is_stale(current):
+                    v += 1
+                    continue
+            gen = gens[-1] + 1 if gens else 1
+            payload = dumps({**holder, "created": time.time()})
+            if self.storage.put_bytes(self._key(name, v, gen), payload, if_none_match=True):
+                if not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
+                    return v, gen
+                self.storage.delete(self._key(name, v, gen))  # published under our feet
+                v += 1
+        raise RegistryError(f"could not claim a version of {name} in {self.storage.uri}")
+
+    def release(self, name: str, v: int, gen: int, uploaded: Iterable[str]) -> None:
+        """Best effort after a failed push: drop our files and claim if ``v`` is still ours and unpublished."""
+        try:
+            if self.owns(name, v, gen) and not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
+                for fname in uploaded:
+                    self.storage.delete(f"{name}/{v}/{fname}")
+                self.storage.delete(self._key(name, v, gen))
+        except Exception:  # noqa: BLE001 - never mask the error that made the push fail
+            pass
+
+    def clear(self, name: str, v: int) -> None:
+        """Delete every claim at ``name/v`` (after its manifest is written)."""
+        for gen in self.generations(name, v):
+            self.storage.delete(self._key(name, v, gen))
