@@ -384,3 +384,12 @@ def _human(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+def _mount_subcommands() -> None:
+    from nxd_finetune.registry.cli import adapters_app
+
+    app.add_typer(adapters_app, name="adapters", help="Push, pull, list, show, tag and remove adapters in a registry.")
+
+
+_mount_subcommands()

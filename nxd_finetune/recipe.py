@@ -6,10 +6,12 @@ line: unknown keys name their dotted path and the closest valid key, type errors
 the expected value, cross-field rules carry the numbers. Checks that need the model's shape (heads
 divisible by tp, layers by pp) are in :func:`check_against_model`.
 
-Relative paths. In a recipe *file*, a relative path is relative to the directory of that file, so a
-recipe and its data can move together; ``~`` is expanded. On the *command line* (overrides), a
-relative path is relative to the current directory, like any other CLI argument. Defaults (such as
-``output.dir: outputs/run``) stay relative to the current directory. Strings with a scheme
+Relative paths. In a recipe *file*, a relative *input* path (model, tokenizer, data, chat template,
+adapter to start from) is relative to the directory of that file, so a recipe and its data can move
+together; ``~`` is expanded. *Output* paths (``output.dir``, ``output.registry``, ``checkpoint.dir``,
+``checkpoint.resume``) stay relative to the current directory, where the user runs the job. On the
+*command line* (overrides), a relative path is relative to the current directory, like any other
+CLI argument. Strings with a scheme
 (``s3://...``, ``hf://...``, ``registry://...``, any ``name://``) and ``builtin:`` names are never
 touched. The path-valued keys are listed in :data:`PATH_KEYS`; ``checkpoint.resume: latest`` is a
 keyword and a ``data.chat_template`` holding ``{{`` or ``{%`` is an inline template, not a path.
@@ -38,8 +40,7 @@ StrList = list[str]
 
 PATH_KEYS: frozenset[tuple[str, str]] = frozenset({
     ("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval"), ("data", "cache_dir"),
-    ("data", "chat_template"), ("lora", "init_from"), ("checkpoint", "dir"), ("checkpoint", "resume"),
-    ("output", "dir"), ("output", "registry"),
+    ("data", "chat_template"), ("lora", "init_from"),
 })
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|builtin:)")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -92,7 +92,7 @@ def test_packed_batch_equals_separate_samples(tmp_path):
     labels[0, starts] = -100  # the first token of a sample is never a target of the previous one
     with torch.no_grad():
         packed = causal_lm_loss(model(ids, pos, seg), labels, reduction="none")[0]
-    for s, start, ref in zip(samples, starts.tolist(), separate):
+    for s, start, ref in zip(samples, starts.tolist(), separate, strict=True):
         got = packed[start:start + len(s) - 1]
         assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
     # the packed mean equals the token-weighted mean of the separate losses

@@ -179,8 +179,9 @@ def test_relative_paths_resolve_against_the_recipe_dir(tmp_path, monkeypatch):
     assert r.data.eval == str(recipe_dir / "data" / "e.jsonl")
     assert r.data.cache_dir == str(recipe_dir / "cache")
     assert r.data.chat_template == str(recipe_dir / "templates" / "chat.jinja")
-    assert r.checkpoint.dir == str(recipe_dir / "ckpt") and r.checkpoint.resume == "latest"
-    assert r.output.dir == str(recipe_dir / "out")
+    # outputs stay relative to the working directory, where the user runs the job
+    assert r.checkpoint.dir == "ckpt" and r.checkpoint.resume == "latest"
+    assert r.output.dir == "out"
     assert r.lora.init_from == "registry://bot:3" and r.output.registry == "s3://team/adapters"
 
 
@@ -200,7 +201,7 @@ def test_override_paths_resolve_against_the_working_dir(tmp_path, monkeypatch):
     r = load_recipe(path, ["data.train=mine.jsonl", "model={path: m2}", "checkpoint.resume=ckpt/step-10"])
     assert r.data.train == str(tmp_path / "mine.jsonl")
     assert r.model.path == str(tmp_path / "m2")
-    assert r.checkpoint.resume == str(tmp_path / "ckpt" / "step-10")
+    assert r.checkpoint.resume == "ckpt/step-10"  # an output path: left relative to the working dir
 
 
 def test_defaults_and_derived_values():

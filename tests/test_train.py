@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 # short and small: a few steps of the quickstart on 64-token rows
 FAST = ["data.max_seq_len=64", "training.max_steps=4", "training.micro_batch_size=4", "training.warmup_steps=1",
-        "logging.progress=false", "eval.max_batches=2"]
+        "logging.progress=false", "logging.every_n_steps=1", "eval.max_batches=2"]
 
 
 @pytest.fixture(scope="module")

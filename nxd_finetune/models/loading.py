@@ -86,11 +86,15 @@ def materialize(
                 continue  # built fresh (e.g. LoRA matrices), not a checkpoint tensor
             raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {key!r}")
         by_file.setdefault(index[key], []).append((full_name, key, module, attr))
+    used: set[str] = set()
     for path, entries in by_file.items():
         with safe_open(path, framework="pt") as f:
             for _, key, module, attr in entries:
                 target = getattr(module, attr)
                 tensor = reader(key, f.get_slice(key), target)
+                if key in used:  # two parameters from one key (a module_to_save copy): never alias
+                    tensor = tensor.clone()
+                used.add(key)
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ModelLoadError(
                         f"tensor {key!r} has shape {tuple(tensor.shape)} in the checkpoint, "

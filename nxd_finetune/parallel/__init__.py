@@ -1,0 +1,57 @@
+"""Process groups, autograd collectives and tensor/sequence-parallel layers.
+
+- :mod:`.state`: ``ParallelDims`` (tp, pp, dp) and ``ParallelState`` (the groups; rank layout tp
+  fastest, then dp, then pp).
+- :mod:`.mappings`: collectives as autograd functions with one-line contracts.
+- :mod:`.layers`: Column/Row-parallel linears, vocab-parallel embedding and cross entropy,
+  ``ShardSpec`` metadata and slice helpers.
+- :mod:`.plan`: per-family TP plans, ``apply_tp_plan``, the checkpoint slice reader and the
+  gradient sync of replicated parameters.
+
+Nothing here is imported by ``nxd_finetune.models``.
+"""
+
+from nxd_finetune.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    gather_shards,
+    iter_shard_specs,
+    shard_slice,
+    shard_tensor,
+    vocab_parallel_cross_entropy,
+)
+from nxd_finetune.parallel.plan import (
+    LLAMA_TP_PLAN,
+    TP_PLANS,
+    allreduce_replicated_grads,
+    apply_tp_plan,
+    check_tp_config,
+    kv_replication,
+    make_slice_reader,
+    tp_plan_for,
+)
+from nxd_finetune.parallel.state import ParallelDims, ParallelState
+
+__all__ = [
+    "LLAMA_TP_PLAN",
+    "TP_PLANS",
+    "ColumnParallelLinear",
+    "ParallelDims",
+    "ParallelState",
+    "RowParallelLinear",
+    "ShardSpec",
+    "VocabParallelEmbedding",
+    "allreduce_replicated_grads",
+    "apply_tp_plan",
+    "check_tp_config",
+    "gather_shards",
+    "iter_shard_specs",
+    "kv_replication",
+    "make_slice_reader",
+    "shard_slice",
+    "shard_tensor",
+    "tp_plan_for",
+    "vocab_parallel_cross_entropy",
+]

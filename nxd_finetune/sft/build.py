@@ -71,9 +71,9 @@ def build_training_model(recipe: Any, model_dir: Path, device: torch.device) -> 
             p.requires_grad_(False)
         targets = inject_lora(model, lora_cfg)
         if precision != "bf16":
-            for p in model.parameters():
-                if p.requires_grad and p.dtype != torch.float32:
-                    p.data = p.data.float()
+            from nxd_finetune.lora import cast_adapter_params
+
+            cast_adapter_params(model, torch.float32)
         model.to(device)
     elif dtype != torch.float32 and precision != "bf16":
         raise NxdError(

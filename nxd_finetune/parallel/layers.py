@@ -1,0 +1,357 @@
+"""Tensor-parallel layers and the sharding metadata that checkpoint loading and export read.
+
+Every layer keeps HF's parameter names (``weight``, ``bias``), so a model's module and parameter
+names do not change when its ``nn.Linear``/``nn.Embedding`` modules are swapped for these. Each
+layer carries ``shard_specs: dict[str, ShardSpec]`` (one per parameter) saying which slice of the
+full tensor this rank holds; ``full_shape`` / ``partition_dim`` are the weight's. The metadata
+lives on the module, not on the parameter, because checkpoint materialisation replaces the
+parameter objects.
+
+Layers take the TP ``group`` they shard over; with a group of size one they are plain
+``nn.Linear``/``nn.Embedding`` maths and issue no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.parallel import mappings as M
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Which part of a full tensor this TP rank holds.
+
+    ``full_shape``: the unsharded (checkpoint) shape. ``partition_dim``: the split dim, or None
+    when every TP rank holds the whole tensor. The split dim is cut into ``num_partitions`` equal
+    contiguous chunks; this rank holds chunk ``partition_index``. ``replicas``: how many
+    consecutive TP ranks hold the same chunk (``tp == num_partitions * replicas``; >1 for KV
+    heads when tp exceeds the KV head count). ``grad_sync``: the gradient computed on one rank
+    is a partial sum that :func:`~nxd_finetune.parallel.plan.allreduce_replicated_grads` must sum
+    over blocks of this many consecutive TP ranks (1: nothing to do; tp: replicated parameters
+    of modules that run on sequence shards; ``replicas``: replicated KV shards).
+    """
+
+    full_shape: tuple[int, ...]
+    partition_dim: int | None = None
+    num_partitions: int = 1
+    partition_index: int = 0
+    replicas: int = 1
+    grad_sync: int = 1
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.partition_dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.partition_dim] //= self.num_partitions
+        return tuple(shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index of this rank's chunk in the full tensor (usable on a safetensors slice)."""
+        if self.partition_dim is None:
+            return tuple(slice(None) for _ in self.full_shape)
+        return shard_slice(self.full_shape, self.partition_dim, self.partition_index, self.num_partitions)
+
+
+def shard_slice(full_shape: tuple[int, ...], partition_dim: int, rank: int, world: int) -> tuple[slice, ...]:
+    """Slices selecting chunk ``rank`` of ``world`` equal chunks of ``full_shape`` along
+    ``partition_dim``; for ``safe_open(...).get_slice(key)[shard_slice(...)]``.
+
+    Raises NxdError when the dim does not divide by ``world``.
+    """
+    size = full_shape[partition_dim]
+    if size % world:
+        raise NxdError(f"dim {partition_dim} of a {tuple(full_shape)} tensor ({size}) is not divisible by {world}")
+    step = size // world
+    index = [slice(None)] * len(full_shape)
+    index[partition_dim] = slice(rank * step, (rank + 1) * step)
+    return tuple(index)
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's chunk of ``full`` (a copy, contiguous)."""
+    if tuple(full.shape) != spec.full_shape:
+        raise NxdError(f"tensor of shape {tuple(full.shape)} does not match the sharded shape {spec.full_shape}")
+    return full[spec.slices()].clone().contiguous()
+
+
+def gather_shards(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    """The full tensor from every TP rank's ``local`` chunk (collective over ``group``, no autograd).
+
+    Replicated chunks are taken once. Used to export adapters and to compare with unsharded runs.
+    """
+    if spec.partition_dim is None or M.group_size(group) == 1:
+        return local.detach()
+    gathered = M.all_gather(local.detach(), spec.partition_dim, group)
+    if spec.replicas == 1:
+        return gathered
+    chunks = gathered.chunk(spec.num_partitions * spec.replicas, dim=spec.partition_dim)
+    return torch.cat(chunks[:: spec.replicas], dim=spec.partition_dim)
+
+
+def iter_shard_specs(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, ShardSpec]]:
+    """``(parameter_name, module, attribute, spec)`` for every parameter with sharding metadata,
+    in ``named_modules`` order (the same on every rank of a TP group)."""
+    for module_name, module in model.named_modules():
+        for attr, spec in getattr(module, "shard_specs", {}).items():
+            if module._parameters.get(attr) is not None:
+                yield (f"{module_name}.{attr}" if module_name else attr), module, attr, spec
+
+
+def _new_param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class _ParallelLinearBase(nn.Module):
+    """Shared parts of the column- and row-parallel linears (weight ``[out_local, in_local]``)."""
+
+    in_features: int
+    out_features: int
+    shard_specs: dict[str, ShardSpec]
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.shard_specs["weight"].full_shape
+
+    @property
+    def partition_dim(self) -> int | None:
+        return self.shard_specs["weight"].partition_dim
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's init applied to the local shard (meta tensors are left alone)."""
+        if self.weight.device.type == "meta":
+            return
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @torch.no_grad()
+    def copy_from_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Fill this rank's shard from full (unsharded) tensors."""
+        self.weight.copy_(shard_tensor(weight, self.shard_specs["weight"]))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(shard_tensor(bias, self.shard_specs["bias"]))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group, **kwargs):
+        """A sharded copy of ``linear`` on its device and dtype; on the meta device only shapes."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        if linear.weight.device.type != "meta":
+            layer.copy_from_full(linear.weight, linear.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}")
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """``y = x W^T + b`` with ``W [out, in]`` split on the output dim over the TP group.
+
+    Input: ``[*, in]`` replicated on the TP ranks, or with ``sequence_parallel`` ``[B, T/tp, in]``
+    (this rank's sequence chunk; all-gathered here, gradient reduce-scattered back). Output:
+    ``[*, out/tp]`` (this rank's features), or ``[*, out]`` with ``gather_output``.
+    ``in_features``/``out_features`` are the full sizes; ``weight`` is ``[out/tp, in]``, ``bias``
+    ``[out/tp]``.
+
+    ``replicas`` > 1 (KV heads when tp exceeds their count): the output dim is cut into
+    ``tp / replicas`` chunks and ``replicas`` consecutive ranks hold the same one; their weight
+    gradients are partial sums (``grad_sync = replicas``). ``gather_output`` is then refused.
+    Raises NxdError when the output dim does not divide by the number of chunks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group,
+                 gather_output: bool = False, sequence_parallel: bool = False, replicas: int = 1,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        tp, rank = M.group_size(group), M.group_rank(group)
+        if replicas < 1 or tp % replicas:
+            raise NxdError(f"KV replication {replicas} does not divide the tensor-parallel size {tp}")
+        if replicas > 1 and gather_output:
+            raise ValueError("gather_output is not supported with replicated shards")
+        parts = tp // replicas
+        if out_features % parts:
+            raise NxdError(f"output size {out_features} is not divisible by {parts} tensor-parallel shards")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.replicas = replicas
+        common = dict(partition_dim=0, num_partitions=parts, partition_index=rank // replicas,
+                      replicas=replicas, grad_sync=replicas)
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), **common)}
+        self.weight = _new_param((out_features // parts, in_features), device, dtype)
+        if bias:
+            self.shard_specs["bias"] = ShardSpec((out_features,), **common)
+            self.bias = _new_param((out_features // parts,), device, dtype)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = M.gather_from_sequence(x, self.group)
+        else:
+            x = M.copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return M.gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """``y = x W^T + b`` with ``W [out, in]`` split on the input dim over the TP group.
+
+    Input: ``[*, in/tp]`` (``input_is_parallel``, the output of a column-parallel layer) or
+    ``[*, in]`` replicated (split here). The partial products are summed over the TP group:
+    all-reduce -> ``[*, out]`` replicated, or with ``sequence_parallel`` reduce-scatter on the
+    sequence dim -> ``[B, T/tp, out]``. ``bias`` (``[out]``, replicated) is added after the
+    reduction, so it is added once; under sequence parallel its gradient is a per-rank partial
+    sum (``grad_sync = tp``). ``weight`` is ``[out, in/tp]``.
+    Raises NxdError when ``in_features`` does not divide by tp, ValueError for
+    ``sequence_parallel`` without ``input_is_parallel``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group,
+                 input_is_parallel: bool = False, sequence_parallel: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        tp, rank = M.group_size(group), M.group_rank(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
+        if in_features % tp:
+            raise NxdError(f"input size {in_features} is not divisible by the tensor-parallel size {tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, tp, rank)}
+        self.weight = _new_param((out_features, in_features // tp), device, dtype)
+        if bias:
+            self.shard_specs["bias"] = ShardSpec((out_features,), grad_sync=tp if sequence_parallel else 1)
+            self.bias = _new_param((out_features,), device, dtype)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = M.scatter_to_tp(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = M.reduce_scatter_to_sequence(y, self.group)
+        else:
+            y = M.reduce_from_tp(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split in contiguous ranges over the TP group.
+
+    Rank ``r`` holds rows ``[r*V/tp, (r+1)*V/tp)`` (``weight [V/tp, H]``). Input ids ``[B, T]``
+    (any shape) replicated on the TP ranks; ids outside this rank's range look up zeros, and the
+    per-rank results are summed: all-reduce -> ``[B, T, H]``, or with ``sequence_parallel``
+    reduce-scatter -> ``[B, T/tp, H]``. Raises NxdError when the vocabulary does not divide by tp.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, sequence_parallel: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        tp, rank = M.group_size(group), M.group_rank(group)
+        if num_embeddings % tp:
+            raise NxdError(f"vocab_size {num_embeddings} is not divisible by the tensor-parallel size {tp}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        per_rank = num_embeddings // tp
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, tp, rank)}
+        self.weight = _new_param((per_rank, embedding_dim), device, dtype)
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
+
+    full_shape = _ParallelLinearBase.full_shape
+    partition_dim = _ParallelLinearBase.partition_dim
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, group, **kwargs) -> VocabParallelEmbedding:
+        """A sharded copy of ``emb`` (only plain embeddings: no padding_idx, max_norm)."""
+        if emb.padding_idx is not None or emb.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding supports neither padding_idx nor max_norm")
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, device=emb.weight.device,
+                    dtype=emb.weight.dtype, **kwargs)
+        if emb.weight.device.type != "meta":
+            with torch.no_grad():
+                layer.weight.copy_(shard_tensor(emb.weight, layer.shard_specs["weight"]))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return M.reduce_scatter_to_sequence(out, self.group)
+        return M.reduce_from_tp(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, vocab=[{self.vocab_start}, {self.vocab_end})"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy over vocab-sharded logits (Megatron's ``_VocabParallelCrossEntropy``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index):
+        tp, rank = M.group_size(group), M.group_rank(group)
+        vocab_local = logits.shape[-1]
+        start = rank * vocab_local
+        x = logits.float()
+        # stable log-sum-exp over the full vocabulary: global max, then global sum of exp
+        x = x - M.all_reduce_max(x.max(dim=-1).values, group).unsqueeze(-1)
+        ignored = targets == ignore_index
+        outside = (targets < start) | (targets >= start + vocab_local) | ignored
+        local_t = (targets - start).masked_fill(outside, 0)
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = x.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if tp > 1:  # one collective for both sums
+            both = M.all_reduce_sum(torch.stack([target_logit, sum_exp]), group)
+            target_logit, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        ctx.logits_dtype = logits.dtype
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.used:  # the saved softmax is turned into the gradient in place (saves a copy)
+            raise RuntimeError("vocab_parallel_cross_entropy supports one backward per forward")
+        ctx.used = True
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        grad = softmax
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token cross entropy from this rank's vocab shard of the logits.
+
+    ``logits_shard``: ``[*, V/tp]``, rank ``r`` holding vocab entries ``[r*V/tp, (r+1)*V/tp)``
+    (the output of a column-parallel ``lm_head`` without ``gather_output``). ``targets``: ``[*]``
+    long, the same on every TP rank. Returns float32 losses ``[*]`` equal to
+    ``F.cross_entropy(full_logits, targets, reduction="none", ignore_index=ignore_index)`` on
+    every TP rank (0 where ignored); the backward yields the matching logit-shard gradient.
+    Computed in float32 with a global max shift (two all-reduces: max, then one stacked sum).
+    """
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits_shard.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)

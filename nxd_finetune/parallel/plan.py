@@ -1,0 +1,241 @@
+"""Tensor-parallel plans as data, and the one function that applies them.
+
+A plan maps module-name patterns (``*`` matches one dotted name component) to a style:
+
+- ``column``:    ``nn.Linear`` -> :class:`ColumnParallelLinear`, output dim split, output left sharded.
+- ``column_kv``: ``column`` for the K/V projections, split on KV heads; when tp exceeds the KV
+  head count each head is replicated over ``tp / num_key_value_heads`` consecutive ranks.
+- ``row``:       ``nn.Linear`` -> :class:`RowParallelLinear`, input dim split, input already sharded.
+- ``vocab``:     ``nn.Embedding`` -> :class:`VocabParallelEmbedding`.
+- ``replicate``: kept whole on every TP rank (norms). Under sequence parallel these modules run on
+  sequence chunks, so their gradients are partial sums over TP (``grad_sync = tp``).
+
+Llama-family attention under TP: q/o are split on query heads (rank ``r`` holds heads
+``[r*nq/tp, (r+1)*nq/tp)``), k/v on KV heads. The model derives head counts from projection sizes,
+so it needs no change. When ``tp <= num_key_value_heads`` (tp dividing it), rank ``r`` holds KV heads
+``[r*nkv/tp, (r+1)*nkv/tp)``, exactly those its query heads use. When ``tp > num_key_value_heads``
+(nkv dividing tp), rank ``r`` holds the single KV head ``r // (tp/nkv)``, which is the head its
+query heads use: its queries ``[r*nq/tp, ...)`` all fall in group ``r*nkv/tp`` of ``nq/nkv``
+queries. The ``tp/nkv`` ranks sharing a KV head sum their K/V gradients
+(:func:`allreduce_replicated_grads`). Anything else is an NxdError with the numbers.
+
+Order of model building: build on the meta device -> ``apply_tp_plan`` -> (LoRA injection) ->
+``materialize(..., reader=make_slice_reader(model))``. ``apply_tp_plan`` also works on a
+materialised model (each layer copies its slice), which tests use.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    iter_shard_specs,
+)
+from nxd_finetune.parallel.state import ParallelState
+
+STYLES = ("column", "column_kv", "row", "vocab", "replicate")
+
+LLAMA_TP_PLAN: dict[str, str] = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column_kv",
+    "model.layers.*.self_attn.v_proj": "column_kv",
+    "model.layers.*.self_attn.o_proj": "row",
+    "model.layers.*.mlp.gate_proj": "column",
+    "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+    "model.layers.*.input_layernorm": "replicate",
+    "model.layers.*.post_attention_layernorm": "replicate",
+    "model.norm": "replicate",
+    # logits stay vocab-sharded: use vocab_parallel_cross_entropy (gather_from_tp for full logits)
+    "lm_head": "column",
+}
+
+# architecture (config.json) -> plan; Mistral and Qwen2 share Llama's module names
+TP_PLANS: dict[str, dict[str, str]] = {
+    "LlamaForCausalLM": LLAMA_TP_PLAN,
+    "MistralForCausalLM": LLAMA_TP_PLAN,
+    "Qwen2ForCausalLM": LLAMA_TP_PLAN,
+}
+
+
+def tp_plan_for(config: Any) -> dict[str, str]:
+    """The plan for ``config.architecture``; NxdError listing the supported ones otherwise."""
+    arch = getattr(config, "architecture", None)
+    if arch not in TP_PLANS:
+        raise NxdError(f"no tensor-parallel plan for {arch!r}; supported: {', '.join(TP_PLANS)}")
+    return TP_PLANS[arch]
+
+
+def check_tp_config(config: Any, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+    """Raise NxdError (one line, with the numbers) when ``config`` cannot be split ``tp`` ways.
+
+    Checks query heads, KV heads (split or replicated, see the module docstring), intermediate
+    size and vocabulary; under sequence parallel also ``seq_len`` when given. Cheap, so the
+    recipe check can call it before any worker starts.
+    """
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    if nq % tp:
+        raise NxdError(f"num_attention_heads={nq} is not divisible by tp={tp}")
+    if nkv % tp and tp % nkv:
+        raise NxdError(
+            f"num_key_value_heads={nkv} and tp={tp}: one must divide the other "
+            f"(KV heads are split when tp divides them, replicated when they divide tp)"
+        )
+    if config.intermediate_size % tp:
+        raise NxdError(f"intermediate_size={config.intermediate_size} is not divisible by tp={tp}")
+    if config.vocab_size % tp:
+        raise NxdError(f"vocab_size={config.vocab_size} is not divisible by tp={tp}")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise NxdError(f"sequence parallel: sequence length {seq_len} is not divisible by tp={tp}")
+
+
+def kv_replication(config: Any, tp: int) -> int:
+    """How many consecutive TP ranks share one KV head (1 when tp divides the KV head count)."""
+    nkv = config.num_key_value_heads
+    return tp // nkv if tp > nkv else 1
+
+
+def _compile(plan: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    out = []
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise NxdError(f"TP plan entry {pattern!r}: unknown style {style!r} (use one of {', '.join(STYLES)})")
+        out.append((re.compile(re.escape(pattern).replace(r"\*", r"[^.]+")), style))
+    return out
+
+
+def _style_of(name: str, compiled: list[tuple[re.Pattern[str], str]]) -> str | None:
+    for pattern, style in compiled:
+        if pattern.fullmatch(name):
+            return style
+    return None
+
+
+def _expect(module: nn.Module, name: str, cls: type[nn.Module]) -> None:
+    if type(module) is not cls:
+        raise NxdError(
+            f"TP plan: {name} is {type(module).__name__}, expected {cls.__name__} "
+            f"(apply the TP plan before LoRA injection)"
+        )
+
+
+def apply_tp_plan(model: nn.Module, plan: dict[str, str], state: ParallelState,
+                  sequence_parallel: bool = False) -> nn.Module:
+    """Swap ``model``'s modules for tensor-parallel ones as ``plan`` says; returns ``model``.
+
+    ``model`` (usually on the meta device; then the new layers are on meta too) must have a
+    ``config`` with the Llama-family head fields. Module and parameter names are unchanged.
+    Tied embeddings are re-tied (``lm_head`` and ``embed_tokens`` shard the vocab alike).
+    With tp == 1 this is a no-op. Collective over the world when KV heads are replicated (it
+    creates the KV subgroups), so every rank must call it. Raises NxdError for a config that
+    does not split (see :func:`check_tp_config`), a module with parameters that no plan entry
+    covers, or a module of the wrong type for its style.
+
+    Under ``sequence_parallel`` the residual stream between layers is ``[B, T/tp, H]``: the
+    embedding reduce-scatters, column layers all-gather their input, row layers reduce-scatter
+    their output; ``lm_head`` all-gathers, so logits are ``[B, T, V/tp]``.
+    """
+    tp = state.tp_size
+    if tp == 1:
+        return model
+    config = model.config
+    check_tp_config(config, tp)
+    replicas = kv_replication(config, tp)
+    group, sp = state.tp_group, sequence_parallel
+    compiled = _compile(plan)
+    for name, module in list(model.named_modules()):
+        style = _style_of(name, compiled)
+        if style is None:
+            if any(p is not None for p in module._parameters.values()):
+                raise NxdError(f"TP plan: no entry covers module {name!r} (it holds parameters)")
+            continue
+        if style == "replicate":
+            if sp:
+                module.shard_specs = {a: ShardSpec(tuple(p.shape), grad_sync=tp)
+                                      for a, p in module._parameters.items() if p is not None}
+            continue
+        if style == "vocab":
+            _expect(module, name, nn.Embedding)
+            new: nn.Module = VocabParallelEmbedding.from_embedding(module, group, sequence_parallel=sp)
+        elif style == "row":
+            _expect(module, name, nn.Linear)
+            new = RowParallelLinear.from_linear(module, group, input_is_parallel=True, sequence_parallel=sp)
+        else:
+            _expect(module, name, nn.Linear)
+            new = ColumnParallelLinear.from_linear(module, group, sequence_parallel=sp,
+                                                   replicas=replicas if style == "column_kv" else 1)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, new)
+    if replicas > 1:
+        state.tp_subgroup(replicas)  # collective: create the KV-sharing groups on every rank now
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def make_slice_reader(model: nn.Module):
+    """A ``reader(key, safe_slice, target)`` for ``nxd_finetune.models.materialize``.
+
+    For a parameter of a sharded layer it reads only this rank's slice through
+    ``safe_slice[...]`` (checking the checkpoint holds the full shape the layer expects:
+    ModelLoadError otherwise); anything else is read whole. Build it after ``apply_tp_plan``
+    (and LoRA injection), before ``materialize``: parameters are matched by identity.
+    """
+    specs: dict[int, tuple[torch.Tensor, ShardSpec]] = {}
+    for _, module, attr, spec in iter_shard_specs(model):
+        param = module._parameters[attr]
+        specs[id(param)] = (param, spec)
+
+    def reader(key: str, safe_slice: Any, target: torch.Tensor) -> torch.Tensor:
+        entry = specs.get(id(target))
+        if entry is None or entry[0] is not target or entry[1].partition_dim is None:
+            return safe_slice[:]
+        spec = entry[1]
+        shape = tuple(safe_slice.get_shape())
+        if shape != spec.full_shape:
+            raise ModelLoadError(
+                f"tensor {key!r} has shape {shape} in the checkpoint, the model expects {spec.full_shape}"
+            )
+        return safe_slice[spec.slices()]
+
+    return reader
+
+
+@torch.no_grad()
+def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
+    """Sum the partial gradients of parameters replicated over TP ranks (``grad_sync > 1``).
+
+    Covers norm weights (and row-parallel biases) under sequence parallel, which see only this
+    rank's sequence chunk, and KV shards replicated over ``tp / num_key_value_heads`` ranks. Call
+    once per optimizer step, after the last backward of the accumulation and before gradient
+    clipping, on every TP rank. One flat all-reduce per (group size, dtype); parameters without
+    a gradient (frozen) are skipped. A no-op at tp == 1.
+    """
+    if state.tp_size == 1:
+        return
+    buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for _, module, attr, spec in iter_shard_specs(model):
+        param = module._parameters[attr]
+        if spec.grad_sync == 1 or param.grad is None or id(param) in seen:
+            continue
+        seen.add(id(param))
+        buckets.setdefault((spec.grad_sync, param.grad.dtype), []).append(param.grad)
+    for (size, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=state.tp_subgroup(size))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
