@@ -118,10 +118,11 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]  # not x.shape: under sequence parallel x holds T/tp positions
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
@@ -184,9 +185,13 @@ class DecoderModel(nn.Module):
         """``hidden_or_ids``: token ids [B, T] when this stage owns the embeddings, else hidden
         states [B, T, H]. Returns hidden states [B, T, H] (normed when this stage owns ``norm``)."""
         x = self.embed_tokens(hidden_or_ids) if self.embed_tokens is not None else hidden_or_ids
-        b, t = x.shape[:2]
+        b = x.shape[0]
         if position_ids is None:
+            # from the ids (full length T); stages fed hidden states under sequence parallel hold
+            # T/tp positions and must be given position_ids
+            t = hidden_or_ids.shape[1]
             position_ids = torch.arange(t, device=x.device).expand(b, t)
+        t = position_ids.shape[1]
         cos, sin = rotary_cos_sin(self.inv_freq(x.device), position_ids, x.dtype)
         mask = attention_mask(segment_ids, t, self.config.sliding_window, x.device)
         for layer in self.layers.values():

@@ -145,15 +145,24 @@ class _ParallelLinearBase(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, **kwargs):
         """A sharded copy of ``linear`` on its device and dtype; on the meta device only shapes."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                    device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group=group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+            **kwargs,
+        )
         if linear.weight.device.type != "meta":
             layer.copy_from_full(linear.weight, linear.bias)
         return layer
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"local_weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
+        )
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -171,9 +180,19 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Raises NxdError when the output dim does not divide by the number of chunks.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group,
-                 gather_output: bool = False, sequence_parallel: bool = False, replicas: int = 1,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        replicas: int = 1,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         tp, rank = M.group_size(group), M.group_rank(group)
         if replicas < 1 or tp % replicas:
@@ -186,8 +205,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.replicas = replicas
-        common = dict(partition_dim=0, num_partitions=parts, partition_index=rank // replicas,
-                      replicas=replicas, grad_sync=replicas)
+        common = dict(
+            partition_dim=0,
+            num_partitions=parts,
+            partition_index=rank // replicas,
+            replicas=replicas,
+            grad_sync=replicas,
+        )
         self.shard_specs = {"weight": ShardSpec((out_features, in_features), **common)}
         self.weight = _new_param((out_features // parts, in_features), device, dtype)
         if bias:
@@ -219,9 +243,18 @@ class RowParallelLinear(_ParallelLinearBase):
     ``sequence_parallel`` without ``input_is_parallel``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group,
-                 input_is_parallel: bool = False, sequence_parallel: bool = False,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         tp, rank = M.group_size(group), M.group_rank(group)
         if sequence_parallel and not input_is_parallel:
@@ -259,8 +292,16 @@ class VocabParallelEmbedding(nn.Module):
     reduce-scatter -> ``[B, T/tp, H]``. Raises NxdError when the vocabulary does not divide by tp.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, sequence_parallel: bool = False,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         tp, rank = M.group_size(group), M.group_rank(group)
         if num_embeddings % tp:
@@ -282,8 +323,14 @@ class VocabParallelEmbedding(nn.Module):
         """A sharded copy of ``emb`` (only plain embeddings: no padding_idx, max_norm)."""
         if emb.padding_idx is not None or emb.max_norm is not None:
             raise ValueError("VocabParallelEmbedding supports neither padding_idx nor max_norm")
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, device=emb.weight.device,
-                    dtype=emb.weight.dtype, **kwargs)
+        layer = cls(
+            emb.num_embeddings,
+            emb.embedding_dim,
+            group=group,
+            device=emb.weight.device,
+            dtype=emb.weight.dtype,
+            **kwargs,
+        )
         if emb.weight.device.type != "meta":
             with torch.no_grad():
                 layer.weight.copy_(shard_tensor(emb.weight, layer.shard_specs["weight"]))
@@ -341,8 +388,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, targets: torch.Tensor, group, ignore_index: int = -100
+) -> torch.Tensor:
     """Per-token cross entropy from this rank's vocab shard of the logits.
 
     ``logits_shard``: ``[*, V/tp]``, rank ``r`` holding vocab entries ``[r*V/tp, (r+1)*V/tp)``

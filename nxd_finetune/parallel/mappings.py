@@ -58,27 +58,34 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
         raise NxdError(f"{what} {x.shape[dim]} is not divisible by the tensor-parallel size {world}")
 
 
+# The raw collectives below run under no_grad on detached tensors: autograd is the job of the
+# Function classes, and gloo's single-tensor all-gather fails on inputs that require grad.
+
+
+@torch.no_grad()
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum over ``group`` into a new tensor (the input is never modified)."""
-    out = x.contiguous().clone()
+    out = x.detach().contiguous().clone()
     dist.all_reduce(out, op=op, group=group)
     return out
 
 
+@torch.no_grad()
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
     world = group_size(group)
-    front = x.movedim(dim, 0).contiguous()
+    front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
     _all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 
+@torch.no_grad()
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum over ``group``, then keep this rank's chunk along ``dim``."""
     world = group_size(group)
     _check_divisible(x, dim, world)
-    front = x.movedim(dim, 0).contiguous()
+    front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     _reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()

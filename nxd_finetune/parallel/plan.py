@@ -130,8 +130,9 @@ def _expect(module: nn.Module, name: str, cls: type[nn.Module]) -> None:
         )
 
 
-def apply_tp_plan(model: nn.Module, plan: dict[str, str], state: ParallelState,
-                  sequence_parallel: bool = False) -> nn.Module:
+def apply_tp_plan(
+    model: nn.Module, plan: dict[str, str], state: ParallelState, sequence_parallel: bool = False
+) -> nn.Module:
     """Swap ``model``'s modules for tensor-parallel ones as ``plan`` says; returns ``model``.
 
     ``model`` (usually on the meta device; then the new layers are on meta too) must have a
@@ -162,8 +163,9 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], state: ParallelState,
             continue
         if style == "replicate":
             if sp:
-                module.shard_specs = {a: ShardSpec(tuple(p.shape), grad_sync=tp)
-                                      for a, p in module._parameters.items() if p is not None}
+                module.shard_specs = {
+                    a: ShardSpec(tuple(p.shape), grad_sync=tp) for a, p in module._parameters.items() if p is not None
+                }
             continue
         if style == "vocab":
             _expect(module, name, nn.Embedding)
@@ -173,8 +175,9 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], state: ParallelState,
             new = RowParallelLinear.from_linear(module, group, input_is_parallel=True, sequence_parallel=sp)
         else:
             _expect(module, name, nn.Linear)
-            new = ColumnParallelLinear.from_linear(module, group, sequence_parallel=sp,
-                                                   replicas=replicas if style == "column_kv" else 1)
+            new = ColumnParallelLinear.from_linear(
+                module, group, sequence_parallel=sp, replicas=replicas if style == "column_kv" else 1
+            )
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
     if replicas > 1:
@@ -237,5 +240,5 @@ def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
         dist.all_reduce(flat, group=state.tp_subgroup(size))
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()

@@ -54,9 +54,7 @@ class ParallelDims:
         """Dims with ``dp = world_size / (tp * pp)``; NxdError when that does not divide."""
         cls(tp=tp, pp=pp)  # validates the degrees
         if world_size % (tp * pp):
-            raise NxdError(
-                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
-            )
+            raise NxdError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -108,15 +106,9 @@ class ParallelState:
         self.pp_ranks = dims.pp_ranks(self.dp_rank, self.tp_rank)
         self._initialised = initialised
         # new_group must be called by every rank for every group, in the same order
-        self.tp_group = self._make_groups(
-            [dims.tp_ranks(p, d) for p in range(dims.pp) for d in range(dims.dp)]
-        )
-        self.dp_group = self._make_groups(
-            [dims.dp_ranks(p, t) for p in range(dims.pp) for t in range(dims.tp)]
-        )
-        self.pp_group = self._make_groups(
-            [dims.pp_ranks(d, t) for d in range(dims.dp) for t in range(dims.tp)]
-        )
+        self.tp_group = self._make_groups([dims.tp_ranks(p, d) for p in range(dims.pp) for d in range(dims.dp)])
+        self.dp_group = self._make_groups([dims.dp_ranks(p, t) for p in range(dims.pp) for t in range(dims.tp)])
+        self.pp_group = self._make_groups([dims.pp_ranks(d, t) for d in range(dims.dp) for t in range(dims.tp)])
         self._tp_subgroups: dict[int, ProcessGroup | None] = {dims.tp: self.tp_group}
 
     def _make_groups(self, all_ranks: list[list[int]]) -> ProcessGroup | None:
