@@ -386,6 +386,46 @@ def _human(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+# ---------------------------------------------------------------- merge
+
+
+@app.command()
+def merge(
+    adapter: Annotated[str, typer.Option(
+        "--adapter", show_default=False, metavar="REF|DIR",
+        help="Adapter: a local directory (ours or HF PEFT's), REGISTRY/NAME[:VERSION|@TAG] (local or s3://, "
+             "pulled and verified), or an s3:// prefix holding adapter files.")],
+    base: Annotated[str, typer.Option(
+        "--base", show_default=False,
+        help="Base model directory (HF config.json + safetensors) or builtin:tiny-llama.")],
+    out: Annotated[Path, typer.Option(
+        "--out", show_default=False, help="Directory for the merged checkpoint (must not exist, or be empty).")],
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", metavar="bf16|fp16|fp32", help="Dtype of the merged tensors (default: the base's).")] = None,
+    max_shard_size: Annotated[str, typer.Option(
+        "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
+    base_revision: Annotated[str | None, typer.Option(
+        "--base-revision", help="The base's revision, checked against the one the adapter records.")] = None,
+) -> None:
+    """Fold a LoRA adapter into its base: a plain HF checkpoint, loadable by transformers alone.
+
+    Streams tensor by tensor (peak memory about one shard plus the adapter). Exit code 2 with one
+    line when the adapter does not fit the base.
+    """
+    from nxd_finetune.lora.merge import merge_adapter, parse_size
+    from nxd_finetune.models import resolve_dtype
+    from nxd_finetune.registry.fetch import fetch_adapter
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    shard_bytes = parse_size(max_shard_size)
+    if dtype is not None:
+        resolve_dtype(dtype)  # a bad --dtype fails before anything is downloaded
+    base_dir = resolve_model_dir(base)
+    with fetch_adapter(adapter, "--adapter") as fetched:
+        merge_adapter(fetched.path, base_dir, out, dtype=dtype, max_shard_bytes=shard_bytes,
+                      base_revision=base_revision, progress=True)
+    typer.echo(f"merged {fetched.lineage or adapter} into {base_dir} -> {out}")
+
 def _mount_subcommands() -> None:
     from nxd_finetune.registry.cli import adapters_app
 

@@ -64,3 +64,26 @@ def make_tiny_hf(tmp_path):
 @pytest.fixture
 def tiny_llama_dir(make_tiny_hf) -> Path:
     return make_tiny_hf("llama")[1]
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    """A moto S3 server (``tests/s3_server.py``) for one test module, with bucket ``nxd-test``.
+
+    Dummy credentials and ``NXD_S3_ENDPOINT_URL`` are set in ``os.environ`` while the module runs
+    (subprocesses started with ``os.environ`` reach the server too); yields the endpoint URL.
+    """
+    from tests.s3_server import DUMMY_ENV, make_bucket, s3_server
+
+    mp = pytest.MonkeyPatch()
+    for k, v in DUMMY_ENV.items():
+        mp.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        mp.delenv(k, raising=False)
+    try:
+        with s3_server() as endpoint:
+            mp.setenv("NXD_S3_ENDPOINT_URL", endpoint)
+            make_bucket(endpoint, "nxd-test")
+            yield endpoint
+    finally:
+        mp.undo()

@@ -141,3 +141,66 @@ def test_parameter_count_matches_transformers():
         hf = AutoModelForCausalLM.from_config(cfg)
         ours = DecoderConfig.from_hf(json.loads(cfg.to_json_string()) | {"architectures": [type(hf).__name__]})
         assert ours.num_parameters() == sum(p.numel() for p in hf.parameters()), name
+
+
+def _packed_batch(g):
+    """Two packed rows: samples of 7+12+5 tokens, then 9+10 and 5 tokens of padding (segment 0)."""
+    rows = [(7, 12, 5), (9, 10)]
+    ids = torch.randint(0, 128, (2, 24), generator=g)
+    pos, seg = torch.zeros(2, 24, dtype=torch.long), torch.zeros(2, 24, dtype=torch.long)
+    for r, lengths in enumerate(rows):
+        t = 0
+        for k, n in enumerate(lengths, start=1):
+            pos[r, t:t + n], seg[r, t:t + n] = torch.arange(n), k
+            t += n
+        pos[r, t:] = torch.arange(24 - t)
+    return ids, pos, seg
+
+
+def test_per_sample_attention_equals_the_segment_mask(tmp_path, monkeypatch):
+    """On CPU, packed rows take the per-run attention path; it must equal the boolean-mask path,
+    in values and gradients, padding included."""
+    from nxd_finetune.models import llama
+
+    make_hf(CONFIGS["llama2"](), tmp_path)
+    model = load_pretrained(tmp_path)
+    ids, pos, seg = _packed_batch(torch.Generator().manual_seed(4))
+    assert llama.segment_runs(seg).lengths == [7, 12, 5, 9, 10, 5]
+    assert llama.segment_runs(torch.tensor([[1, 1, 2, 1]])) is None  # a repeated id needs the mask
+
+    def run():
+        model.zero_grad()
+        logits = model(ids, pos, seg)
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    got, got_grads = run()
+    monkeypatch.setattr(llama, "segment_runs", lambda s: None)  # force the mask path
+    ref, ref_grads = run()
+    assert (got - ref).abs().max() <= 1e-5
+    for a, b in zip(got_grads, ref_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_loss_at_targets_equals_full_logits_loss(tmp_path):
+    from nxd_finetune.sft.loss import causal_lm_loss_at_targets
+
+    make_hf(CONFIGS["llama2"](), tmp_path)
+    model = load_pretrained(tmp_path)
+    ids, pos, seg = _packed_batch(torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt
+    labels[seg == 0] = -100
+    batch = {"input_ids": ids, "position_ids": pos, "segment_ids": seg, "labels": labels}
+    grads = []
+    for loss_fn in (lambda: causal_lm_loss(model(ids, pos, seg), labels, reduction="sum"),
+                    lambda: causal_lm_loss_at_targets(model, batch, reduction="sum")):
+        model.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1], strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    mean = causal_lm_loss_at_targets(model, batch, reduction="mean")
+    assert torch.allclose(mean, causal_lm_loss(model(ids, pos, seg), labels), rtol=1e-6)

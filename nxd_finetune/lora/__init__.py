@@ -1,4 +1,7 @@
-"""LoRA: config, layers, injection into a model, merging, PEFT-format adapter I/O and save modes."""
+"""LoRA: config, layers, injection into a model, merging, PEFT-format adapter I/O and save modes.
+
+Importing this package registers the tensor-parallel LoRA layers (:mod:`.sharded`).
+"""
 
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
 from nxd_finetune.lora.inject import (
@@ -14,6 +17,7 @@ from nxd_finetune.lora.inject import (
 from nxd_finetune.lora.io import (
     SAVE_MODES,
     adapter_state_dict,
+    gather_adapter_state_dict,
     load_adapter,
     lora_state_dict,
     read_adapter,
@@ -22,17 +26,21 @@ from nxd_finetune.lora.io import (
     save_tokenizer,
 )
 from nxd_finetune.lora.layers import LoraLinear, ModulesToSaveWrapper, lora_layer_for, register_lora_layer
+from nxd_finetune.lora.sharded import ColumnParallelLoraLinear, RowParallelLoraLinear
 
 __all__ = [
     "ALL_LINEAR",
     "SAVE_MODES",
+    "ColumnParallelLoraLinear",
     "LoraConfig",
     "LoraLinear",
     "ModulesToSaveWrapper",
+    "RowParallelLoraLinear",
     "adapter_state_dict",
     "base_param_name",
     "cast_adapter_params",
     "find_targets",
+    "gather_adapter_state_dict",
     "inject_lora",
     "load_adapter",
     "lora_layer_for",

@@ -6,6 +6,10 @@ and ``adapter_model.safetensors`` keyed ``base_model.model.<module>.lora_A.weigh
 (``base_model.model.lm_head.weight``) and, with ``bias`` other than ``none``, the trained biases
 under their model names (``...q_proj.base_layer.bias``, ``...k_proj.bias``).
 
+Tensor-parallel models: the files are those of the unsharded model. ``load_adapter`` reads only
+this rank's slice of each sharded tensor (the ``shard_specs`` of the model's layers say which);
+:func:`gather_adapter_state_dict` and ``save_adapter(..., state=)`` gather the full tensors.
+
 Only JSON and safetensors are read; nothing is unpickled (``adapter_model.bin`` is refused).
 Files are written under temporary names and renamed, so a crash never leaves a half file under
 the final name.
@@ -18,11 +22,11 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from nxd_finetune.errors import AdapterError
@@ -34,6 +38,10 @@ from nxd_finetune.lora.inject import (
     saved_modules,
     untied_config,
 )
+from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
+
+if TYPE_CHECKING:
+    from nxd_finetune.parallel.state import ParallelState
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
@@ -89,10 +97,29 @@ def lora_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Ten
 
 def adapter_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Tensor]:
     """:func:`lora_state_dict` under PEFT's file keys: ``base_model.model.`` prefix, and
-    ``modules_to_save`` copies under the module's own name (``lm_head.weight``)."""
+    ``modules_to_save`` copies under the module's own name (``lm_head.weight``). On a
+    tensor-parallel model these are this rank's shards (see :func:`gather_adapter_state_dict`)."""
+    return _peft_keys(model, lora_state_dict(model, bias))
+
+
+def gather_adapter_state_dict(model: nn.Module, state: ParallelState, bias: str = "none") -> dict[str, torch.Tensor]:
+    """:func:`adapter_state_dict` of a tensor-parallel model with every sharded tensor gathered: the
+    keys, shapes and values of a tp=1 model with the same adapter, on every TP rank (rank 0 writes).
+
+    Collective over ``state.tp_group`` (one all-gather per sharded tensor, in module order): every
+    TP rank calls it. Replicated tensors are the local copy. DP replicas get equal dicts. Pipeline
+    parallel: each stage's dict holds only its layers' keys; union the stages' dicts before writing.
+    """
+    specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+    local = lora_state_dict(model, bias)
+    full = {k: gather_shards(t, specs[k], state.tp_group) if k in specs else t for k, t in local.items()}
+    return _peft_keys(model, full)
+
+
+def _peft_keys(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     wrappers = dict(saved_modules(model))
     out = {}
-    for k, t in lora_state_dict(model, bias).items():
+    for k, t in tensors.items():
         owner = _owner(k, wrappers)
         if owner is not None:
             k = f"{owner[0]}.{owner[1].removeprefix('modules_to_save.')}"
@@ -120,6 +147,8 @@ def save_adapter(
     extra_config: dict[str, Any] | None = None,
     revision: str | None = None,
     config_hash: str | None = None,
+    *,
+    state: ParallelState | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
 
@@ -127,11 +156,20 @@ def save_adapter(
     the resolved names). ``config_hash`` defaults to ``model.config.config_hash()`` when the model
     has one. ``extra_config`` keys are added to the JSON (PEFT ignores unknown keys). Returns the
     directory. Raises AdapterError when the model holds no LoRA layer.
+
+    ``state``: the ``ParallelState`` of a tensor-parallel model. The tensors are gathered
+    (:func:`gather_adapter_state_dict`, collective: every rank of the TP group calls this) and
+    only TP rank 0 of data-parallel rank 0 writes, so the files equal a tp=1 run's; other ranks
+    return without writing (a caller that reads the files on them barriers first). Raises
+    AdapterError with ``state.pp_size > 1`` (a stage holds only part of the adapter).
     """
     if next(lora_modules(model), None) is None:
         raise AdapterError("the model has no LoRA layers to save; call inject_lora first")
+    if state is not None and state.pp_size > 1:
+        raise AdapterError(
+            "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
+        )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
         config_hash = model.config.config_hash()
     d = cfg.to_peft_dict(base_model_name_or_path, revision=revision, config_hash=config_hash)
@@ -140,16 +178,30 @@ def save_adapter(
     if clash:
         raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
     d.update(extra_config or {})
-    tensors = {k: v.to("cpu").contiguous() for k, v in adapter_state_dict(model, cfg.bias).items()}
+    sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
+    if not _is_writer(state):
+        return out
+    tensors = {k: v.to("cpu").contiguous() for k, v in sd.items()}
+    out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _write_atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(d, indent=2, sort_keys=True)))
     return out
+
+
+def _is_writer(state: ParallelState | None) -> bool:
+    return state is None or (state.tp_rank == 0 and state.dp_rank == 0)
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """Read an adapter directory (ours or PEFT's): its config and its tensors, keyed by module
     path with the ``base_model.model.`` prefix removed. Raises AdapterError for a missing or
     unreadable file, a pickle-only adapter or an unsupported config."""
+    cfg, weights = _adapter_files(adapter_dir)
+    return cfg, _read_tensors(weights)
+
+
+def _adapter_files(adapter_dir: str | Path) -> tuple[LoraConfig, Path]:
+    """The adapter's config and the path of its safetensors file (checked to exist)."""
     d = Path(adapter_dir)
     cfg_path, weights = d / CONFIG_NAME, d / WEIGHTS_NAME
     if not cfg_path.is_file():
@@ -165,11 +217,26 @@ def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, torch.T
                 f"{d} holds only adapter_model.bin (pickle), which is not loaded; re-save it as safetensors"
             )
         raise AdapterError(f"no {WEIGHTS_NAME} in {d}")
+    return cfg, weights
+
+
+def _read_tensors(
+    path: Path, select: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, keyed without the ``base_model.model.`` prefix.
+    ``select(key, shape)`` returns the index to read (a rank's slice) or None for all of it; it may
+    raise AdapterError."""
+    out = {}
     try:
-        tensors = load_file(str(weights))
+        with safe_open(str(path), framework="pt") as f:
+            for raw in f.keys():
+                key = raw.removeprefix(PEFT_PREFIX)
+                part = f.get_slice(raw)
+                index = select(key, tuple(part.get_shape())) if select else None
+                out[key] = part[index] if index is not None else f.get_tensor(raw)
     except (SafetensorError, OSError) as e:
-        raise AdapterError(f"cannot read {weights}: {e}") from None
-    return cfg, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
+        raise AdapterError(f"cannot read {path}: {e}") from None
+    return out
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True) -> LoraConfig:
@@ -181,8 +248,11 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     adapter lacks, or a shape that differs raises AdapterError naming the tensor (and both shapes).
     Values are cast to each parameter's dtype and device. After an error with ``inject=True`` the
     model stays injected, with fresh (zero-B, output-preserving) adapters.
+
+    A tensor-parallel model (layers with ``shard_specs``) takes the unsharded file: each rank
+    checks the full shape and reads only its slice. No collective.
     """
-    cfg, tensors = read_adapter(adapter_dir)
+    cfg, weights = _adapter_files(adapter_dir)
     if inject:
         inject_lora(model, cfg)
     else:
@@ -196,18 +266,24 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     wrappers = dict(saved_modules(model))
     # any bias may come along (PEFT loads them whatever the bias mode); base weights may not
     allowed = set(lora_state_dict(model, "all")) | {n for n in params if n.endswith(".bias")}
-    targets: dict[str, tuple[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    specs = {n: spec for n, _, _, spec in iter_shard_specs(model) if spec.partition_dim is not None}
+    names: dict[str, str] = {}  # adapter key -> parameter name
+
+    def select(key: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
         name = key
         if name not in allowed:
             owner = _owner(key, wrappers)
             name = f"{owner[0]}.modules_to_save.{owner[1]}" if owner else key
         if name not in allowed:
             raise AdapterError(f"adapter tensor {key!r} has no counterpart among the model's adapter parameters")
-        want = tuple(params[name].shape)
-        if tuple(tensor.shape) != want:
-            raise AdapterError(f"adapter tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {want}")
-        targets[name] = (key, tensor)
+        spec = specs.get(name)
+        want = spec.full_shape if spec else tuple(params[name].shape)
+        if shape != want:
+            raise AdapterError(f"adapter tensor {key!r} has shape {shape}, the model expects {want}")
+        names[key] = name
+        return spec.slices() if spec else None
+
+    targets = {names[k]: (k, t) for k, t in _read_tensors(weights, select).items()}
     missing = sorted(set(lora_state_dict(model, cfg.bias)) - set(targets))
     if missing:
         raise AdapterError(f"adapter {adapter_dir} lacks tensor {missing[0]!r} ({len(missing)} missing)")
@@ -294,6 +370,7 @@ def save_model(
     extra_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 * 1024**3,
+    state: ParallelState | None = None,
 ) -> Path:
     """Save a LoRA-trained model in one of three modes, without changing ``model``.
 
@@ -309,6 +386,10 @@ def save_model(
     ``base_config``: the ``models.DecoderConfig`` (default ``model.config``), needed for the HF
     modes. ``tokenizer``: a directory or an object with ``save_pretrained``. ``dtype``: dtype of the
     HF checkpoint tensors (default: the dtype of the LoRA layers' base weights). Returns ``out_dir``.
+
+    ``state`` (tensor-parallel model): ``adapter`` mode gathers and writes on one rank as
+    :func:`save_adapter` does; the HF modes would need the base weights gathered and raise
+    AdapterError at tp > 1 (save the adapter, then merge it offline).
     """
     from nxd_finetune.models import save_pretrained
 
@@ -318,9 +399,12 @@ def save_model(
     config = base_config if base_config is not None else getattr(model, "config", None)
     config_hash = config.config_hash() if hasattr(config, "config_hash") else None
     if mode == "adapter":
-        save_adapter(model, cfg, out, base_model_name_or_path, extra_config, revision, config_hash)
-        save_tokenizer(tokenizer, out)
+        save_adapter(model, cfg, out, base_model_name_or_path, extra_config, revision, config_hash, state=state)
+        if _is_writer(state):
+            save_tokenizer(tokenizer, out)
         return out
+    if state is not None and state.tp_size > 1:
+        raise AdapterError(f"save mode {mode!r} is not supported at tp={state.tp_size}; use mode 'adapter'")
     if config is None:
         raise AdapterError(f"save mode {mode!r} needs the base model's config")
     if dtype is None:  # one dtype for the checkpoint: the base's, not that of fp32-trained copies/biases

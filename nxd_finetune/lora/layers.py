@@ -4,20 +4,11 @@ Parameter names follow PEFT without the adapter name, so a wrapped ``q_proj`` ho
 ``q_proj.base_layer.weight``, ``q_proj.lora_A.weight`` and ``q_proj.lora_B.weight``, and PEFT's
 checkpoint keys map onto them directly.
 
-Sharded bases (parallel issue). The LoRA factors follow the base layer's sharding:
-
-- column-parallel base (output dim split over tp): ``lora_A`` replicated ``[r, in]``, ``lora_B``
-  split on the output dim ``[out/tp, r]``. The LoRA output is sharded exactly like the base
-  output, so ``forward`` needs no change; the input-gradient all-reduce of the base covers both.
-- row-parallel base (input dim split): ``lora_A`` split on the input dim ``[r, in/tp]``,
-  ``lora_B`` replicated ``[out, r]``. ``B(A_local x_local)`` is a partial sum like the base's
-  ``W_local x_local``, so the LoRA term must be added *before* the base's all-reduce.
-
-A sharded variant subclasses :class:`LoraLinear`, passes the local ``in_features`` /
-``out_features`` to ``__init__``, overrides ``forward`` where the reduction must include the
-LoRA term (row-parallel), and registers itself with :func:`register_lora_layer` so that
-``inject_lora`` picks it for that base type. ``delta_weight()`` is then the local shard's delta,
-which is what ``merge()`` adds to the local base shard.
+Sharded bases: :mod:`nxd_finetune.lora.sharded` subclasses :class:`LoraLinear` for the
+column- and row-parallel linears and registers the subclasses with :func:`register_lora_layer`,
+so ``inject_lora`` picks them by base type. Their factors are this rank's slices (``lora_A`` /
+``lora_B`` carry ``shard_specs`` like the parallel layers); ``delta_weight()`` is then the local
+shard's delta, which is what ``merge()`` adds to the local base shard.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # base layer type -> LoRA wrapper type; looked up along the base type's MRO
@@ -46,12 +38,26 @@ def lora_layer_for(module: nn.Module) -> type[LoraLinear] | None:
     return None
 
 
+@torch.no_grad()
+def init_lora_factors(a: torch.Tensor, b: torch.Tensor, r: int, init_lora_weights: str = "default") -> None:
+    """PEFT's init of ``a`` (``lora_A.weight``, ``[r, in]``) and ``b`` (``lora_B.weight``), in place:
+    A kaiming-uniform(a=sqrt(5)) (``default``) or N(0, std=1/r) (``gaussian``); B zero.
+    Raises ValueError for another ``init_lora_weights``."""
+    if init_lora_weights == "default":
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    elif init_lora_weights == "gaussian":
+        nn.init.normal_(a, std=1 / r)
+    else:
+        raise ValueError(f"unknown init_lora_weights {init_lora_weights!r}")
+    nn.init.zeros_(b)
+
+
 class LoraLinear(nn.Module):
     """``y = base(x) + B(A(dropout(x))) * scaling`` around a frozen linear ``base``.
 
     ``base``: ``nn.Linear``-like (``weight [out, in]``, optional ``bias [out]``); its parameters
     are frozen here and stay the same tensors (so ``bias`` modes and weight tying keep working).
-    ``in_features``/``out_features`` default to the base's; sharded variants pass local sizes.
+    ``in_features``/``out_features`` default to the base's (the full sizes for a sharded base).
     ``lora_A``: ``nn.Linear(in, r, bias=False)``, ``lora_B``: ``nn.Linear(r, out, bias=False)``,
     created in the base weight's dtype on its device (on CPU when the base is on the meta device,
     so that checkpoint materialisation, which fills only meta tensors, leaves them alone).
@@ -107,18 +113,11 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def reset_lora_parameters(self, init_lora_weights: str = "default") -> None:
-        """PEFT's init: A kaiming-uniform(a=sqrt(5)) (``default``) or N(0, std=1/r) (``gaussian``);
-        B zero, so a fresh adapter leaves the model's output unchanged."""
-        if init_lora_weights == "default":
-            nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        elif init_lora_weights == "gaussian":
-            nn.init.normal_(self.lora_A.weight, std=1 / self.r)
-        else:
-            raise ValueError(f"unknown init_lora_weights {init_lora_weights!r}")
-        nn.init.zeros_(self.lora_B.weight)
+        """PEFT's init (see :func:`init_lora_factors`); a fresh adapter leaves the output unchanged."""
+        init_lora_factors(self.lora_A.weight, self.lora_B.weight, self.r, init_lora_weights)
 
     def delta_weight(self) -> torch.Tensor:
-        """``B @ A * scaling`` in fp32, shape ``[out_features, in_features]`` (of this shard)."""
+        """``B @ A * scaling`` in fp32, the shape of the (local) base weight."""
         return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
@@ -156,7 +155,9 @@ class LoraLinear(nn.Module):
         if self.merged:
             return result
         lora_x = x.to(self.lora_A.weight.dtype)
-        out = result + self.lora_B(self.lora_A(self.lora_dropout(lora_x))) * self.scaling
+        # scaling applied to the r-wide intermediate, not the out-wide product: one elementwise pass
+        # over [N, r] instead of [N, out] forward and backward (bit-identical for power-of-two scaling)
+        out = result + self.lora_B(self.lora_A(self.lora_dropout(lora_x)) * self.scaling)
         return out.to(result.dtype)
 
     def extra_repr(self) -> str:
@@ -177,7 +178,9 @@ class ModulesToSaveWrapper(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.original_module = module
-        self.modules_to_save = copy.deepcopy(module)
+        # a sharded module holds its process group, which cannot be copied: the copy shares it
+        groups = {id(v): v for m in module.modules() for v in vars(m).values() if isinstance(v, dist.ProcessGroup)}
+        self.modules_to_save = copy.deepcopy(module, groups)
         for p in module.parameters():
             p.requires_grad_(False)
         for p in self.modules_to_save.parameters():

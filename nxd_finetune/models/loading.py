@@ -134,35 +134,43 @@ def save_pretrained(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Write an HF checkpoint: ``config.json`` plus safetensors shards (with an index when more
-    than one). ``tensors`` may be a generator, so callers can stream (merge tensor by tensor).
-    Files are written under temporary names and renamed, so a crash leaves no half file named
-    as a complete one. ``lm_head.weight`` is skipped for tied-embedding configs, as HF does.
+    than one). ``tensors`` may be a generator, and is consumed as it is written: each shard goes to
+    disk as soon as it is full, so peak memory is one shard (plus what the generator holds), never
+    the whole model. Shards are written under temporary names and renamed once their count is
+    known, so a crash leaves no half file named as a complete one. ``lm_head.weight`` is skipped
+    for tied-embedding configs, as HF does.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    written: list[tuple[Path, list[str]]] = []  # (temp file, tensor names) per shard
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        tmp = out / f".shard-{len(written):05d}.safetensors.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        written.append((tmp, list(shard)))
+
     for name, t in tensors:
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
         size += nbytes
-    n = len(shards)
+        total += nbytes
+    if shard or not written:
+        flush()
+    shard = {}
+    n = len(written)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
-    total = 0
-    for fname, shard in zip(names, shards, strict=True):
-        tmp = out / (fname + ".tmp")
-        save_file(shard, str(tmp), metadata={"format": "pt"})
+    for fname, (tmp, keys) in zip(names, written, strict=True):
         os.replace(tmp, out / fname)
-        for k, t in shard.items():
-            weight_map[k] = fname
-            total += t.numel() * t.element_size()
+        weight_map.update(dict.fromkeys(keys, fname))
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

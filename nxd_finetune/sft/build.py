@@ -48,21 +48,26 @@ def lora_config_from_recipe(lora: Any) -> Any:
 
 @dataclasses.dataclass
 class BuiltModel:
+    """``lineage``: the pinned registry REF ``lora.init_from`` pulled (for the registry manifest),
+    None when the run started from fresh factors or from an adapter directory."""
+
     model: torch.nn.Module
     config: DecoderConfig
     lora_config: Any | None
     lora_targets: list[str]
+    lineage: str | None = None
 
 
 def build_training_model(recipe: Any, model_dir: Path, device: torch.device) -> BuiltModel:
     """Meta-device build -> weights in ``model.dtype`` -> LoRA (trainable params in fp32 unless
-    ``training.precision`` is pure ``bf16``). Full SFT when the recipe has no ``lora`` section."""
+    ``training.precision`` is pure ``bf16``) -> the ``lora.init_from`` adapter's values, if set
+    (:mod:`nxd_finetune.sft.init_from`). Full SFT when the recipe has no ``lora`` section."""
     config = DecoderConfig.from_hf(model_dir)
     precision = recipe.training.precision
     dtype = torch.bfloat16 if precision == "bf16" else resolve_dtype(recipe.model.dtype)
     model = build_model(config)
     materialize(model, model_dir, dtype=dtype, device=device)
-    lora_cfg, targets = None, []
+    lora_cfg, targets, lineage = None, [], None
     if recipe.lora is not None:
         from nxd_finetune.lora import inject_lora
 
@@ -75,12 +80,17 @@ def build_training_model(recipe: Any, model_dir: Path, device: torch.device) -> 
 
             cast_adapter_params(model, torch.float32)
         model.to(device)
+        if recipe.lora.init_from:
+            from nxd_finetune.sft.init_from import init_lora_from
+
+            lineage = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
+                                     revision=recipe.model.revision)
     elif dtype != torch.float32 and precision != "bf16":
         raise NxdError(
             f"full SFT with model.dtype={recipe.model.dtype} needs training.precision=bf16 "
             "(or model.dtype=fp32 with bf16-mixed for fp32 master weights)"
         )
-    return BuiltModel(model, config, lora_cfg, targets)
+    return BuiltModel(model, config, lora_cfg, targets, lineage)
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Any, total_steps: int) -> tuple[Any, Any]:

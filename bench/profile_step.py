@@ -1,0 +1,123 @@
+"""Profile one training micro-step of ours or HF's on a benchmark batch (torch.profiler op table).
+
+    python bench/profile_step.py --framework ours --shape small --packing
+    python bench/profile_step.py --framework hf --shape large --threads 1 --reps 3
+
+Uses the models and data of bench/bench_lora.py (run it or ``--quick`` once first so the model and
+data caches exist). Prints the mean wall time of forward+backward over ``--reps`` and the top ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import LORA, SEED, ensure_model, recipe_dict  # noqa: E402
+
+
+def batch_for(shape: str, packing: bool, mbs: int, index: int) -> dict[str, torch.Tensor]:
+    from nxd_finetune.recipe import recipe_from_dict
+    from nxd_finetune.sft.build import load_tokenizer
+    from nxd_finetune.sft.loader import build_dataloaders
+
+    recipe = recipe_from_dict(recipe_dict(shape, packing, mbs, 1, None))
+    tok = load_tokenizer(recipe, Path(recipe.model.path))
+    data = build_dataloaders(recipe.data, tok, micro_batch_size=mbs, seed=SEED)
+    it = iter(data.train)
+    for _ in range(index):
+        next(it)
+    batch = next(it)
+    if not packing:  # as the trainer's _step_batches: unpacked rows keep the is_causal path
+        batch.pop("segment_ids")
+    return batch
+
+
+def ours_step(shape: str, target_logits: bool = False):
+    from nxd_finetune.recipe import recipe_from_dict
+    from nxd_finetune.sft.build import build_training_model
+    from nxd_finetune.sft.loss import causal_lm_loss_at_targets
+    from nxd_finetune.sft.trainer import micro_step
+
+    recipe = recipe_from_dict(recipe_dict(shape, True, 1, 1, None))
+    model = build_training_model(recipe, Path(recipe.model.path), torch.device("cpu")).model
+    model.train()
+
+    def step(batch):
+        n = (batch["labels"][:, 1:] != -100).sum()
+        if target_logits:
+            (causal_lm_loss_at_targets(model, batch) / n).backward()
+        else:
+            micro_step(model, batch, n, torch.device("cpu"), "fp32")
+
+    return model, step
+
+
+def hf_step(shape: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(ensure_model(shape), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.train()
+
+    def step(batch):
+        mask = batch.get("segment_ids")
+        attn = (mask > 0).long() if mask is not None else (batch["labels"] != -12345).long()
+        n = (batch["labels"][:, 1:] != -100).sum()
+        out = model(input_ids=batch["input_ids"], attention_mask=attn, labels=batch["labels"], num_items_in_batch=n)
+        out.loss.backward()
+
+    return model, step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--framework", choices=["ours", "hf"], default="ours")
+    ap.add_argument("--shape", default="small")
+    ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--mbs", type=int, default=None, help="default: 1 packed row or 4 padded samples")
+    ap.add_argument("--index", type=int, default=0, help="which micro-batch of epoch 0")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--target-logits", action="store_true", help="ours: logits at target positions only")
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    torch.manual_seed(SEED)
+    mbs = args.mbs or (1 if args.packing else 4)
+    batch = batch_for(args.shape, args.packing, mbs, args.index)
+    if args.framework == "hf" and args.packing:
+        raise SystemExit("HF runs padded batches only")
+    model, step = ours_step(args.shape, args.target_logits) if args.framework == "ours" else hf_step(args.shape)
+    step(batch)  # warmup
+    times, cpu = [], []
+    for _ in range(args.reps):
+        t, c = time.perf_counter(), time.process_time()
+        step(batch)
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    packed = "segment_ids" in batch
+    n_tok = int((batch["segment_ids"] > 0).sum()) if packed else int((batch["labels"] != -99999).sum())
+    layout = "packed" if args.packing else "padded"
+    print(f"{args.framework} {args.shape} {layout} batch {tuple(batch['input_ids'].shape)}: "
+          f"fwd+bwd min {min(times):.3f}s mean {sum(times) / len(times):.3f}s, CPU time min {min(cpu):.3f}s "
+          f"({n_tok} slots; on a busy machine compare CPU times with --threads 1)")
+    if args.no_profile:
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False) as prof:
+        step(batch)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Starting workers and joining the process group; device backends.
+
+- :func:`launch` starts ``nproc`` local workers through torch's elastic launcher
+  (``torch.distributed.launcher.api.elastic_launch``: the agent behind ``torchrun``) with a
+  standalone c10d rendezvous on 127.0.0.1 and a free port, no restarts, and returns every
+  rank's return value. A worker that raises surfaces in the parent as one NxdError line naming
+  the rank (the worker's traceback is in the launcher's log output).
+- :func:`init_distributed` joins the process group when the environment describes one
+  (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``: set by ``torchrun`` and by :func:`launch`), picking
+  gloo on CPU and nccl on CUDA; without them it is a single process (world size 1, no group).
+- :class:`DeviceBackend`: ``cpu`` -> gloo, ``cuda`` -> nccl (device ``cuda:LOCAL_RANK``). ``xla``
+  (Trainium / Neuron) comes later and is refused with an NxdError.
+
+Temporary files (the launcher's logs and error files) go under ``TMPDIR`` (``tempfile``), and the
+launcher's log directory is removed after the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nxd_finetune.errors import NxdError
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBackend:
+    """Where a worker computes and how it communicates: ``name`` (cpu | cuda), ``dist_backend``
+    (gloo | nccl), ``device``; ``rank`` / ``world_size`` / ``local_rank`` of this process."""
+
+    name: str
+    dist_backend: str
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
+    """The backend for device ``name`` (``auto``: cuda when visible, else cpu).
+
+    Raises NxdError for ``cuda`` without a visible GPU, for ``xla`` (not available in this
+    version) and for unknown names.
+    """
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return DeviceBackend("cpu", "gloo", torch.device("cpu"), local_rank=local_rank)
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise NxdError("device cuda was asked for but no CUDA device is visible")
+        return DeviceBackend("cuda", "nccl", torch.device("cuda", local_rank), local_rank=local_rank)
+    if name == "xla":
+        raise NxdError("device xla (Trainium) is not available in this version; use cpu or cuda")
+    raise NxdError(f"unknown device {name!r}; use auto, cpu or cuda")
+
+
+def in_launched_env() -> bool:
+    """Whether ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are set (torchrun / :func:`launch`)."""
+    return all(k in os.environ for k in ENV_KEYS)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DeviceBackend:
+    """Join the default process group described by the environment; returns this worker's backend.
+
+    ``backend``: ``gloo`` or ``nccl``; None picks nccl when CUDA is visible, else gloo. With nccl
+    the CUDA device is set from ``LOCAL_RANK``. Already initialised: returns the current
+    backend. Not launched (no ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``): world size 1, no
+    process group. Raises NxdError for an unknown backend or nccl without CUDA.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise NxdError(f"unknown process-group backend {backend!r}; use gloo or nccl")
+    dev = device_backend("cuda" if backend == "nccl" else "cpu", local_rank)
+    if dist.is_available() and dist.is_initialized():
+        return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
+    if not in_launched_env():
+        return dev
+    if dev.name == "cuda":
+        torch.cuda.set_device(dev.device)
+    extra = {"device_id": dev.device} if dev.name == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
+    return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def smoke_test(x: float = 0.0) -> dict[str, Any]:
+    """A worker function that checks the process group: joins it (:func:`init_distributed`),
+    all-reduces ``rank + x`` and leaves. Returns ``rank``, ``world_size``, ``sum`` (``x * world
+    + world * (world - 1) / 2``), ``backend`` and ``tmpdir`` (where this worker's temporary files
+    go). Light to import, so ``launch(smoke_test, n)`` checks a machine's set-up in seconds."""
+    backend = init_distributed()
+    t = torch.tensor([backend.rank + float(x)], device=backend.device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    out = {"rank": backend.rank, "world_size": backend.world_size, "sum": t.item(),
+           "backend": backend.dist_backend, "tmpdir": tempfile.gettempdir()}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _failure_line(err: Any) -> str:
+    """One line for the root-cause (earliest) failure of a ``ChildFailedError``."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
+        message = message.get("message", "")
+    text = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    if failure.exitcode < 0:
+        text = f"killed by signal {failure.signal_name()}"
+    elif not os.path.isfile(failure.error_file) or not text:  # died without raising (os._exit, crash)
+        text = f"exited with code {failure.exitcode}"
+    more = len(err.failures) - 1
+    return f"worker rank {rank} failed: {text}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "spawn",
+           rdzv_timeout_s: int = 120) -> list[Any]:
+    """Run ``fn(*args)`` in ``nproc`` local workers; returns their return values in rank order.
+
+    Workers find ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1) and
+    ``MASTER_PORT`` in their environment and call :func:`init_distributed` themselves. ``fn``, its
+    arguments and return values must pickle (``fn`` defined at module level) under the default
+    ``spawn`` start method; ``fork`` starts faster but is unsafe once the parent has started
+    threads or CUDA. Raises NxdError (one line, ``worker rank R failed: Type: message``) when a
+    worker raises or dies, and for ``nproc < 1``.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not isinstance(nproc, int) or nproc < 1:
+        raise NxdError(f"nproc must be a positive integer, got {nproc!r}")
+    with tempfile.TemporaryDirectory(prefix="nxd-launch-") as log_dir:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            rdzv_configs={"timeout": rdzv_timeout_s},
+            max_restarts=0,
+            monitor_interval=0.05,
+            start_method=start_method,
+            local_addr="127.0.0.1",
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            results = elastic_launch(config, fn)(*args)
+        except ChildFailedError as e:
+            raise NxdError(_failure_line(e)) from None
+    return [results[r] for r in range(nproc)]

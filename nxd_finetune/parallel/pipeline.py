@@ -1,0 +1,360 @@
+"""Pipeline parallelism: cut a decoder into stages and run them with ``torch.distributed.pipelining``.
+
+Stages and ranks. ``split_layers`` cuts ``num_hidden_layers`` into ``pp * virtual_stages`` stages
+(global stage ``s`` holds a contiguous block of layers). Stage ``s`` runs on pipeline rank
+``s % pp`` (torch's interleaved layout): with ``virtual_stages=2`` rank ``r`` holds chunks ``r``
+and ``r + pp``. Stage 0 also holds ``model.embed_tokens``, the last stage ``model.norm`` and
+``lm_head``.
+
+Stage modules keep the full model's names. ``build_stage_module`` returns a
+``DecoderForCausalLM`` *shell* that shares its submodules with the given model but holds only
+the stage's layers in a ``ModuleDict`` keyed by their global index, so parameter names stay
+``model.layers.<i>...`` / ``lm_head.weight``: HF checkpoint slices load and PEFT adapter keys come
+out by name (STYLE.md point 2). The shell's forward is the model's own:
+``forward(hidden_or_ids, position_ids=None, segment_ids=None)`` -> hidden states ``[B, T, H]``, or
+logits ``[B, T, V]`` on the last stage.
+
+Side inputs. Position and segment ids must reach every stage. In torch 2.13 the schedules pass
+the positional ``step`` arguments to the first stage only (later stages get the received
+activations instead), but ``step``'s keyword arguments are split into micro-batches on each
+rank and given to *every* local stage (``PipelineStage.forward_one_chunk``: "kwargs can be
+passed to all stages via respective step calls"). So :class:`PipelineRunner` calls
+``schedule.step(input_ids (first rank only), position_ids=..., segment_ids=..., target=labels
+(last rank only))`` on every pipeline rank; only the hidden states travel between ranks. This
+needs every rank of a pipeline group to be given the same micro-batches.
+
+Loss and ``scale_grads``. The loss function gets ``n_targets`` (target tokens of the whole
+optimizer step) through ``loss_kwargs``; each micro-batch loss is ``sum / n_targets``, as in
+``sft/trainer.py``, so the accumulated gradient is already the token mean. The schedules are
+built with ``scale_grads=False``: by default they would divide every gradient by the number of
+micro-batches once more.
+
+Tied embeddings (``tie_word_embeddings``). With ``pp > 1`` stage 0's ``embed_tokens.weight`` and
+the last stage's ``lm_head.weight`` are two copies on two ranks. :meth:`PipelineRunner.step`
+sums their gradients over a ``[first, last]`` process group after the backward, so both copies
+get the full-model gradient and, stepped by the same optimizer, stay equal.
+
+Eval. :meth:`PipelineRunner.eval_step` runs one batch forward only (GPipe / looped-BFS schedule
+of one micro-batch) and returns ``[loss sum, correct, targets]`` on every pipeline rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.parallel.state import ParallelState
+from nxd_finetune.sft.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+
+SCHEDULES: dict[str, type] = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+SIDE_INPUTS = ("position_ids", "segment_ids")
+_MAX_CACHED_SHAPES = 4
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+def split_layers(
+    num_layers: int, pp: int, virtual_stages: int = 1, cuts: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Layer indices of each of the ``pp * virtual_stages`` stages, in global stage order.
+
+    ``cuts=None`` splits evenly and needs ``num_layers`` divisible by the number of stages (as
+    ``recipe.check_against_model``); otherwise ``cuts`` are the first layer index of every stage
+    after the first (``parallel.pp_cuts``): ``split_layers(4, 2, cuts=[1]) == [[0], [1, 2, 3]]``.
+    Raises NxdError (one line, with the numbers) when the split is impossible.
+    """
+    for name, value in (("num_layers", num_layers), ("pp", pp), ("virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise NxdError(f"{name} must be a positive integer, got {value!r}")
+    stages = pp * virtual_stages
+    what = f"pp*virtual_stages={pp}*{virtual_stages}={stages} stages"
+    if cuts is None:
+        if num_layers % stages:
+            raise NxdError(f"{num_layers} layers do not split evenly into {what}; set parallel.pp_cuts")
+        size = num_layers // stages
+        bounds = list(range(0, num_layers + 1, size))
+    else:
+        cuts = list(cuts)
+        if len(cuts) != stages - 1:
+            raise NxdError(f"parallel.pp_cuts={cuts} has {len(cuts)} entries; {what} need {stages - 1}")
+        bounds = [0, *cuts, num_layers]
+        if any(not isinstance(c, int) or isinstance(c, bool) for c in cuts) or any(
+            b <= a for a, b in zip(bounds, bounds[1:], strict=False)
+        ):
+            raise NxdError(
+                f"parallel.pp_cuts={cuts} must be strictly increasing layer indices in 1..{num_layers - 1} "
+                f"({num_layers} layers; every stage needs at least one layer)"
+            )
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Global stage indices held by pipeline rank ``pp_rank``: ``[r, r + pp, r + 2*pp, ...]``."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def _shell(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with its own tables (children, parameters, buffers, hooks:
+    every dict attribute) that share their entries, so replacing a child of the copy leaves the
+    original alone."""
+    new = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, dict):
+            setattr(new, key, copy.copy(value))
+    return new
+
+
+def build_stage_module(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+    """The pipeline stage of ``model`` (a ``DecoderForCausalLM``) holding ``layer_ids``.
+
+    Returns a shell of the same class that shares submodules (and so parameters) with ``model``;
+    ``model`` itself is left intact, so several chunks can be cut from one model (interleaved
+    schedules). ``model.layers`` holds only the stage's layers, keyed by global index;
+    ``model.embed_tokens`` is None unless ``first``; ``model.norm`` and ``lm_head`` are None unless
+    ``last``. Drop the full model afterwards so the layers no stage holds are freed.
+    Attributes added: ``stage_layer_ids``, ``stage_first``, ``stage_last``.
+    Raises NxdError for a layer index the model does not have.
+    """
+    layers = model.model.layers
+    missing = [i for i in layer_ids if str(i) not in layers]
+    if missing:
+        raise NxdError(f"pipeline stage layers {missing} are not in the model (layers 0..{len(layers) - 1})")
+    stage = _shell(model)
+    stage.model = _shell(model.model)
+    stage.model.layers = nn.ModuleDict({str(i): layers[str(i)] for i in layer_ids})
+    if not first:
+        stage.model.embed_tokens = None
+    if not last:
+        stage.model.norm = None
+        stage.lm_head = None
+    stage.stage_layer_ids, stage.stage_first, stage.stage_last = list(layer_ids), first, last
+    return stage
+
+
+def build_stages(model: nn.Module, state: ParallelState, virtual_stages: int = 1,
+                 cuts: Sequence[int] | None = None) -> list[nn.Module]:
+    """This rank's stage modules (one per virtual stage, in local order) cut from ``model``."""
+    pp = state.pp_size
+    split = split_layers(model.config.num_hidden_layers, pp, virtual_stages, cuts)
+    n = len(split)
+    return [build_stage_module(model, split[s], s == 0, s == n - 1)
+            for s in stage_ids_of_rank(state.pp_rank, pp, virtual_stages)]
+
+
+def step_normalised_loss(logits: torch.Tensor, labels: torch.Tensor, n_targets: Any) -> torch.Tensor:
+    """The trainer's micro-batch loss: cross entropy summed over the micro-batch's targets, divided
+    by ``n_targets``, the target tokens of the whole optimizer step (all micro-batches, all dp ranks)."""
+    return causal_lm_loss(logits, labels, reduction="sum") / n_targets
+
+
+def count_targets(micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Loss-bearing tokens (shifted labels != -100) over ``micro_batches``, at least 1."""
+    return sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
+
+
+def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, torch.Tensor]:
+    """Pad a micro-batch to ``[rows, cols]`` with tokens that carry no loss and see nothing else:
+    label -100, position 0, segment -1 (attends only to earlier padding)."""
+    fill = {"labels": IGNORE_INDEX, "segment_ids": -1}
+    out = {}
+    for key, t in batch.items():
+        padded = t.new_full((rows, cols), fill.get(key, 0))
+        padded[: t.shape[0], : t.shape[1]] = t
+        out[key] = padded
+    return out
+
+
+class PipelineRunner:
+    """Forward + backward of one optimizer step's micro-batches through a pipeline schedule.
+
+    ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
+    ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
+    (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). ``loss_fn(logits, labels,
+    n_targets)``, default :func:`step_normalised_loss`. Construction is collective over the
+    world when the model has tied embeddings (it creates the [first, last] stage groups).
+    Stage buffers are sized from the first micro-batch of a shape; a new shape builds (and
+    caches) a new schedule, which costs one extra metadata forward/backward.
+    """
+
+    def __init__(self, stage_modules: Sequence[nn.Module], state: ParallelState, schedule: str = "1f1b",
+                 n_microbatches: int = 1, loss_fn: LossFn | None = None) -> None:
+        if schedule not in SCHEDULES:
+            raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
+        if state.pp_size < 2:
+            raise NxdError(f"PipelineRunner needs pp >= 2 (pp={state.pp_size}); run micro-batches directly")
+        chunks = len(stage_modules)
+        interleaved = schedule == "interleaved_1f1b"
+        if interleaved and chunks < 2 or not interleaved and chunks != 1:
+            need = "at least 2 stage modules per rank" if interleaved else "exactly 1 stage module per rank"
+            raise NxdError(f"pipeline schedule {schedule} needs {need}, got {chunks}")
+        pp = state.pp_size
+        if (n_microbatches < 1 or schedule == "1f1b" and n_microbatches < pp
+                or interleaved and n_microbatches % max(1, n_microbatches // pp)):
+            raise NxdError(f"{n_microbatches} micro-batches do not fit pipeline schedule {schedule} with pp={pp} "
+                           "(1f1b needs n >= pp; interleaved_1f1b needs n divisible by max(1, n // pp))")
+        self.state, self.schedule_name, self.n_microbatches = state, schedule, n_microbatches
+        self.stage_modules = list(stage_modules)
+        self.num_stages = state.pp_size * chunks
+        self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
+        self.loss_fn = loss_fn or step_normalised_loss
+        self.device = next(self.stage_modules[0].parameters()).device
+        self._schedules: dict[tuple[int, ...], Any] = {}
+        self._tied_group = self._make_tied_group()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _make_tied_group(self) -> dist.ProcessGroup | None:
+        """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
+        config = getattr(self.stage_modules[0], "config", None)
+        if not getattr(config, "tie_word_embeddings", False):
+            return None
+        dims, mine = self.state.dims, None
+        for d in range(dims.dp):
+            for t in range(dims.tp):
+                ranks = dims.pp_ranks(d, t)
+                group = dist.new_group([ranks[0], ranks[-1]])
+                if self.state.rank in (ranks[0], ranks[-1]):
+                    mine = group
+        return mine
+
+    def _tied_weight(self) -> nn.Parameter | None:
+        """This rank's copy of the tied embedding (None on middle ranks)."""
+        for module, sid in zip(self.stage_modules, self.stage_ids, strict=True):
+            owner = module.model.embed_tokens if sid == 0 else module.lm_head if sid == self.num_stages - 1 else None
+            if owner is not None:
+                weight = getattr(owner, "weight", None)
+                if not isinstance(weight, nn.Parameter):
+                    raise NxdError(f"tied embeddings with pp > 1 need a plain weight on {type(owner).__name__}")
+                return weight
+        return None
+
+    def _schedule_for(self, shape: tuple[int, ...], train: bool = True) -> Any:
+        """The schedule for micro-batches of ``shape`` (cached): ``train`` runs forward + backward of
+        ``n_microbatches`` with the loss, else one forward-only micro-batch (eval)."""
+        key = (train, *shape)
+        if key not in self._schedules:
+            if len(self._schedules) >= _MAX_CACHED_SHAPES:
+                self._schedules.pop(next(iter(self._schedules)))
+            stages = [
+                PipelineStage(m, sid, self.num_stages, self.device, group=self.state.pp_group)
+                for m, sid in zip(self.stage_modules, self.stage_ids, strict=True)
+            ]
+            multi = len(stages) > 1
+            if train:
+                # scale_grads=False: the loss is already divided by the step's target tokens
+                cls = SCHEDULES[self.schedule_name]
+                schedule = cls(stages if multi else stages[0], self.n_microbatches, loss_fn=self.loss_fn,
+                               scale_grads=False)
+            else:  # forward only; these two accept a single micro-batch
+                schedule = ScheduleLoopedBFS(stages, 1) if multi else ScheduleGPipe(stages[0], 1)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def _uniform(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The model inputs of ``micro_batches``, padded to one shape."""
+        fields = ("input_ids", "labels", *SIDE_INPUTS)
+        mbs = [{k: b[k] for k in fields if k in b} for b in micro_batches]
+        if any(m.keys() != mbs[0].keys() for m in mbs):
+            raise NxdError("pipeline micro-batches of one step must all carry the same fields")
+        rows = max(m["input_ids"].shape[0] for m in mbs)
+        cols = max(m["input_ids"].shape[1] for m in mbs)
+        return [m if m["input_ids"].shape == (rows, cols) else _pad_to(m, rows, cols) for m in mbs]
+
+    def _inputs(self, mbs: list[dict[str, torch.Tensor]]) -> tuple[tuple, dict[str, torch.Tensor]]:
+        """``step`` arguments of this rank: ids for the first stage only (later stages receive hidden
+        states); position/segment ids as keyword arguments, which every local stage gets."""
+        kwargs = {k: torch.cat([m[k] for m in mbs]) for k in SIDE_INPUTS if k in mbs[0]}
+        args = (torch.cat([m["input_ids"] for m in mbs]),) if self.state.is_first_stage else ()
+        return args, kwargs
+
+    def _from_last(self, value: torch.Tensor | None, size: tuple[int, ...] = ()) -> torch.Tensor:
+        """Broadcast ``value`` (given on the last stage) to every rank of the pipeline group."""
+        out = value.detach().float() if value is not None else torch.zeros(size, device=self.device)
+        dist.broadcast(out, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+        return out
+
+    def step(self, micro_batches: Sequence[dict[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
+        """Forward and backward of one optimizer step's ``micro_batches`` (dicts of ``input_ids``,
+        ``labels`` and optional ``position_ids``/``segment_ids``, each ``[B, T]``); every rank of the
+        pipeline group passes the same micro-batches. Gradients accumulate into ``.grad``.
+
+        ``n_targets``: target tokens of the whole optimizer step (default: counted here; pass the
+        count summed over dp ranks under data parallelism). Micro-batches of unequal shape are
+        padded to the largest (no loss, no attention to real tokens). Returns the step loss
+        (sum of micro-batch losses, detached, fp32), the same on every rank of the pipeline group.
+        Call once per optimizer step, gradients zeroed before: the tied-embedding sync sums the
+        accumulated gradients.
+        """
+        if len(micro_batches) != self.n_microbatches:
+            raise NxdError(f"pipeline step got {len(micro_batches)} micro-batches, expected {self.n_microbatches}")
+        mbs = self._uniform(micro_batches)
+        if n_targets is None:
+            n_targets = count_targets(mbs)
+        schedule = self._schedule_for(tuple(mbs[0]["input_ids"].shape))
+        args, kwargs = self._inputs(mbs)
+        last = self.state.is_last_stage
+        target = torch.cat([m["labels"] for m in mbs]) if last else None
+        losses: list[torch.Tensor] | None = [] if last else None
+        schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                      loss_kwargs={"n_targets": n_targets}, **kwargs)
+        loss = self._from_last(torch.stack(losses).sum() if losses else None)
+        self.sync_tied_grads()
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only of one batch: ``[loss summed over targets, correct next-token predictions,
+        targets]`` (fp32), the same on every rank of the pipeline group (``sft.trainer.evaluate``
+        sums these over batches)."""
+        mb = self._uniform([batch])
+        schedule = self._schedule_for(tuple(mb[0]["input_ids"].shape), train=False)
+        args, kwargs = self._inputs(mb)
+        logits = schedule.step(*args, **kwargs)
+        stats = None
+        if self.state.is_last_stage:
+            targets = shift_labels(mb[0]["labels"])
+            mask = targets != IGNORE_INDEX
+            stats = torch.stack([causal_lm_loss(logits, mb[0]["labels"], reduction="sum"),
+                                 ((logits.argmax(-1) == targets) & mask).sum().float(), mask.sum().float()])
+        return self._from_last(stats, (3,))
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of the two tied-embedding copies (first and last stage). No-op
+        without tied embeddings, on middle ranks, and for a frozen embedding."""
+        weight = self._tied_weight() if self._tied_group is not None else None
+        if weight is None or not weight.requires_grad:
+            return
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=self._tied_group)
+
+    def grad_norm_parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters of this rank that count towards the global gradient norm: the
+        last stage's tied ``lm_head`` copy is left out (stage 0 counts it). Sum the squared norms
+        over ``state.pp_group`` for the model's norm (and over tp for sharded parameters)."""
+        skip = self._tied_weight() if self._tied_group is not None and self.state.is_last_stage else None
+        seen, out = set(), []
+        for module in self.stage_modules:
+            for p in module.parameters():
+                if p.requires_grad and p is not skip and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out

@@ -1,0 +1,77 @@
+"""``lora.init_from``: start a LoRA run from an existing adapter instead of fresh factors.
+
+The source is a local adapter directory (ours or HF PEFT's), a registry REF or a plain ``s3://``
+adapter prefix (:func:`nxd_finetune.registry.fetch.fetch_adapter`). The adapter must describe the
+same LoRA as the recipe: rank, alpha, rsLoRA, bias mode, ``modules_to_save`` and the set of
+modules ``target_modules`` selects in this model (compared after matching, so ``all-linear`` and
+the explicit list of the same layers agree). Any difference is one AdapterError line naming the
+recipe field and both values; a base model that differs from the one the adapter records (config
+hash, revision) is only a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from torch import nn
+
+from nxd_finetune.errors import AdapterError
+from nxd_finetune.lora import LoraConfig, find_targets, load_adapter
+from nxd_finetune.lora.io import CONFIG_NAME
+from nxd_finetune.lora.merge import base_mismatches
+from nxd_finetune.models import DecoderConfig, build_model
+
+log = logging.getLogger(__name__)
+
+
+def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: DecoderConfig, source: str) -> None:
+    """Raise AdapterError naming the first ``lora.*`` field where the adapter differs from the recipe."""
+    where = f"lora.init_from {source}"
+    pairs = (
+        ("lora.rank", recipe_cfg.r, adapter_cfg.r),
+        ("lora.alpha", float(recipe_cfg.lora_alpha), float(adapter_cfg.lora_alpha)),
+        ("lora.use_rslora", recipe_cfg.use_rslora, adapter_cfg.use_rslora),
+        ("lora.bias", recipe_cfg.bias, adapter_cfg.bias),
+        ("lora.modules_to_save", sorted(recipe_cfg.modules_to_save), sorted(adapter_cfg.modules_to_save)),
+    )
+    for field, ours, theirs in pairs:
+        if ours != theirs:
+            raise AdapterError(f"{where}: the recipe has {field}={ours!r} but the adapter has {theirs!r}")
+    model = build_model(config)  # meta device: module names only
+    try:
+        theirs_targets = find_targets(model, adapter_cfg)
+    except AdapterError as e:
+        raise AdapterError(f"{where}: the adapter does not fit this model: {e}") from None
+    if find_targets(model, recipe_cfg) != theirs_targets:
+        raise AdapterError(
+            f"{where}: the recipe has lora.target_modules={recipe_cfg.target_modules!r} but the adapter has "
+            f"{adapter_cfg.target_modules!r} (they select different modules)"
+        )
+
+
+def init_lora_from(
+    model: nn.Module, recipe_cfg: LoraConfig, source: str, *, config: DecoderConfig, revision: str | None = None
+) -> str | None:
+    """Load the adapter ``source`` names into ``model`` (already injected with ``recipe_cfg``).
+
+    Checks the adapter against the recipe (:func:`check_same_lora`) and, through ``load_adapter``,
+    every tensor's name and shape before anything is copied; values are cast to the parameters'
+    dtype (fp32 master weights stay fp32). Returns the lineage: the pinned registry REF the adapter
+    was pulled from, or None for a directory. Raises AdapterError / RegistryError with one line.
+    """
+    from nxd_finetune.registry.fetch import fetch_adapter
+
+    with fetch_adapter(source, "lora.init_from") as fetched:
+        try:
+            adapter_cfg = LoraConfig.from_peft_dict(json.loads((fetched.path / CONFIG_NAME).read_text()))
+        except (AdapterError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterError(f"lora.init_from {source}: {e}") from None
+        check_same_lora(recipe_cfg, adapter_cfg, config, source)
+        for line in base_mismatches(fetched.path, config, revision):
+            log.warning("warning: lora.init_from %s: %s; starting from it anyway", source, line)
+        try:
+            load_adapter(model, fetched.path, inject=False)
+        except AdapterError as e:
+            raise AdapterError(f"lora.init_from {source}: {e}") from None
+        return fetched.lineage

@@ -1,0 +1,295 @@
+"""LoRA on tensor-parallel bases against the unsharded LoRA model and the ``peft`` oracle (gloo, CPU).
+
+The adapters are written by ``peft`` (all-linear, random non-zero B) for tiny ``transformers``
+models. Each worker builds the sharded model the way training does (meta -> ``apply_tp_plan`` ->
+``inject_lora`` -> ``materialize`` with the slice reader -> ``load_adapter`` reading slices) and
+compares with the unsharded model holding the same adapter: logits, every trainable gradient
+(after ``allreduce_replicated_grads``, gathered), the exported adapter, merge/unmerge. "differ"
+checks show the gradients before the TP sync are wrong, so the sync is what makes them match.
+The harness (fork + gloo, checks returned through files) is the one of ``test_parallel_layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_parallel_layers import assert_checks, run_world
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from nxd_finetune.errors import AdapterError
+from nxd_finetune.lora import (
+    ColumnParallelLoraLinear,
+    LoraConfig,
+    LoraLinear,
+    RowParallelLoraLinear,
+    adapter_state_dict,
+    base_param_name,
+    gather_adapter_state_dict,
+    inject_lora,
+    load_adapter,
+    lora_modules,
+    read_adapter,
+    save_adapter,
+    save_model,
+    trainable_parameters,
+)
+from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
+from nxd_finetune.parallel import (
+    ColumnParallelLinear,
+    ParallelDims,
+    ParallelState,
+    RowParallelLinear,
+    allreduce_replicated_grads,
+    apply_tp_plan,
+    gather_shards,
+    iter_shard_specs,
+    make_slice_reader,
+    tp_plan_for,
+    vocab_parallel_cross_entropy,
+)
+from nxd_finetune.parallel import mappings as M
+
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+LABELS = torch.where(torch.arange(8) < 3, -100, IDS)
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+@pytest.fixture(autouse=True)
+def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
+def hf_load(path):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def peft_adapter(base: Path, out: Path, **kw) -> torch.Tensor:
+    """Write a PEFT adapter (all-linear, every trainable tensor random) for ``base``; its logits."""
+    pm = peft.get_peft_model(
+        hf_load(base), peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=16, target_modules="all-linear", **kw)
+    ).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, p in sorted(pm.named_parameters()):
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        logits = pm(IDS).logits
+    pm.save_pretrained(out)
+    return logits
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _ref_model(base: str, cfg: LoraConfig, adapter: str) -> nn.Module:
+    ref = load_pretrained(base)
+    inject_lora(ref, cfg)
+    load_adapter(ref, adapter, inject=False)
+    return ref
+
+
+def _tp_model(base: str, cfg: LoraConfig, adapter: str, state: ParallelState, sp: bool) -> nn.Module:
+    config = DecoderConfig.from_hf(base)
+    model = apply_tp_plan(build_model(config), tp_plan_for(config), state, sequence_parallel=sp)
+    inject_lora(model, cfg)
+    materialize(model, base, reader=make_slice_reader(model), name_map=base_param_name)
+    load_adapter(model, adapter, inject=False)  # PEFT's file, this rank's slices
+    return model
+
+
+def _forward_backward(model: nn.Module, group, seed: int) -> torch.Tensor:
+    """Full-vocab logits (gathered) after backward of the mean next-token loss."""
+    torch.manual_seed(seed)  # dropout masks
+    logits = model(IDS)
+    n_valid = (LABELS[:, 1:] != -100).sum()
+    if group is None:
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), LABELS[:, 1:].reshape(-1))
+    else:
+        loss = vocab_parallel_cross_entropy(logits[:, :-1], LABELS[:, 1:], group).sum() / n_valid
+    loss.backward()
+    return logits.detach() if group is None else M.all_gather(logits.detach(), -1, group)
+
+
+def _grad_checks(tag, model, ref, state, differ: list[str], out: dict) -> None:
+    specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+    for name in differ:  # the local partial sums before the sync
+        local_ref = ref.get_parameter(name).grad[specs[name].slices()]
+        out[f"{tag} {name} grad before sync"] = ("differ", model.get_parameter(name).grad.clone(), local_ref)
+    allreduce_replicated_grads(model, state)
+    names = [n for n, _ in trainable_parameters(model)]
+    assert names == [n for n, _ in trainable_parameters(ref)] and any(".lora_A." in n for n in names)
+    for name, p in trainable_parameters(model):
+        full = gather_shards(p.grad, specs[name], state.tp_group) if name in specs else p.grad
+        out[f"{tag} grad {name}"] = ("close", full, ref.get_parameter(name).grad)
+
+
+def _merge_checks(tag, model, ref_logits, state, out: dict) -> None:
+    """Each rank merges its slice: same logits; unmerge restores the base shards."""
+    weights = {n: m.base_layer.weight.detach().clone() for n, m in lora_modules(model)}
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.merge()
+        merged = M.all_gather(model(IDS), -1, state.tp_group)
+        for _, m in lora_modules(model):
+            m.unmerge()
+    out[f"{tag} merged logits"] = ("close", merged, ref_logits)
+    for n, m in lora_modules(model):
+        out[f"{tag} unmerged {n}"] = ("close", m.base_layer.weight.detach(), weights[n])
+
+
+def _lora_worker(rank: int, world: int, tp: int, variants: list, save_dir: str) -> dict:
+    """``variants``: (label, HF dir, PEFT adapter dir, sequence-parallel settings, dropout check)."""
+    state = ParallelState(ParallelDims.for_world(world, tp=tp))
+    g, out = state.tp_group, {}
+    for label, base, adapter, sp_settings, with_dropout in variants:
+        cfg = read_adapter(adapter)[0]
+        ref = _ref_model(base, cfg, adapter)
+        ref_logits = _forward_backward(ref, None, 0)
+        for sp in sp_settings:
+            tag = f"{label} tp={tp} sp={sp}"
+            model = _tp_model(base, cfg, adapter, state, sp)
+            assert {type(m) for _, m in lora_modules(model)} == {ColumnParallelLoraLinear, RowParallelLoraLinear}
+            out[f"{tag} logits"] = ("close", _forward_backward(model, g, 0), ref_logits)
+            differ = ["model.layers.0.self_attn.q_proj.lora_A.weight"]  # column A: partial over TP
+            if sp:
+                differ.append("model.layers.1.mlp.down_proj.lora_B.weight")  # row B: partial over sequence
+            if tp > DecoderConfig.from_hf(base).num_key_value_heads:
+                differ.append("model.layers.1.self_attn.k_proj.lora_B.weight")  # partial over KV replicas
+            _grad_checks(tag, model, ref, state, differ, out)
+            full = gather_adapter_state_dict(model, state, cfg.bias)
+            expected = adapter_state_dict(ref, cfg.bias)
+            assert list(full) == list(expected)
+            for key, t in full.items():
+                out[f"{tag} export {key}"] = ("close", t, expected[key])
+            _merge_checks(tag, model, ref_logits, state, out)
+            if not sp:  # the files: tp run (written by TP rank 0) and tp=1 run
+                tp_dir = Path(save_dir, f"{label}-tp")
+                save_model(model, cfg, tp_dir, "adapter", base_model_name_or_path=base, state=state)
+                if rank == 0:
+                    save_adapter(ref, cfg, Path(save_dir, f"{label}-tp1"), base_model_name_or_path=base)
+        if with_dropout:  # same RNG state -> the unsharded layer's masks, sharded inputs too
+            drop = dataclasses.replace(cfg, lora_dropout=0.3)
+            ref_d = _ref_model(base, drop, adapter)
+            ref_d_logits = _forward_backward(ref_d, None, 7)
+            out[f"{label} dropout changes logits"] = ("differ", ref_d_logits, ref_logits)
+            for sp in sp_settings:
+                tag = f"{label} tp={tp} sp={sp} dropout"
+                model = _tp_model(base, drop, adapter, state, sp)
+                out[f"{tag} logits"] = ("close", _forward_backward(model, g, 7), ref_d_logits)
+                _grad_checks(tag, model, ref_d, state, [], out)
+    return out
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def n_checks(adapter: Path, n_differ: dict[bool, int], dropout: bool) -> int:
+    """Checks per rank of one variant: per sequence-parallel setting logits, merged logits, the
+    "differ" checks, a gradient and an export check per adapter tensor, an unmerge check per
+    LoRA layer; with dropout one more, then logits and gradients per setting."""
+    keys = list(load_file(adapter / WEIGHTS))
+    n_lora = sum(k.endswith(".lora_A.weight") for k in keys)
+    total = sum(2 + d + 2 * len(keys) + n_lora for d in n_differ.values())
+    return total + (1 + len(n_differ) * (1 + len(keys)) if dropout else 0)
+
+
+def test_tp2_lora_matches_unsharded_and_peft_files(make_tiny_hf, tmp_path):
+    """tp=2 with and without sequence parallel, dropout, lm_head in modules_to_save; the exported
+    file is the tp=1 file byte for byte and PEFT loads it."""
+    _, base = make_tiny_hf("llama")
+    peft_logits = peft_adapter(base, tmp_path / "peft", modules_to_save=["lm_head"])
+    variants = [("llama", str(base), str(tmp_path / "peft"), (False, True), True)]
+    results = run_world(_lora_worker, 2, tmp_path, 2, variants, str(tmp_path / "saved"))
+    assert assert_checks(results) == 2 * n_checks(tmp_path / "peft", {False: 1, True: 2}, dropout=True)
+    for sp in (False, True):
+        torch.testing.assert_close(results[0][f"llama tp=2 sp={sp} logits"][1], peft_logits, atol=1e-5, rtol=1e-5)
+
+    tp2, tp1 = tmp_path / "saved" / "llama-tp", tmp_path / "saved" / "llama-tp1"
+    assert sorted(p.name for p in tp2.iterdir()) == [CONFIG, WEIGHTS]
+    assert (tp2 / WEIGHTS).read_bytes() == (tp1 / WEIGHTS).read_bytes()
+    assert json.loads((tp2 / CONFIG).read_text()) == json.loads((tp1 / CONFIG).read_text())
+    theirs = load_file(tmp_path / "peft" / WEIGHTS)
+    assert {k: v.shape for k, v in load_file(tp2 / WEIGHTS).items()} == {k: v.shape for k, v in theirs.items()}
+    with torch.no_grad():
+        reloaded = peft.PeftModel.from_pretrained(hf_load(base), tp2).eval()(IDS).logits
+    torch.testing.assert_close(reloaded, peft_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_tp4_kv_replicated_lora_matches_unsharded_and_peft(make_tiny_hf, tmp_path):
+    """Qwen2 (q/k/v bias, 4 heads, 2 KV heads -> each KV head on 2 ranks), trained biases."""
+    _, base = make_tiny_hf("qwen2")
+    peft_logits = peft_adapter(base, tmp_path / "peft", bias="lora_only")
+    variants = [("qwen2", str(base), str(tmp_path / "peft"), (False, True), False)]
+    results = run_world(_lora_worker, 4, tmp_path, 4, variants, str(tmp_path / "saved"))
+    assert assert_checks(results) == 4 * n_checks(tmp_path / "peft", {False: 2, True: 3}, dropout=False)
+    for sp in (False, True):
+        torch.testing.assert_close(results[0][f"qwen2 tp=4 sp={sp} logits"][1], peft_logits, atol=1e-5, rtol=1e-5)
+    tp4, tp1 = tmp_path / "saved" / "qwen2-tp", tmp_path / "saved" / "qwen2-tp1"
+    assert (tp4 / WEIGHTS).read_bytes() == (tp1 / WEIGHTS).read_bytes()
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_sharded_layers_at_tp1_are_lora_linear_bit_for_bit():
+    """Same init (same RNG draws), same dropout masks, same output and merge as LoraLinear."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 8))
+    par = nn.Sequential(
+        ColumnParallelLinear.from_linear(ref[0], None),
+        RowParallelLinear.from_linear(ref[1], None, input_is_parallel=True),
+    )
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", lora_dropout=0.3)
+    for model in (ref, par):
+        torch.manual_seed(1)
+        inject_lora(model, cfg)
+        torch.nn.init.normal_(model[0].lora_B.weight, generator=torch.Generator().manual_seed(3))
+        torch.nn.init.normal_(model[1].lora_B.weight, generator=torch.Generator().manual_seed(4))
+    assert [type(m) for m in par] == [ColumnParallelLoraLinear, RowParallelLoraLinear]
+    assert all(type(m) is LoraLinear for m in ref)
+    for (name, a), (_, b) in zip(ref.named_parameters(), par.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    x = torch.randn(3, 4, 8)
+    outs = []
+    for model in (ref, par):
+        torch.manual_seed(5)
+        outs.append(model(x))
+    assert torch.equal(*outs)
+    for model in (ref, par):
+        model.eval()
+        for layer in model:
+            layer.merge()
+    assert torch.equal(ref(x), par(x))
+    assert par[1].lora_A.shard_specs["weight"].full_shape == (2, 12)
+
+
+def test_load_errors_name_full_shapes_and_tp_save_refusals(make_tiny_hf, tmp_path):
+    _, base = make_tiny_hf("llama")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    model = build_model(DecoderConfig.from_hf(base))
+    model.model.layers["0"].self_attn.q_proj = ColumnParallelLinear(64, 64, False, group=None, device="meta")
+    inject_lora(model, cfg)
+    materialize(model, base, reader=make_slice_reader(model), name_map=base_param_name)
+    save_adapter(model, cfg, tmp_path / "a", base_model_name_or_path=None)
+    bad = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])  # same scaling, other rank
+    other = build_model(DecoderConfig.from_hf(base))
+    inject_lora(other, bad)
+    save_adapter(other, bad, tmp_path / "bad", base_model_name_or_path=None)
+    with pytest.raises(AdapterError, match=r"q_proj.lora_A.weight' has shape \(2, 64\), the model expects \(4, 64\)"):
+        load_adapter(model, tmp_path / "bad", inject=False)
+    pp = types.SimpleNamespace(pp_size=2, tp_size=1, tp_rank=0, dp_rank=0)
+    with pytest.raises(AdapterError, match="pipeline parallel: union the stages"):
+        save_adapter(model, cfg, tmp_path / "pp", None, state=pp)
+    tp = types.SimpleNamespace(pp_size=1, tp_size=2, tp_rank=0, dp_rank=0)
+    with pytest.raises(AdapterError, match="save mode 'merged' is not supported at tp=2"):
+        save_model(model, cfg, tmp_path / "m", "merged", state=tp)
+    assert not (tmp_path / "pp").exists()
