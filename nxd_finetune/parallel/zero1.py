@@ -275,3 +275,93 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict["inner"])
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(saved_group)
+
+    # ------------------------------------------------------------------ per-parameter state (resharding)
+
+    @torch.no_grad()
+    def export_param_states(self) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per-parameter optimizer state with the dp sharding undone: ``(parameter, {key: tensor})``
+        for every trainable parameter, in flat-space order.
+
+        Per-element states of the wrapped optimizer (tensors of the master shard's length, e.g.
+        Adam's ``exp_avg`` / ``exp_avg_sq``) come back shaped like the parameter (its local TP
+        shard), in float32; scalar states (Adam's 0-dim ``step``) are shared by every parameter of
+        a flat space; ``master`` is the fp32 master weight. Before the first step the wrapped
+        optimizer has no state and only ``master`` is returned. Collective over ``dp_group`` (one
+        all-gather per state tensor per flat space; every dp rank gets the full result); tensors
+        are new, not views of the live state. Loadable into a plain optimizer of the same class or
+        a :class:`Zero1Optimizer` of any dp size with :meth:`import_param_states`.
+        """
+        out: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        for flat in self.flats:
+            state = self.inner.state.get(flat.master, {})
+            full: dict[str, torch.Tensor] = {"master": self._gather_flat(flat, flat.master)}
+            shared: dict[str, Any] = {}
+            for key in sorted(state):
+                value = state[key]
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.shard_size:
+                    full[key] = self._gather_flat(flat, value)
+                else:
+                    shared[key] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+            for p, off in zip(flat.params, flat.offsets, strict=True):
+                states = {k: v[off : off + p.numel()].view(p.shape).clone() for k, v in full.items()}
+                states.update({k: v.clone() for k, v in shared.items()})
+                out.append((p, states))
+        return out
+
+    def _gather_flat(self, flat: _FlatShard, shard: torch.Tensor) -> torch.Tensor:
+        """The whole padded flat space of ``shard`` (this rank's part), all-gathered over dp."""
+        shard = shard.detach().to(torch.float32).contiguous()
+        if self.dp_size == 1:
+            return shard.clone()
+        full = shard.new_empty(flat.padded_numel)
+        _all_gather_single(full, shard, group=self.dp_group)
+        return full
+
+    @torch.no_grad()
+    def import_param_states(self, get_states) -> None:
+        """Rebuild this rank's master shards and wrapped-optimizer state from per-parameter states.
+
+        ``get_states(param)`` returns the parameter's state as :meth:`export_param_states` gives
+        it (per-element tensors shaped like ``param``, 0-dim scalars, optional ``master``), or
+        None / ``{}`` when there is none (a checkpoint taken before the first step). It is called
+        only for parameters overlapping this rank's shard. Without ``master`` the master is taken
+        from the parameter's current value, so load the parameters first. Scalar states of a flat
+        space come from its first overlapping parameter. Local: no collective. Raises NxdError
+        when a state's shape does not match its parameter, or parameters of one flat space
+        disagree on which states they have.
+        """
+        for flat in self.flats:
+            self._copy_params_to_master(flat)
+            elementwise: dict[str, torch.Tensor] = {}
+            scalars: dict[str, torch.Tensor] = {}
+            keys: set[str] | None = None
+            for i, a, b in flat.param_ranges():
+                p = flat.params[i]
+                states = {k: v for k, v in (get_states(p) or {}).items()}
+                if "master" in states:
+                    self._check_state_shape("master", states["master"], p)
+                    off = flat.offsets[i] - flat.shard_start
+                    flat.master[a:b].copy_(states.pop("master").reshape(-1)[a - off : b - off])
+                if keys is None:
+                    keys = set(states)
+                elif keys != set(states):
+                    raise NxdError(f"ZeRO-1 import: parameters of one group carry different states "
+                                   f"({sorted(keys)} vs {sorted(states)})")
+                off = flat.offsets[i] - flat.shard_start
+                for key, value in states.items():
+                    if value.dim() == 0:
+                        scalars.setdefault(key, value.detach().clone())
+                        continue
+                    self._check_state_shape(key, value, p)
+                    buf = elementwise.setdefault(key, torch.zeros_like(flat.master))
+                    buf[a:b].copy_(value.reshape(-1)[a - off : b - off])
+            self.inner.state.pop(flat.master, None)
+            if elementwise or scalars:
+                self.inner.state[flat.master] = {**scalars, **elementwise}
+
+    @staticmethod
+    def _check_state_shape(key: str, value: torch.Tensor, param: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(param.shape):
+            raise NxdError(f"ZeRO-1 import: state {key!r} of shape {tuple(value.shape)} does not match "
+                           f"its parameter of shape {tuple(param.shape)}")

@@ -1,0 +1,252 @@
+"""From a rank's live modules and optimizer to layout-free tensors, and back.
+
+:func:`collect` (collective) turns this rank's trainable parameters and optimizer state into
+tensors keyed by global parameter name with full shapes: TP shards are gathered with their
+``ShardSpec`` (``parallel.layers.gather_shards``), ZeRO-1 flat shards are consolidated per
+parameter (``Zero1Optimizer.export_param_states``). Only the ranks that write (tp rank 0 and dp
+rank 0 of each pipeline stage) get the tensors; the others take part in the collectives only.
+
+:func:`restore` (local, no collective) reads back just this rank's slices for its *current*
+layout through a :class:`TensorReader`, so a checkpoint saved at tp=2 loads at tp=1, pp=2 or
+dp=2 with ZeRO-1 and the other way round.
+
+Which parameters: every parameter with ``requires_grad`` of the given modules (LoRA factors, or
+the whole model for full SFT); frozen base weights come from ``model.path``. A weight tied across
+pipeline stages (``lm_head.weight`` / ``model.embed_tokens.weight`` with ``tie_word_embeddings``)
+is saved under the name each stage sees; a missing name falls back to its tied twin on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from nxd_finetune.checkpoint.format import CheckpointError, optim_key, param_key
+from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
+from nxd_finetune.parallel.zero1 import Zero1Optimizer
+
+TIED_TWINS = {"lm_head.weight": "model.embed_tokens.weight", "model.embed_tokens.weight": "lm_head.weight"}
+
+
+@dataclasses.dataclass
+class LocalParam:
+    """A trainable parameter of this rank: its global ``name``, the live tensor and its TP
+    sharding (None: the whole tensor is on every TP rank)."""
+
+    name: str
+    param: nn.Parameter
+    spec: ShardSpec | None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.spec.full_shape if self.spec is not None else tuple(self.param.shape)
+
+    def index(self) -> tuple[slice, ...] | None:
+        """This rank's slice of the full tensor; None when it holds the whole tensor."""
+        return self.spec.slices() if self.spec is not None and self.spec.partition_dim is not None else None
+
+
+def trainable(modules: Sequence[nn.Module]) -> list[LocalParam]:
+    """Trainable parameters of ``modules`` (a model, or this rank's pipeline-stage modules) in
+    module order, each once. Raises CheckpointError when two different tensors share a name."""
+    out: list[LocalParam] = []
+    seen: dict[int, str] = {}
+    names: set[str] = set()
+    for module in modules:
+        specs = {name: spec for name, _, _, spec in iter_shard_specs(module)}
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            if name in names:
+                raise CheckpointError(f"two different trainable parameters are both named {name!r}")
+            seen[id(p)], names = name, names | {name}
+            out.append(LocalParam(name, p, specs.get(name)))
+    return out
+
+
+def unwrap(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer that holds the state: ``ParallelOptimizer.optimizer`` (AdamW or a
+    :class:`Zero1Optimizer`), or ``optimizer`` itself."""
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _json_option(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_json_option(v) for v in value]
+    if torch.is_tensor(value) and value.dim() == 0:
+        return value.item()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return None  # not storable (callables, tensors): left as the live optimizer has it
+
+
+def group_options(optimizer: torch.optim.Optimizer | None, params: list[LocalParam]) -> list[dict[str, Any]]:
+    """``[{"options": {lr, betas, ...}, "params": [names]}]`` for the optimizer's param groups.
+
+    Raises CheckpointError when the optimizer holds a parameter that is not among ``params``
+    (the modules given to ``save`` must cover what the optimizer steps)."""
+    if optimizer is None:
+        return []
+    names = {id(lp.param): lp.name for lp in params}
+    groups = []
+    for group in optimizer.param_groups:
+        members = [p for p in group["params"] if p.requires_grad]
+        unknown = [tuple(p.shape) for p in members if id(p) not in names]
+        if unknown:
+            raise CheckpointError(f"the optimizer steps {len(unknown)} parameter(s) (shapes {unknown[:3]}) that are "
+                                  "not trainable parameters of the modules given to the checkpoint")
+        options = {k: _json_option(v) for k, v in group.items() if k != "params"}
+        groups.append({"options": options, "params": [names[id(p)] for p in members]})
+    return groups
+
+
+def _per_param_states(optimizer: torch.optim.Optimizer | None) -> dict[int, dict[str, torch.Tensor]]:
+    """``{id(param): {state: tensor}}``: TP-local, dp-complete. Collective over dp for ZeRO-1."""
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, Zero1Optimizer):
+        return {id(p): states for p, states in optimizer.export_param_states()}
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p)
+            if st:
+                out[id(p)] = {k: (v if torch.is_tensor(v) else torch.tensor(v)) for k, v in st.items()}
+    return out
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that no later optimizer step can change (async saves serialise it later)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+@torch.no_grad()
+def collect(params: list[LocalParam], optimizer: Any, state: Any) -> dict[str, torch.Tensor] | None:
+    """Layout-free tensors of this rank's stage: ``param/<name>`` and ``optim/<name>/<state>``.
+
+    Collective: over dp (ZeRO-1 export), then over tp on dp rank 0 (one gather per sharded tensor,
+    in ``params`` order, identical on every TP rank). Returns the CPU tensors on the writing rank
+    (tp rank 0, dp rank 0) and None elsewhere. A ZeRO-1 fp32 master is kept only for parameters
+    that are not fp32 (otherwise it equals the parameter).
+    """
+    states = _per_param_states(unwrap(optimizer))
+    tp_rank = state.tp_rank if state is not None else 0
+    if state is not None and state.dp_rank != 0:
+        return None
+    group = state.tp_group if state is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for lp in params:
+        sharded = lp.index() is not None
+
+        def full(t: torch.Tensor, sharded: bool = sharded, spec: ShardSpec | None = lp.spec) -> torch.Tensor:
+            return gather_shards(t, spec, group) if sharded else t
+
+        out[param_key(lp.name)] = _cpu(full(lp.param))
+        for key, value in sorted(states.get(id(lp.param), {}).items()):
+            if key == "master" and lp.param.dtype == torch.float32:
+                continue
+            if value.dim() == 0:
+                out[optim_key(lp.name, key)] = _cpu(value)
+            elif tuple(value.shape) == tuple(lp.param.shape):
+                out[optim_key(lp.name, key)] = _cpu(full(value))
+            else:
+                raise CheckpointError(f"optimizer state {key!r} of {lp.name} has shape {tuple(value.shape)}, "
+                                      f"neither a scalar nor the parameter's {tuple(lp.param.shape)}")
+    return out if tp_rank == 0 else None
+
+
+class TensorReader(Protocol):
+    """Where :func:`restore` reads: ``keys`` (every tensor key of the checkpoint), ``shape(key)``
+    and ``read(key, index)`` (``index``: a tuple of slices, or None for the whole tensor)."""
+
+    keys: set[str]
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def read(self, key: str, index: tuple[slice, ...] | None) -> torch.Tensor: ...
+
+
+def _stored_name(name: str, keys: set[str]) -> str | None:
+    if param_key(name) in keys:
+        return name
+    twin = TIED_TWINS.get(name)
+    return twin if twin is not None and param_key(twin) in keys else None
+
+
+def _read(reader: TensorReader, key: str, lp: LocalParam) -> torch.Tensor:
+    shape = tuple(reader.shape(key))
+    if shape == ():
+        return reader.read(key, None)
+    if shape != lp.full_shape:
+        raise CheckpointError(f"checkpoint tensor {key} has shape {shape}, the model's {lp.name} is {lp.full_shape} "
+                              "(was the checkpoint saved for another model or LoRA rank?)")
+    return reader.read(key, lp.index())
+
+
+@torch.no_grad()
+def restore(params: list[LocalParam], optimizer: Any, reader: TensorReader, states: dict[str, list[str]],
+            groups: Iterable[dict[str, Any]]) -> None:
+    """Load this rank's slices of parameters and optimizer state, for its current layout.
+
+    ``states``: ``{stored param name: [state names]}``; ``groups``: the saved param-group options
+    (every stage's). Local: no collective. Raises CheckpointError naming the missing or
+    misshapen tensors.
+    """
+    stored = {lp.name: _stored_name(lp.name, reader.keys) for lp in params}
+    missing = [n for n, s in stored.items() if s is None]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no tensor for {len(missing)} trainable parameter(s), e.g. "
+                              f"{', '.join(missing[:3])} (was it saved for another model or LoRA config?)")
+    for lp in params:
+        lp.param.copy_(_read(reader, param_key(stored[lp.name]), lp))
+    opt = unwrap(optimizer)
+    if opt is None:
+        return
+    by_id = {id(lp.param): lp for lp in params}
+
+    def saved_states(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        lp = by_id.get(id(p))
+        if lp is None:
+            raise CheckpointError(f"the optimizer steps a parameter of shape {tuple(p.shape)} that is not a "
+                                  "trainable parameter of the modules given to the checkpoint")
+        name = stored[lp.name]
+        return {k: _read(reader, optim_key(name, k), lp) for k in states.get(name, [])}
+
+    if isinstance(opt, Zero1Optimizer):
+        opt.import_param_states(saved_states)
+    else:
+        _restore_plain(opt, saved_states)
+    _restore_group_options(opt, params, stored, groups)
+
+
+def _restore_plain(opt: torch.optim.Optimizer, saved_states: Callable[[torch.Tensor], dict]) -> None:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            loaded = {k: v for k, v in saved_states(p).items() if k != "master"}
+            if not loaded:
+                opt.state.pop(p, None)
+                continue
+            opt.state[p] = {k: v.clone() if v.dim() == 0 else v.to(device=p.device, dtype=p.dtype)
+                            for k, v in loaded.items()}
+
+
+def _restore_group_options(opt: torch.optim.Optimizer, params: list[LocalParam], stored: dict[str, str | None],
+                           groups: Iterable[dict[str, Any]]) -> None:
+    """Copy the saved options (lr, betas, ...) onto each live group, matched through the name
+    of the group's first parameter; options the live group does not have are ignored."""
+    saved = {name: g["options"] for g in groups for name in g["params"]}
+    names = {id(lp.param): stored[lp.name] for lp in params}
+    for group in opt.param_groups:
+        first = next((names[id(p)] for p in group["params"] if id(p) in names), None)
+        options = saved.get(first) if first is not None else None
+        if options is None and first is not None:
+            options = saved.get(TIED_TWINS.get(first, ""))
+        for key, value in (options or {}).items():
+            if key in group and value is not None:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
