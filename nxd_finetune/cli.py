@@ -426,6 +426,40 @@ def merge(
                       base_revision=base_revision, progress=True)
     typer.echo(f"merged {fetched.lineage or adapter} into {base_dir} -> {out}")
 
+
+@app.command()
+def precompile(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    nproc: NprocOpt = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to trace.")] = 5,
+) -> None:
+    """Fill the Neuron compile cache (Trainium only): run a few steps under `neuron_parallel_compile`.
+
+    Runs `nxd-finetune run` with the recipe on xla for `--steps` steps (no periodic checkpoints, no
+    registry push, outputs in a temporary directory) with the recipe's Neuron environment, so the
+    later `run` finds its graphs in `neuron.compile_cache`. Exit code 2 with one line where the
+    Neuron SDK is not installed.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    from nxd_finetune.neuron import neuron_env, precompile_command, require_parallel_compile
+
+    loaded = _load(recipe, [*(overrides or []), "training.device=xla"], nproc)
+    tool = require_parallel_compile()
+    env = {**os.environ, **neuron_env(loaded)}
+    with tempfile.TemporaryDirectory(prefix="nxd-precompile-") as out_dir:
+        extra = [*(overrides or []), *([f"parallel.nproc={nproc}"] if nproc is not None else [])]
+        argv = precompile_command(tool, str(recipe), extra, loaded, steps, out_dir)
+        typer.echo(f"precompile: {' '.join(argv)}", err=True)
+        code = subprocess.call(argv, env=env)
+    if code != 0:
+        raise NxdError(f"{argv[0]} exited with code {code}")
+    cache = loaded.neuron.compile_cache or "the default Neuron cache"
+    typer.echo(f"compiled the graphs of {steps} steps into {cache}")
+
 def _mount_subcommands() -> None:
     from nxd_finetune.registry.cli import adapters_app
 

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from nxd_finetune.errors import RecipeError
+from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.sft.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 
 PosInt = Annotated[int, Field(ge=1)]
@@ -250,6 +250,20 @@ class LoggingSection(_Section):
     progress: bool = True
 
 
+class NeuronSection(_Section):
+    """Trainium settings, applied only when ``torch_neuronx`` imports and the run is on xla
+    (:func:`nxd_finetune.neuron.neuron_env`). ``compile_cache``: the compiler cache root
+    (``--cache_dir``; None keeps Neuron's default, /var/tmp/neuron-compile-cache). ``precision``:
+    a preset (``auto`` derives it from ``training.precision`` and ``parallel.zero1``).
+    ``stochastic_rounding``: None keeps the preset's choice. ``cc_flags``: more compiler flags."""
+
+    compile_cache: str | None = None
+    model_type: str | None = Field("transformer", min_length=1)
+    precision: Literal["auto", "fp32", "bf16-sr", "bf16-master", "autocast"] = "auto"
+    stochastic_rounding: bool | None = None
+    cc_flags: StrList = []
+
+
 class Recipe(_Section):
     """A validated recipe. ``lora`` None means full SFT."""
 
@@ -262,9 +276,16 @@ class Recipe(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     output: OutputSection = Field(default_factory=OutputSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    neuron: NeuronSection = Field(default_factory=NeuronSection)
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
+        from nxd_finetune.neuron import resolve_preset
+
+        try:
+            resolve_preset(self.training.precision, self.parallel.zero1, self.neuron.precision)
+        except NxdError as e:
+            raise ValueError(str(e)) from None
         try:
             self.training.grad_accum_steps(self.parallel.dp)
         except RecipeError as e:

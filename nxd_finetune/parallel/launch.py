@@ -7,9 +7,12 @@
   the rank (the worker's traceback is in the launcher's log output).
 - :func:`init_distributed` joins the process group when the environment describes one
   (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``: set by ``torchrun`` and by :func:`launch`), picking
-  gloo on CPU and nccl on CUDA; without them it is a single process (world size 1, no group).
-- :class:`DeviceBackend`: ``cpu`` -> gloo, ``cuda`` -> nccl (device ``cuda:LOCAL_RANK``). ``xla``
-  (Trainium / Neuron) comes later and is refused with an NxdError.
+  gloo on CPU, nccl on CUDA and xla on XLA devices; without them it is a single process (world
+  size 1, no group).
+- :class:`DeviceBackend`: ``cpu`` -> gloo, ``cuda`` -> nccl (device ``cuda:LOCAL_RANK``), ``xla``
+  (Trainium / Neuron, or torch_xla on CPU for tests) -> the ``xla`` process-group backend on the
+  process's XLA device (one NeuronCore per process on Trainium; torch_xla is imported only here,
+  through :mod:`nxd_finetune.xla`). :func:`dist_backend_for` maps a ``training.device`` to its backend.
 
 Temporary files (the launcher's logs and error files) go under ``TMPDIR`` (``tempfile``), and the
 launcher's log directory is removed after the run.
@@ -36,8 +39,8 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBackend:
-    """Where a worker computes and how it communicates: ``name`` (cpu | cuda), ``dist_backend``
-    (gloo | nccl), ``device``; ``rank`` / ``world_size`` / ``local_rank`` of this process."""
+    """Where a worker computes and how it communicates: ``name`` (cpu | cuda | xla),
+    ``dist_backend`` (gloo | nccl | xla), ``device``; ``rank`` / ``world_size`` / ``local_rank``."""
 
     name: str
     dist_backend: str
@@ -47,14 +50,37 @@ class DeviceBackend:
     local_rank: int = 0
 
 
-def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
-    """The backend for device ``name`` (``auto``: cuda when visible, else cpu).
+DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
 
-    Raises NxdError for ``cuda`` without a visible GPU, for ``xla`` (not available in this
-    version) and for unknown names.
+
+def resolve_device_name(name: str = "auto") -> str:
+    """``auto`` -> ``xla`` where ``torch_neuronx`` imports (Trainium), else ``cuda`` when a GPU is
+    visible, else ``cpu``; other names unchanged. A plain torch_xla install does not make ``auto``
+    pick xla: ask for ``xla`` explicitly there."""
+    if name != "auto":
+        return name
+    from nxd_finetune.neuron import neuron_available
+
+    if neuron_available():
+        return "xla"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dist_backend_for(device: str = "auto") -> str:
+    """The process-group backend for ``training.device``: gloo (cpu), nccl (cuda), xla (xla)."""
+    name = resolve_device_name(device)
+    if name not in DIST_BACKENDS:
+        raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or xla")
+    return DIST_BACKENDS[name]
+
+
+def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
+    """The backend for device ``name`` (``auto``: see :func:`resolve_device_name`).
+
+    Raises NxdError for ``cuda`` without a visible GPU, ``xla`` without an importable torch_xla,
+    and unknown names.
     """
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = resolve_device_name(name)
     if name == "cpu":
         return DeviceBackend("cpu", "gloo", torch.device("cpu"), local_rank=local_rank)
     if name == "cuda":
@@ -62,8 +88,10 @@ def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
             raise NxdError("device cuda was asked for but no CUDA device is visible")
         return DeviceBackend("cuda", "nccl", torch.device("cuda", local_rank), local_rank=local_rank)
     if name == "xla":
-        raise NxdError("device xla (Trainium) is not available in this version; use cpu or cuda")
-    raise NxdError(f"unknown device {name!r}; use auto, cpu or cuda")
+        from nxd_finetune.xla import xla_device
+
+        return DeviceBackend("xla", "xla", xla_device(), local_rank=local_rank)
+    raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or xla")
 
 
 def in_launched_env() -> bool:
@@ -74,24 +102,31 @@ def in_launched_env() -> bool:
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DeviceBackend:
     """Join the default process group described by the environment; returns this worker's backend.
 
-    ``backend``: ``gloo`` or ``nccl``; None picks nccl when CUDA is visible, else gloo. With nccl
-    the CUDA device is set from ``LOCAL_RANK``. Already initialised: returns the current
+    ``backend``: ``gloo``, ``nccl`` or ``xla``; None picks nccl when CUDA is visible, else gloo
+    (``dist_backend_for(training.device)`` gives the one for a recipe). With nccl the CUDA device
+    is set from ``LOCAL_RANK``; with xla the group is joined through torch_xla's ``xla://`` init
+    method, which reads the same torchrun variables. Already initialised: returns the current
     backend. Not launched (no ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``): world size 1, no
-    process group. Raises NxdError for an unknown backend or nccl without CUDA.
+    process group. Raises NxdError for an unknown backend, nccl without CUDA, xla without torch_xla.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise NxdError(f"unknown process-group backend {backend!r}; use gloo or nccl")
-    dev = device_backend("cuda" if backend == "nccl" else "cpu", local_rank)
+    device_of = {b: d for d, b in DIST_BACKENDS.items()}
+    if backend not in device_of:
+        raise NxdError(f"unknown process-group backend {backend!r}; use gloo, nccl or xla")
+    dev = device_backend(device_of[backend], local_rank)
     if dist.is_available() and dist.is_initialized():
         return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
     if not in_launched_env():
         return dev
     if dev.name == "cuda":
         torch.cuda.set_device(dev.device)
-    extra = {"device_id": dev.device} if dev.name == "cuda" else {}
+    extra: dict[str, Any] = {"device_id": dev.device} if dev.name == "cuda" else {}
+    if dev.name == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+
+        extra["init_method"] = "xla://"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
     return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
 

@@ -1,0 +1,278 @@
+"""XLA devices in the training loop: Trainium through torch-neuronx, or any torch_xla device
+(``PJRT_DEVICE=CPU`` gives a real XLA device on CPU, used by ``make test-xla``).
+
+``torch_xla`` is imported only when a run is on xla. Model code never imports this module; the
+trainer calls the small hooks of :class:`StepRuntime`, so one loop serves eager and lazy devices:
+:class:`StepRuntime` (cpu, cuda: batches moved as they are used, values read at once) and
+:class:`XlaRuntime` (lazy tensors: one ``torch_xla.sync()`` -- ``xm.mark_step`` -- per optimizer
+step, host-to-device copies prefetched on a thread, values read in step closures after the step's
+graph ran, state moved to CPU in one batched transfer before a checkpoint is written,
+compiled / executed graph counts recorded per step). Neuron's environment is in
+:mod:`nxd_finetune.neuron`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.neuron import torch_xla_available
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- device
+
+
+def require_torch_xla() -> None:
+    """Raise NxdError (one line) when ``torch_xla`` does not import."""
+    if not torch_xla_available():
+        raise NxdError(
+            f"device xla (Trainium) is not available here: torch_xla does not import with torch {torch.__version__}; "
+            "on Trainium use the Neuron DLAMI or container (torch-neuronx); to test on CPU see `make test-xla`"
+        )
+
+
+def xla_device() -> torch.device:
+    """This process's XLA device (on Neuron: the NeuronCore the runtime gave the process)."""
+    require_torch_xla()
+    import torch_xla
+
+    return torch_xla.device()
+
+
+# ---------------------------------------------------------------- device loader
+
+
+def _move(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` (tensors in dicts / lists / tuples, other values as they are) with ``fn`` applied to
+    every tensor."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _move(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_move(v, fn) for v in obj)
+    return obj
+
+
+_END = object()
+
+
+class DeviceLoader:
+    """Iterates ``source`` and yields each item with its tensors moved by ``transfer``.
+
+    With ``prefetch > 0`` a background thread draws up to ``prefetch`` items ahead and copies them,
+    so host-to-device copies overlap the running step (what ``MpDeviceLoader`` does for XLA). A
+    resumable run must not save the prefetched position: ``snapshot`` (e.g. the data loader's
+    ``state_dict``) is called right after each item is drawn, and :meth:`state_dict` returns the
+    snapshot of the last item handed out. An exception in ``source`` is raised in the consumer;
+    :meth:`close` stops the thread (also on garbage collection of a ``with`` block).
+    """
+
+    def __init__(self, source: Iterable[Any], transfer: Callable[[Any], Any], prefetch: int = 0,
+                 snapshot: Callable[[], Any] | None = None) -> None:
+        self._source, self._transfer, self._snapshot = iter(source), transfer, snapshot
+        self._state: Any = snapshot() if snapshot is not None else None
+        self._prefetch = prefetch
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _draw(self) -> tuple[Any, Any]:
+        item = next(self._source)
+        return item, (self._snapshot() if self._snapshot is not None else None)
+
+    def _worker(self) -> None:
+        assert self._queue is not None
+        while not self._stop.is_set():
+            try:
+                item, state = self._draw()
+                entry: tuple = (self._transfer(item), state, None)
+            except StopIteration:
+                entry = (_END, None, None)
+            except BaseException as e:  # handed to the consumer
+                entry = (_END, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(entry, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if entry[0] is _END:
+                return
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._prefetch <= 0:
+            item, state = self._draw()
+            self._state = state
+            return self._transfer(item)
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self._prefetch)
+            self._thread = threading.Thread(target=self._worker, name="nxd-device-loader", daemon=True)
+            self._thread.start()
+        item, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        if item is _END:
+            raise StopIteration
+        self._state = state
+        return item
+
+    def state_dict(self) -> Any:
+        """``snapshot()`` as of the last item handed out (before any item: as at construction)."""
+        return self._state
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> DeviceLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- step runtimes
+
+
+def _floats(values: Mapping[str, Any]) -> dict[str, float | None]:
+    return {k: (None if v is None else float(v)) for k, v in values.items()}
+
+
+class StepRuntime:
+    """Device hooks of the training loop for eager devices (cpu, cuda).
+
+    - :meth:`batches`: the step iterator with its tensors moved to the device as they are used;
+    - :meth:`end_step`: called once after every optimizer step (nothing to do eagerly);
+    - :meth:`on_host`: ``fn(floats)`` with the values of some 0-d tensors, at once;
+    - :meth:`to_cpu`: a state dict (nested) with every tensor on the CPU, for writing;
+    - :meth:`report`: device-specific facts for the run summary ({} here).
+    """
+
+    lazy = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None) -> DeviceLoader:
+        if self.device.type == "cpu":
+            return DeviceLoader(source, lambda x: x, 0, snapshot)
+        return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0, snapshot)
+
+    def end_step(self) -> None:
+        pass
+
+    def on_host(self, fn: Callable[[dict[str, float | None]], None], values: Mapping[str, Any]) -> None:
+        fn(_floats(values))
+
+    def to_cpu(self, obj: Any) -> Any:
+        if self.device.type == "cpu":
+            return obj
+        return _move(obj, lambda t: t.detach().cpu())
+
+    def wait(self) -> None:
+        """Block until the device has finished the queued work (for timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+class XlaRuntime(StepRuntime):
+    """Device hooks for lazy XLA tensors.
+
+    One ``torch_xla.sync()`` (``xm.mark_step``) per optimizer step cuts the traced step into one
+    graph; batches are sent to the device ``prefetch`` steps ahead on a thread; :meth:`on_host`
+    defers ``fn`` to a step closure, which runs after that step's graph has executed, so reading
+    the loss adds no graph execution. After each step the cumulative number of compiled and
+    executed graphs is recorded (``torch_xla.debug.metrics`` ``CompileTime`` / ``ExecuteTime``);
+    a compilation after ``warmup_steps`` (a shape or control flow changed) is logged once.
+    """
+
+    lazy = True
+
+    def __init__(self, device: torch.device, prefetch: int = 2, warmup_steps: int = 2) -> None:
+        super().__init__(device)
+        require_torch_xla()
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+
+        self._torch_xla, self._xm, self._met = torch_xla, xm, met
+        self.prefetch, self.warmup_steps = prefetch, warmup_steps
+        self.compiles: list[int] = []
+        self.executions: list[int] = []
+        self._warned = False
+
+    def _count(self, metric: str) -> int:
+        data = self._met.metric_data(metric)
+        return int(data[0]) if data else 0
+
+    def compile_count(self) -> int:
+        """Graphs compiled so far in this process (the in-memory cache's misses)."""
+        return self._count("CompileTime")
+
+    def execute_count(self) -> int:
+        """Graphs executed so far in this process."""
+        return self._count("ExecuteTime")
+
+    def _sync(self) -> None:
+        sync = getattr(self._torch_xla, "sync", None)
+        sync() if sync is not None else self._xm.mark_step()
+
+    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None) -> DeviceLoader:
+        return DeviceLoader(source, lambda x: self._xm.send_cpu_data_to_device(x, self.device),
+                            self.prefetch, snapshot)
+
+    def end_step(self) -> None:
+        self._sync()
+        self.compiles.append(self.compile_count())
+        self.executions.append(self.execute_count())
+        step = len(self.compiles)
+        if (step > self.warmup_steps and self.compiles[-1] > self.compiles[-2] and not self._warned):
+            self._warned = True
+            log.warning("XLA compiled a new graph at step %d (%d graphs so far): a shape or a "
+                        "Python-side branch changed; every change costs a compilation (see docs/trainium.md)",
+                        step, self.compiles[-1])
+
+    def on_host(self, fn: Callable[[dict[str, float | None]], None], values: Mapping[str, Any]) -> None:
+        names = list(values)
+        tensors = [values[k] for k in names]
+
+        def closure(*materialised: Any) -> None:
+            cpu = self._xm._maybe_convert_to_cpu(list(materialised))
+            fn(_floats(dict(zip(names, cpu, strict=True))))
+
+        self._xm.add_step_closure(closure, args=tuple(tensors))
+
+    def to_cpu(self, obj: Any) -> Any:
+        """Flush pending work, then copy every XLA tensor of ``obj`` to the CPU in one transfer."""
+        self._sync()
+        return self._xm._maybe_convert_to_cpu(obj)
+
+    def wait(self) -> None:
+        self._xm.wait_device_ops()
+
+    def report(self) -> dict[str, Any]:
+        """``xla_compiles`` / ``xla_executions``: cumulative counts after each optimizer step."""
+        return {"xla_compiles": list(self.compiles), "xla_executions": list(self.executions)}
+
+
+def make_runtime(device: torch.device, prefetch: int = 2) -> StepRuntime:
+    """:class:`XlaRuntime` for an XLA device, else :class:`StepRuntime`."""
+    if device.type == "xla":
+        return XlaRuntime(device, prefetch=prefetch)
+    return StepRuntime(device)
