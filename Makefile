@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint
+.PHONY: setup quickstart test lint setup-xla test-xla
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,23 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check nxd_finetune tests
+
+# The Trainium path on a real XLA device without Trainium: torch-xla 2.9 runs only with torch 2.9,
+# so it gets its own environment (several GB; pulls CUDA wheels from PyPI, unused here), with
+# the project installed from this tree and its other dependencies read from pyproject.toml.
+# PJRT_DEVICE=CPU makes the XLA device the CPU. Too heavy for the default CI; `make test` skips tests/xla.
+XLA_VENV ?= .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+XLA_SPEC ?= torch==2.9.0 torch-xla==2.9.0
+PROJECT_DEPS = $(shell $(PYTHON) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print(' '.join(repr(x) for x in d if not x.startswith('torch')))")
+
+$(XLA_PY):
+	$(PYTHON) -m venv $(XLA_VENV)
+
+setup-xla: $(XLA_PY)
+	@$(XLA_PY) -c "import torch_xla" 2>/dev/null || $(XLA_PY) -m pip install -q $(XLA_SPEC)
+	$(XLA_PY) -m pip install -q --no-deps -e .
+	$(XLA_PY) -m pip install -q $(PROJECT_DEPS) "pytest>=8"
+
+test-xla: setup-xla
+	PJRT_DEVICE=CPU HF_HUB_OFFLINE=1 $(XLA_PY) -m pytest -q -p no:cacheprovider tests/xla

@@ -1,0 +1,85 @@
+"""The device hooks of :mod:`nxd_finetune.xla` on a real XLA device: one graph execution per step
+however many values are read through step closures, batches prefetched onto the device, state
+moved to CPU, the xla device backend."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="torch_xla is not installed (make test-xla builds .venv-xla)")
+
+import torch  # noqa: E402
+
+from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed  # noqa: E402
+from nxd_finetune.xla import XlaRuntime, make_runtime  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rt() -> XlaRuntime:
+    backend = device_backend("xla")
+    assert (backend.name, backend.dist_backend, backend.device.type) == ("xla", "xla", "xla")
+    runtime = make_runtime(backend.device)
+    assert isinstance(runtime, XlaRuntime) and runtime.lazy
+    return runtime
+
+
+def test_xla_backend_single_process():
+    assert dist_backend_for("xla") == "xla"
+    single = init_distributed("xla")  # not launched: world size 1, no process group
+    assert (single.name, single.world_size, single.device.type) == ("xla", 1, "xla")
+
+
+def test_reading_values_in_step_closures_adds_no_graph_execution(rt):
+    w = torch.nn.Parameter(torch.ones(4, device=rt.device))
+    opt = torch.optim.SGD([w], lr=0.1)
+    seen: list[dict] = []
+
+    def step(x: torch.Tensor) -> None:
+        loss = ((w * x) ** 2).sum()
+        loss.backward()
+        norm = w.grad.norm()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rt.on_host(seen.append, {"loss": loss.detach(), "grad_norm": norm, "none": None})
+        assert seen == [] or len(seen) == len(rt.compiles)  # nothing read before the step ran
+        rt.end_step()
+
+    for i in range(5):
+        step(torch.full((4,), float(i + 1)).to(rt.device))  # data, as batches are (not traced scalars)
+    executions = [b - a for a, b in zip(rt.executions, rt.executions[1:], strict=False)]
+    assert executions == [1, 1, 1, 1], rt.executions
+    assert rt.compiles[-1] == rt.compiles[1], rt.compiles  # no new graph after step 2
+    # eager reference of the same updates
+    w_ref = torch.ones(4)
+    for i, rec in enumerate(seen):
+        x = torch.full((4,), float(i + 1))
+        assert rec["loss"] == pytest.approx(float(((w_ref * x) ** 2).sum()), rel=1e-6)
+        grad = 2 * w_ref * x * x
+        assert rec["grad_norm"] == pytest.approx(float(grad.norm()), rel=1e-6) and rec["none"] is None
+        w_ref = w_ref - 0.1 * grad
+    assert torch.allclose(rt.to_cpu({"w": w.detach()})["w"], w_ref, rtol=1e-6)
+
+
+def test_batches_arrive_on_the_device_with_the_loaders_state(rt):
+    class Source:
+        drawn = 0
+
+        def __iter__(self):
+            for i in range(4):
+                self.drawn += 1
+                yield [{"input_ids": torch.full((2, 8), i)}], i
+
+    src = Source()
+    loader = rt.batches(src, snapshot=lambda: src.drawn)
+    for i, (micro, n) in enumerate(loader):
+        assert micro[0]["input_ids"].device.type == "xla" and n == i
+        assert loader.state_dict() == i + 1
+        assert int(micro[0]["input_ids"].sum().cpu()) == 16 * i
+    loader.close()
+
+
+def test_to_cpu_moves_a_nested_state(rt):
+    state = {"model": {"a": torch.arange(3, device=rt.device) * 2}, "step": 7, "opt": [torch.ones(2, device=rt.device)]}
+    out = rt.to_cpu(state)
+    assert out["model"]["a"].device.type == "cpu" and out["model"]["a"].tolist() == [0, 2, 4]
+    assert out["step"] == 7 and out["opt"][0].device.type == "cpu"
