@@ -228,15 +228,20 @@ class EvalSection(_Section):
 
 
 class CheckpointSection(_Section):
-    """``dir`` None -> ``<output.dir>/checkpoints``. ``resume``: ``latest``, a checkpoint path or
-    None (start fresh); the CLI's ``--resume``/``--no-resume`` set it. ``save_mode`` applies to
-    LoRA runs; full SFT always saves the whole model."""
+    """``dir`` None -> ``<output.dir>/checkpoints`` (a local path or ``s3://bucket/prefix``).
+    Training state is saved every ``every_n_steps`` (None: only at the end and on SIGTERM/SIGINT);
+    the ``keep_last`` newest complete checkpoints are kept. ``async_save`` writes in a background
+    thread. ``resume``: ``latest`` (the default: the newest complete checkpoint of ``dir``, or a
+    fresh start when there is none), a checkpoint path, or None (start fresh, removing earlier
+    checkpoints of ``dir``); the CLI's ``--resume``/``--no-resume`` set it. ``save_mode`` applies
+    to LoRA runs' final artefact; full SFT always saves the whole model."""
 
     dir: str | None = None
     every_n_steps: PosInt | None = None
     keep_last: PosInt = 2
+    async_save: bool = False
     save_mode: Literal["adapter", "base_and_adapter", "merged"] = "adapter"
-    resume: str | None = None
+    resume: str | None = "latest"
 
 
 class OutputSection(_Section):

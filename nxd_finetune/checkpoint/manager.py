@@ -40,6 +40,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -63,6 +64,14 @@ from nxd_finetune.registry.errors import StorageError
 from nxd_finetune.registry.storage import LocalStorage, Storage, open_storage
 
 SIDECAR_TIMEOUT_S = 1800.0
+FAILPOINT_ENV = "NXD_FINETUNE_FAILPOINT"
+
+
+def failpoint(point: str, step: int) -> None:
+    """SIGKILL this process when ``NXD_FINETUNE_FAILPOINT`` is ``<point>:<step>`` (fault injection
+    for the kill-and-resume tests; see :mod:`.training`)."""
+    if os.environ.get(FAILPOINT_ENV) == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclasses.dataclass
@@ -176,6 +185,7 @@ class _SaveJob:
         if self.tensors is not None:
             self._write_stage()
         if self.finalize:
+            failpoint("before-manifest", self.step)
             self._write_manifest()
             retain(self.storage, self.keep_last)
 

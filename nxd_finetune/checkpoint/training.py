@@ -1,0 +1,288 @@
+"""What the training loop calls to checkpoint, resume and stop cleanly (``sft/trainer.py``).
+
+::
+
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader=data.train)
+    resumed = ckpt.resume(state)          # before the metrics writer opens; None: a fresh start
+    ...                                   # each step: ckpt.after_step(state, history, eval_before)
+    ckpt.finish(state, history, eval_before)   # the end-of-run checkpoint; waits for async saves
+
+A checkpoint's ``extra`` holds everything besides tensors of parameters and optimizer state: the
+counters (:class:`TrainState` fields), the LR scheduler, the data sampler's position, the RNG
+states (torch's CPU and CUDA generators of *every* rank, Python's ``random`` of rank 0), the
+logged history, the eval before training, the size of ``metrics.jsonl`` at the save, and the
+recipe. Resuming restores all of them, truncates ``metrics.jsonl`` back to that size (so no step
+is logged twice) and hides TensorBoard events after the step (``purge_step``), so a run killed at
+any point and resumed logs and trains exactly as an uninterrupted one.
+
+SIGTERM / SIGINT: the handler only sets a flag; after the current step every rank agrees on it
+(one all-reduce per step in multi-process runs), a checkpoint is saved and :class:`TrainingStopped`
+is raised with a one-line message saying how to resume. A second SIGINT stops at once.
+
+Fault injection for tests: ``NXD_FINETUNE_FAILPOINT=<point>:<step>`` makes the process SIGKILL
+itself at ``point`` (``after-step``: after the optimizer step, before any save of that step;
+``before-manifest``: a save's files are written, its manifest is not) of step ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nxd_finetune.checkpoint.format import CheckpointError
+from nxd_finetune.checkpoint.manager import (
+    CheckpointManager,
+    CheckpointRef,
+    delete_checkpoint,
+    failpoint,
+    list_checkpoints,
+)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainingStopped(Exception):
+    """A stop signal ended training after a checkpoint; ``str(e)`` is the one line to print and
+    ``exit_code`` the conventional ``128 + signal number``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopSignals:
+    """SIGTERM / SIGINT handlers that ask the loop to stop after the current step.
+
+    Installed only in the main thread (Python delivers signals there); :meth:`restore` puts the
+    previous handlers back. A second SIGINT raises KeyboardInterrupt at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def agreed(self, state: Any) -> int | None:
+        """The signal number if any rank got one (collective over the world when it has several
+        ranks; every rank must call it once per step)."""
+        if state is None or state.world_size == 1:
+            return self.signum
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state(state: Any = None) -> dict[str, Any]:
+    """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
+    ``[world, n]`` (all-gathered: collective in multi-process worlds), and Python's ``random``."""
+    cpu = torch.get_rng_state()
+    out: dict[str, Any] = {"torch_cpu": _gather_rows(cpu, state)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state)
+    version, internal, gauss = random.getstate()
+    out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
+    return out
+
+
+def _gather_rows(t: torch.Tensor, state: Any) -> torch.Tensor:
+    if state is None or state.world_size == 1:
+        return t.unsqueeze(0).clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    rows = [torch.empty_like(t, device=device) for _ in range(state.world_size)]
+    dist.all_gather(rows, t.to(device))
+    return torch.stack(rows).cpu()
+
+
+def set_rng_state(saved: dict[str, Any], state: Any = None) -> None:
+    """Restore :func:`rng_state`: this rank's row when the world size is the one saved, else
+    row 0 (a resharded resume reproduces the data order, not every dropout mask)."""
+    rank = state.rank if state is not None else 0
+
+    def row(t: torch.Tensor) -> torch.Tensor:
+        return t[rank] if t.shape[0] > rank and (state is None or t.shape[0] == state.world_size) else t[0]
+
+    torch.set_rng_state(row(saved["torch_cpu"]).clone())
+    if "torch_cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(row(saved["torch_cuda"]).clone())
+    py = saved["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+
+
+# ----------------------------------------------------------------------------- metrics files
+
+
+def truncate_metrics(out_dir: Path, size: int | None) -> None:
+    """Cut ``metrics.jsonl`` back to ``size`` bytes (its size when the checkpoint was taken), so
+    steps after the checkpoint are not logged twice; ``None`` (a fresh start) empties it."""
+    path = out_dir / METRICS_FILE
+    if not path.exists():
+        return
+    if size is None or path.stat().st_size > size:
+        with open(path, "r+b") as f:
+            f.truncate(size or 0)
+
+
+def purge_tensorboard(out_dir: Path, step: int) -> None:
+    """Hide TensorBoard events of steps after ``step`` written by the interrupted run (the
+    ``purge_step`` mechanism of ``SummaryWriter``: a session-start event at ``step + 1``)."""
+    log_dir = out_dir / "tensorboard"
+    if not log_dir.is_dir():
+        return
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from torch.utils.tensorboard.writer import FileWriter
+
+    writer = FileWriter(str(log_dir))
+    writer.add_event(Event(step=step + 1, file_version="brain.Event:2"))
+    writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+    writer.close()
+
+
+# ----------------------------------------------------------------------------- the loop's hooks
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What a resume brings back besides the live objects: the checkpoint, the logged history and
+    the eval before training (for the summary)."""
+
+    ref: CheckpointRef
+    history: list[dict[str, Any]]
+    eval_before: dict[str, float]
+
+
+class TrainingCheckpoints:
+    """Checkpoints of one run from its recipe's ``checkpoint`` section.
+
+    ``engine``: has ``state`` (ParallelState), ``modules``, ``optimizer`` and ``scheduler``
+    (``sft.engine.Engine``); ``loader``: the resumable train loader (``state_dict`` /
+    ``load_state_dict``); ``out_dir``: the run's output directory (metrics files, default
+    ``checkpoint.dir = <out_dir>/checkpoints``). Installs the stop-signal handlers.
+    """
+
+    def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any) -> None:
+        ck = recipe.checkpoint
+        self.recipe, self.engine, self.out_dir, self.loader = recipe, engine, Path(out_dir), loader
+        self.uri = ck.dir or str(self.out_dir / "checkpoints")
+        self.every = ck.every_n_steps
+        self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
+                                         state=engine.state)
+        self.last_saved: int | None = None
+        self.signals = StopSignals()
+
+    @property
+    def _rank0(self) -> bool:
+        return self.engine.state.rank == 0
+
+    def resume(self, train_state: Any) -> Resumed | None:
+        """Load ``checkpoint.resume`` (``latest``: the newest complete one, if any) into the engine,
+        the loader, ``train_state`` and the RNG, and cut the metrics files back to it. Call before
+        the metrics writer opens. A fresh start empties ``metrics.jsonl`` and deletes checkpoints
+        left in ``checkpoint.dir`` by an earlier run (they would be resumed later). Collective."""
+        which = self.recipe.checkpoint.resume
+        ref = self.manager.resolve(which)
+        if ref is None:
+            if self._rank0:
+                truncate_metrics(self.out_dir, None)
+                old = [s for s, _ in list_checkpoints(self.manager.storage)]
+                if old:
+                    print(f"starting fresh: removing {len(old)} earlier checkpoint(s) from {self.uri}", flush=True)
+                    for step in old:
+                        delete_checkpoint(self.manager.storage, step)
+            self._barrier()
+            return None
+        e = self.engine
+        extra = self.manager.load(ref, e.modules, e.optimizer)
+        e.scheduler.load_state_dict(extra["scheduler"])
+        self.loader.load_state_dict(extra["data"])
+        for key, value in extra["train_state"].items():
+            setattr(train_state, key, value)
+        set_rng_state(extra["rng"], e.state)
+        if self._rank0:
+            truncate_metrics(self.out_dir, extra["metrics_bytes"])
+            if self.recipe.logging.tensorboard:
+                purge_tensorboard(self.out_dir, ref.step)
+            print(f"resumed from {ref.uri} (step {ref.step})", flush=True)
+        self._barrier()
+        self.last_saved = ref.step
+        return Resumed(ref, extra["history"], extra["eval_before"])
+
+    def _barrier(self) -> None:
+        if self.engine.state.world_size > 1:
+            dist.barrier()
+
+    def save(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> str:
+        """Checkpoint the run at ``train_state.step`` (collective)."""
+        e, step = self.engine, train_state.step
+        metrics = self.out_dir / METRICS_FILE
+        extra = {
+            "train_state": dataclasses.asdict(train_state),
+            "scheduler": e.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": rng_state(e.state),
+            "history": history,
+            "eval_before": eval_before,
+            "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
+            "recipe": self.recipe.to_yaml(),
+        }
+        uri = self.manager.save(step, e.modules, e.optimizer, extra)
+        self.last_saved = step
+        return uri
+
+    def after_step(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> None:
+        """After a step's logging and eval: save every ``checkpoint.every_n_steps``; on a stop
+        signal save and raise :class:`TrainingStopped`. Collective."""
+        step = train_state.step
+        failpoint("after-step", step)
+        signum = self.signals.agreed(self.engine.state)
+        if signum or (self.every and step % self.every == 0):
+            self.save(train_state, history, eval_before)
+        if signum:
+            self.manager.wait()
+            self.signals.restore()
+            name = signal.Signals(signum).name
+            raise TrainingStopped(
+                f"stopped by {name} after step {step}; checkpoint saved to {self.uri}. Resume: run the same "
+                f"command again (same recipe and output.dir), or add --resume {self.uri}/step-{step:08d}", signum)
+
+    def finish(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> None:
+        """The end-of-run checkpoint (unless this step is saved already); waits for async saves and
+        puts the signal handlers back. Collective."""
+        try:
+            if self.last_saved != train_state.step:
+                self.save(train_state, history, eval_before)
+            self.manager.wait()
+        finally:
+            self.signals.restore()
+
+    def close(self) -> None:
+        """Restore the signal handlers (after an error); an in-flight async save finishes."""
+        self.signals.restore()
+        try:
+            self.manager.wait()
+        except CheckpointError as err:
+            print(f"error: {err}", flush=True)
