@@ -16,7 +16,6 @@ import random
 import signal
 import xml.etree.ElementTree as ET
 
-import pytest
 import torch
 
 from nxd_finetune.checkpoint import format as F
