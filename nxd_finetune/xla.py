@@ -7,7 +7,7 @@ trainer calls the small hooks of :class:`StepRuntime`, so one loop serves eager 
 :class:`XlaRuntime` (lazy tensors: one ``torch_xla.sync()`` -- ``xm.mark_step`` -- per optimizer
 step, host-to-device copies prefetched on a thread, values read in step closures after the step's
 graph ran, state moved to CPU in one batched transfer before a checkpoint is written,
-compiled / executed graph counts recorded per step). Neuron's environment is in
+compiled / launched graph counts recorded per step). Neuron's environment is in
 :mod:`nxd_finetune.neuron`.
 """
 
@@ -198,8 +198,13 @@ class XlaRuntime(StepRuntime):
     graph; batches are sent to the device ``prefetch`` steps ahead on a thread; :meth:`on_host`
     defers ``fn`` to a step closure, which runs after that step's graph has executed, so reading
     the loss adds no graph execution. After each step the cumulative number of compiled and
-    executed graphs is recorded (``torch_xla.debug.metrics`` ``CompileTime`` / ``ExecuteTime``);
+    launched graphs is recorded;
     a compilation after ``warmup_steps`` (a shape or control flow changed) is logged once.
+
+    Counts come from torch_xla's counters, read on the host: ``UncachedCompile`` (graphs compiled)
+    and ``UncachedCompile + CachedCompile`` (graphs launched, counted when launched; the execution
+    metrics lag behind because execution is asynchronous). A host read of a pending value in the
+    loop (``.item()``, ``print(loss)``) shows as a second graph in a step.
     """
 
     lazy = True
@@ -214,20 +219,19 @@ class XlaRuntime(StepRuntime):
         self._torch_xla, self._xm, self._met = torch_xla, xm, met
         self.prefetch, self.warmup_steps = prefetch, warmup_steps
         self.compiles: list[int] = []
-        self.executions: list[int] = []
+        self.launches: list[int] = []
         self._warned = False
 
-    def _count(self, metric: str) -> int:
-        data = self._met.metric_data(metric)
-        return int(data[0]) if data else 0
+    def _counter(self, name: str) -> int:
+        return int(self._met.counter_value(name) or 0)
 
     def compile_count(self) -> int:
         """Graphs compiled so far in this process (the in-memory cache's misses)."""
-        return self._count("CompileTime")
+        return self._counter("UncachedCompile")
 
-    def execute_count(self) -> int:
-        """Graphs executed so far in this process."""
-        return self._count("ExecuteTime")
+    def launch_count(self) -> int:
+        """Graphs launched so far in this process (compiled or found in the cache)."""
+        return self._counter("UncachedCompile") + self._counter("CachedCompile")
 
     def _sync(self) -> None:
         sync = getattr(self._torch_xla, "sync", None)
@@ -240,7 +244,7 @@ class XlaRuntime(StepRuntime):
     def end_step(self) -> None:
         self._sync()
         self.compiles.append(self.compile_count())
-        self.executions.append(self.execute_count())
+        self.launches.append(self.launch_count())
         step = len(self.compiles)
         if (step > self.warmup_steps and self.compiles[-1] > self.compiles[-2] and not self._warned):
             self._warned = True
@@ -267,8 +271,8 @@ class XlaRuntime(StepRuntime):
         self._xm.wait_device_ops()
 
     def report(self) -> dict[str, Any]:
-        """``xla_compiles`` / ``xla_executions``: cumulative counts after each optimizer step."""
-        return {"xla_compiles": list(self.compiles), "xla_executions": list(self.executions)}
+        """``xla_compiles`` / ``xla_graphs``: graphs compiled / launched so far, after each optimizer step."""
+        return {"xla_compiles": list(self.compiles), "xla_graphs": list(self.launches)}
 
 
 def make_runtime(device: torch.device, prefetch: int = 2) -> StepRuntime:

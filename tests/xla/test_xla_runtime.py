@@ -29,7 +29,7 @@ def test_xla_backend_single_process():
     assert (single.name, single.world_size, single.device.type) == ("xla", 1, "xla")
 
 
-def test_reading_values_in_step_closures_adds_no_graph_execution(rt):
+def test_reading_values_in_step_closures_adds_no_graph(rt):
     w = torch.nn.Parameter(torch.ones(4, device=rt.device))
     opt = torch.optim.SGD([w], lr=0.1)
     seen: list[dict] = []
@@ -46,8 +46,8 @@ def test_reading_values_in_step_closures_adds_no_graph_execution(rt):
 
     for i in range(5):
         step(torch.full((4,), float(i + 1)).to(rt.device))  # data, as batches are (not traced scalars)
-    executions = [b - a for a, b in zip(rt.executions, rt.executions[1:], strict=False)]
-    assert executions == [1, 1, 1, 1], rt.executions
+    launched = [b - a for a, b in zip(rt.launches, rt.launches[1:], strict=False)]
+    assert launched == [1, 1, 1, 1], rt.launches  # one graph per step: the closures read no pending value
     assert rt.compiles[-1] == rt.compiles[1], rt.compiles  # no new graph after step 2
     # eager reference of the same updates
     w_ref = torch.ones(4)
@@ -83,3 +83,19 @@ def test_to_cpu_moves_a_nested_state(rt):
     out = rt.to_cpu(state)
     assert out["model"]["a"].device.type == "cpu" and out["model"]["a"].tolist() == [0, 2, 4]
     assert out["step"] == 7 and out["opt"][0].device.type == "cpu"
+
+
+def test_a_host_read_in_the_loop_shows_as_a_second_graph():
+    """The instrument the training test relies on: ``float(loss)`` before the step's sync forces
+    an extra graph, and the launch count sees it."""
+    rt = make_runtime(device_backend("xla").device)
+    w = torch.nn.Parameter(torch.ones(4, device=rt.device))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for i in range(4):
+        loss = ((w * torch.full((4,), float(i + 1)).to(rt.device)) ** 2).sum()
+        loss.backward()
+        float(loss.detach())  # the anti-pattern
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rt.end_step()
+    assert [b - a for a, b in zip(rt.launches, rt.launches[1:], strict=False)] == [2, 2, 2]
