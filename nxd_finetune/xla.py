@@ -72,20 +72,27 @@ class DeviceLoader:
     so host-to-device copies overlap the running step (what ``MpDeviceLoader`` does for XLA). A
     resumable run must not save the prefetched position: ``snapshot`` (e.g. the data loader's
     ``state_dict``) is called right after each item is drawn, and :meth:`state_dict` returns the
-    snapshot of the last item handed out. An exception in ``source`` is raised in the consumer;
-    :meth:`close` stops the thread (also on garbage collection of a ``with`` block).
+    snapshot of the last item handed out; :meth:`load_state_dict` hands a saved one to ``restore``
+    (the data loader's ``load_state_dict``) before the first item is drawn. So the object can stand
+    where a checkpoint expects the resumable loader. ``source`` is iterated lazily (a generator
+    over the data loader starts at the first item). An exception in ``source`` is raised in the
+    consumer; :meth:`close` stops the thread (also at the end of a ``with`` block).
     """
 
     def __init__(self, source: Iterable[Any], transfer: Callable[[Any], Any], prefetch: int = 0,
-                 snapshot: Callable[[], Any] | None = None) -> None:
-        self._source, self._transfer, self._snapshot = iter(source), transfer, snapshot
-        self._state: Any = snapshot() if snapshot is not None else None
+                 snapshot: Callable[[], Any] | None = None, restore: Callable[[Any], None] | None = None) -> None:
+        self._source_iterable, self._source = source, None
+        self._transfer, self._snapshot, self._restore = transfer, snapshot, restore
+        self._state: Any = None
+        self._started = False
         self._prefetch = prefetch
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _draw(self) -> tuple[Any, Any]:
+        if self._source is None:
+            self._source = iter(self._source_iterable)
         item = next(self._source)
         return item, (self._snapshot() if self._snapshot is not None else None)
 
@@ -112,6 +119,7 @@ class DeviceLoader:
         return self
 
     def __next__(self) -> Any:
+        self._started = True
         if self._prefetch <= 0:
             item, state = self._draw()
             self._state = state
@@ -129,8 +137,18 @@ class DeviceLoader:
         return item
 
     def state_dict(self) -> Any:
-        """``snapshot()`` as of the last item handed out (before any item: as at construction)."""
+        """``snapshot()`` as of the last item handed out (before any: the current ``snapshot()``)."""
+        if not self._started and self._snapshot is not None:
+            return self._snapshot()
         return self._state
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore the source's position (``restore(state)``); only before the first item."""
+        if self._started:
+            raise NxdError("DeviceLoader.load_state_dict: items were already drawn")
+        if self._restore is None:
+            raise NxdError("DeviceLoader.load_state_dict: no restore function was given")
+        self._restore(state)
 
     def close(self) -> None:
         self._stop.set()
@@ -166,10 +184,13 @@ class StepRuntime:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None) -> DeviceLoader:
+    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None,
+                restore: Callable[[Any], None] | None = None) -> DeviceLoader:
+        """``source``'s items on the device (see :class:`DeviceLoader` for ``snapshot``/``restore``)."""
         if self.device.type == "cpu":
-            return DeviceLoader(source, lambda x: x, 0, snapshot)
-        return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0, snapshot)
+            return DeviceLoader(source, lambda x: x, 0, snapshot, restore)
+        return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0,
+                            snapshot, restore)
 
     def end_step(self) -> None:
         pass
@@ -237,9 +258,10 @@ class XlaRuntime(StepRuntime):
         sync = getattr(self._torch_xla, "sync", None)
         sync() if sync is not None else self._xm.mark_step()
 
-    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None) -> DeviceLoader:
+    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None,
+                restore: Callable[[Any], None] | None = None) -> DeviceLoader:
         return DeviceLoader(source, lambda x: self._xm.send_cpu_data_to_device(x, self.device),
-                            self.prefetch, snapshot)
+                            self.prefetch, snapshot, restore)
 
     def end_step(self) -> None:
         self._sync()

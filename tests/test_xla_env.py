@@ -328,6 +328,24 @@ def test_device_loader_state_is_that_of_the_items_handed_out(prefetch):
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
+def test_device_loader_stands_in_for_the_resumable_loader(prefetch):
+    source = Counter(8)
+
+    def restore(state):
+        source.drawn = state["drawn"]
+
+    loader = DeviceLoader(iter(source), lambda x: x, prefetch=prefetch, snapshot=source.state_dict, restore=restore)
+    assert loader.state_dict() == {"drawn": 0}
+    loader.load_state_dict({"drawn": 5})  # a resume: before the first item
+    assert loader.state_dict() == {"drawn": 5}
+    assert [n for _, n in loader] == [5, 6, 7]
+    with pytest.raises(NxdError, match="items were already drawn"):
+        loader.load_state_dict({"drawn": 0})
+    with pytest.raises(NxdError, match="no restore function"):
+        DeviceLoader([], lambda x: x).load_state_dict({})
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
 def test_device_loader_raises_the_sources_error_in_the_consumer(prefetch):
     loader = DeviceLoader(Counter(5, fail_at=2), lambda x: x, prefetch=prefetch)
     assert [n for _, n in (next(loader), next(loader))] == [0, 1]
