@@ -153,16 +153,20 @@ def attention_layout(
 
 
 def _run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Causal attention within each run; q/k/v ``[B, T, heads, D]`` (kv heads may be fewer) -> like q."""
+    """Causal attention within each run; q/k/v ``[B, T, heads, D]`` (kv heads may be fewer) -> like q.
+
+    Each run goes in as ``[1, heads, L, D]``: SDPA's fused CPU kernel (flash attention for CPU, with
+    its own backward) takes only 4-D inputs; 3-D ones fall back to the unfused math path, which
+    materialises the scores and is 1.3-1.7x slower forward+backward here (bench/README.md)."""
     b, t, h, d = q.shape
-    pieces = zip(q.reshape(b * t, h, d).split(lengths), k.reshape(b * t, -1, d).split(lengths),
-                 v.reshape(b * t, -1, d).split(lengths), strict=True)
+    pieces = zip(q.reshape(1, b * t, h, d).split(lengths, 1), k.reshape(1, b * t, -1, d).split(lengths, 1),
+                 v.reshape(1, b * t, -1, d).split(lengths, 1), strict=True)
     outs = [
-        F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                       is_causal=True, enable_gqa=True).transpose(0, 1)
+        F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                       is_causal=True, enable_gqa=True).transpose(1, 2)
         for qs, ks, vs in pieces
     ]
-    return torch.cat(outs).view(b, t, h, d)
+    return torch.cat(outs, 1).view(b, t, h, d)
 
 
 class Attention(nn.Module):
