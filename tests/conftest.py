@@ -87,3 +87,20 @@ def moto_s3():
             yield endpoint
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def quickstart_cache(tmp_path_factory):
+    """The quickstart's tiny model and tokenizer built once per test module in a private
+    ``NXD_FINETUNE_CACHE`` (restored afterwards); yields the cache directory."""
+    path = tmp_path_factory.mktemp("nxd-cache")
+    old = os.environ.get("NXD_FINETUNE_CACHE")
+    os.environ["NXD_FINETUNE_CACHE"] = str(path)
+    from nxd_finetune.quickstart import ensure_tiny_model
+
+    ensure_tiny_model()
+    yield path
+    if old is None:
+        os.environ.pop("NXD_FINETUNE_CACHE", None)
+    else:
+        os.environ["NXD_FINETUNE_CACHE"] = old

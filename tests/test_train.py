@@ -23,19 +23,8 @@ FAST = ["data.max_seq_len=64", "training.max_steps=4", "training.micro_batch_siz
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One tiny quickstart model for the module, in a private cache."""
-    path = tmp_path_factory.mktemp("nxd-cache")
-    old = os.environ.get("NXD_FINETUNE_CACHE")
-    os.environ["NXD_FINETUNE_CACHE"] = str(path)
-    from nxd_finetune.quickstart import ensure_tiny_model
-
-    ensure_tiny_model()
-    yield path
-    if old is None:
-        os.environ.pop("NXD_FINETUNE_CACHE", None)
-    else:
-        os.environ["NXD_FINETUNE_CACHE"] = old
+def cache(quickstart_cache):
+    return quickstart_cache
 
 
 def run(tmp_path, *overrides):

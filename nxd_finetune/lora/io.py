@@ -127,10 +127,11 @@ def _peft_keys(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def _resolved_targets(model: nn.Module, cfg: LoraConfig) -> list[str] | str:
+def _resolved_targets(model: nn.Module, cfg: LoraConfig, names: list[str] | None = None) -> list[str] | str:
     if cfg.target_modules != ALL_LINEAR:
         return cfg.target_modules
-    return sorted({name.rpartition(".")[2] for name, _ in lora_modules(model)})
+    names = names if names is not None else [name for name, _ in lora_modules(model)]
+    return sorted({name.rpartition(".")[2] for name in names})
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
@@ -149,6 +150,8 @@ def save_adapter(
     config_hash: str | None = None,
     *,
     state: ParallelState | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+    target_names: list[str] | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
 
@@ -162,10 +165,16 @@ def save_adapter(
     only TP rank 0 of data-parallel rank 0 writes, so the files equal a tp=1 run's; other ranks
     return without writing (a caller that reads the files on them barriers first). Raises
     AdapterError with ``state.pp_size > 1`` (a stage holds only part of the adapter).
+
+    ``tensors`` (PEFT file keys -> full tensors, e.g. the union of the pipeline stages'
+    :func:`gather_adapter_state_dict`): written as given, by this process, with no collective;
+    ``target_names`` (the wrapped modules of the whole model) then resolves ``all-linear``.
     """
     if next(lora_modules(model), None) is None:
         raise AdapterError("the model has no LoRA layers to save; call inject_lora first")
-    if state is not None and state.pp_size > 1:
+    if tensors is not None:
+        state = None
+    elif state is not None and state.pp_size > 1:
         raise AdapterError(
             "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
         )
@@ -173,12 +182,15 @@ def save_adapter(
     if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
         config_hash = model.config.config_hash()
     d = cfg.to_peft_dict(base_model_name_or_path, revision=revision, config_hash=config_hash)
-    d["target_modules"] = _resolved_targets(model, cfg)
+    d["target_modules"] = _resolved_targets(model, cfg, target_names)
     clash = sorted(set(extra_config or {}) & set(d))
     if clash:
         raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
     d.update(extra_config or {})
-    sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
+    if tensors is not None:
+        sd = tensors
+    else:
+        sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
     if not _is_writer(state):
         return out
     tensors = {k: v.to("cpu").contiguous() for k, v in sd.items()}

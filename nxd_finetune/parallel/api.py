@@ -236,7 +236,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
     2. reduces gradients over dp: bucketed all-reduce, or with ZeRO-1 a reduce-scatter into the
        :class:`Zero1Optimizer` shards (``grad_reduction``: mean or sum);
     3. with ``grad_clipping``: clips to ``max_grad_norm`` over tp / pp (/ dp shards); the norm
-       before clipping is kept in ``grad_norm`` (a tensor);
+       before clipping is kept in ``grad_norm`` (a tensor). ``not_counted``: parameters clipped
+       but left out of the norm (the last pipeline stage's tied ``lm_head`` copy);
     4. the wrapped optimizer's step.
 
     ``param_groups``, ``state``, ``state_dict`` ... are the wrapped optimizer's (the
@@ -257,6 +258,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer = optimizer_class(params, **defaults)
         self.grad_norm: torch.Tensor | None = None
+        self.not_counted: list[torch.Tensor] = []
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -298,12 +300,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if self.zero1:
             self.optimizer.reduce_gradients()
             if self.max_norm is not None:
-                self.grad_norm = clip_grad_norm_zero1(self.optimizer, self.max_norm, state, specs=model)
+                self.grad_norm = clip_grad_norm_zero1(self.optimizer, self.max_norm, state, specs=model,
+                                                      not_counted=self.not_counted)
         else:
             params = [p for g in self.param_groups for p in g["params"]]
             allreduce_gradients(params, state.dp_group, average=self.average)
             if self.max_norm is not None:
-                self.grad_norm = clip_grad_norm(params, self.max_norm, state, specs=model)
+                self.grad_norm = clip_grad_norm(params, self.max_norm, state, specs=model,
+                                                not_counted=self.not_counted)
         self.optimizer.step()
         return loss
 

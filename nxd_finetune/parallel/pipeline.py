@@ -164,6 +164,14 @@ def step_normalised_loss(logits: torch.Tensor, labels: torch.Tensor, n_targets: 
     return causal_lm_loss(logits, labels, reduction="sum") / n_targets
 
 
+def _full_vocab_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[loss sum, correct, targets]`` from full-vocabulary logits ``[B, T, V]`` and shifted targets."""
+    mask = targets != IGNORE_INDEX
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return torch.stack([loss, ((logits.argmax(-1) == targets) & mask).sum().float(), mask.sum().float()])
+
+
 def count_targets(micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
     """Loss-bearing tokens (shifted labels != -100) over ``micro_batches``, at least 1."""
     return sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
@@ -187,14 +195,17 @@ class PipelineRunner:
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
     (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). ``loss_fn(logits, labels,
-    n_targets)``, default :func:`step_normalised_loss`. Construction is collective over the
+    n_targets)``, default :func:`step_normalised_loss`. ``stats_fn(logits, targets)`` -> ``[loss
+    sum, correct, targets]`` for :meth:`eval_step`, default full-vocabulary logits (tensor-parallel
+    stages pass one that knows the vocab shards). Construction is collective over the
     world when the model has tied embeddings (it creates the [first, last] stage groups).
     Stage buffers are sized from the first micro-batch of a shape; a new shape builds (and
     caches) a new schedule, which costs one extra metadata forward/backward.
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module], state: ParallelState, schedule: str = "1f1b",
-                 n_microbatches: int = 1, loss_fn: LossFn | None = None) -> None:
+                 n_microbatches: int = 1, loss_fn: LossFn | None = None,
+                 stats_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         if schedule not in SCHEDULES:
             raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
         if state.pp_size < 2:
@@ -214,6 +225,7 @@ class PipelineRunner:
         self.num_stages = state.pp_size * chunks
         self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
         self.loss_fn = loss_fn or step_normalised_loss
+        self.stats_fn = stats_fn or _full_vocab_stats
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._tied_group = self._make_tied_group()
@@ -327,12 +339,7 @@ class PipelineRunner:
         schedule = self._schedule_for(tuple(mb[0]["input_ids"].shape), train=False)
         args, kwargs = self._inputs(mb)
         logits = schedule.step(*args, **kwargs)
-        stats = None
-        if self.state.is_last_stage:
-            targets = shift_labels(mb[0]["labels"])
-            mask = targets != IGNORE_INDEX
-            stats = torch.stack([causal_lm_loss(logits, mb[0]["labels"], reduction="sum"),
-                                 ((logits.argmax(-1) == targets) & mask).sum().float(), mask.sum().float()])
+        stats = self.stats_fn(logits, shift_labels(mb[0]["labels"])) if self.state.is_last_stage else None
         return self._from_last(stats, (3,))
 
     @torch.no_grad()
@@ -345,6 +352,14 @@ class PipelineRunner:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=self._tied_group)
+
+    def not_counted_parameters(self) -> list[nn.Parameter]:
+        """The last stage's tied ``lm_head`` copy, which stage 0's embedding already counts in the
+        global gradient norm (empty otherwise)."""
+        if self._tied_group is None or not self.state.is_last_stage:
+            return []
+        weight = self._tied_weight()
+        return [weight] if weight is not None else []
 
     def grad_norm_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this rank that count towards the global gradient norm: the

@@ -1,12 +1,16 @@
-"""The training loop: one code path for every world size (this version runs world size 1).
+"""The training loop: one code path for every world size and parallel layout.
 
-``run(recipe)`` builds the model (meta device -> HF weights -> LoRA), the data for this rank, the
-optimizer and LR schedule, then loops: gradient accumulation over micro-batches, grad-norm
-clipping, optimizer step, logging, eval, final save in the chosen mode.
+``run(recipe)`` with ``parallel.nproc > 1`` starts the workers itself through torch's elastic
+launcher (or, under ``torchrun``, joins the group it describes); every process then runs
+:func:`run_rank`: its :class:`~nxd_finetune.sft.engine.Engine` (model or pipeline stages, sharded
+as the recipe says), the data of its data-parallel rank, and the loop: forward/backward of the
+step's micro-batches, gradient reductions + clipping + optimizer step, logging, eval, final save.
+Global rank 0 alone prints, writes metrics and the final artefact.
 
 Loss normalisation: every micro-batch loss is a *sum* over its target tokens divided by the number
-of target tokens in the whole optimizer step, so the step's gradient is that of the token-mean over
-the global batch whatever the split into micro-batches (and, later, over data-parallel ranks).
+of target tokens of the whole optimizer step over all data-parallel ranks, so the step's gradient
+is that of the token-mean over the global batch whatever the split into micro-batches and ranks;
+the data-parallel reduction is therefore a sum.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.sft.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
@@ -32,55 +38,42 @@ class TrainState:
     """Counters that a checkpoint must carry to resume exactly."""
 
     step: int = 0
-    tokens: int = 0  # target (loss-bearing) tokens consumed
-    input_tokens: int = 0  # non-padding tokens consumed
+    tokens: int = 0  # target (loss-bearing) tokens consumed, all dp ranks
+    input_tokens: int = 0  # non-padding tokens consumed, all dp ranks
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> cuda when available, else cpu. ``xla`` comes with the Trainium backend."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise NxdError("training.device=cuda but no CUDA device is visible")
-    if name == "xla":
-        raise NxdError("training.device=xla is not available in this version; use cpu or cuda")
-    return torch.device(name)
+    from nxd_finetune.parallel.launch import device_backend
 
-
-def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision in ("bf16", "bf16-mixed"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return device_backend(name, local_rank).device
 
 
 def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets: torch.Tensor,
                device: torch.device, precision: str) -> torch.Tensor:
-    """Forward + backward of one micro-batch; returns its summed loss / ``n_targets`` (detached)."""
-    with _autocast(device, precision):
+    """Forward + backward of one micro-batch on a whole (unsharded) model with full logits;
+    returns its summed loss / ``n_targets`` (detached). The reference the parallel paths are
+    tested against (the engine computes the same loss, at target positions only)."""
+    from nxd_finetune.sft.engine import autocast
+
+    with autocast(device, precision):
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
     loss = causal_lm_loss(logits, batch["labels"], reduction="sum") / n_targets
     loss.backward()
     return loss.detach()
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], device: torch.device,
-             precision: str, max_batches: int | None) -> dict[str, float]:
-    """Token-mean eval loss, perplexity and next-token accuracy over target tokens."""
-    model.eval()
-    loss_sum, n, correct = 0.0, 0, 0
+def evaluate(engine: Any, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None) -> dict[str, float]:
+    """Token-mean eval loss, perplexity and next-token accuracy over target tokens of every dp
+    rank's eval share. Collective (every rank calls it; eval loaders give each rank as many batches)."""
+    engine.train(False)
+    stats = torch.zeros(3, device=engine.device)
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with _autocast(device, precision):
-            logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
-        targets = shift_labels(batch["labels"])
-        mask = targets != IGNORE_INDEX
-        loss_sum += causal_lm_loss(logits, batch["labels"], reduction="sum").item()
-        correct += ((logits.argmax(-1) == targets) & mask).sum().item()
-        n += int(mask.sum())
-    model.train()
+        stats += engine.eval_stats({k: v.to(engine.device) for k, v in batch.items()})
+    engine.train(True)
+    loss_sum, correct, n = engine.dp_sum(stats).tolist()
     if n == 0:
         return {}
     loss = loss_sum / n
@@ -88,46 +81,42 @@ def evaluate(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]],
 
 
 def train(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    engine: Any,
     steps: Iterator[tuple[list[dict[str, torch.Tensor]], int]],
     total_steps: int,
     recipe: Any,
-    device: torch.device,
     metrics: MetricsWriter,
     eval_fn: Any,
     state: TrainState,
     show_progress: bool,
 ) -> list[dict[str, Any]]:
-    """The optimizer-step loop. ``steps`` yields, per optimizer step, the list of micro-batches and
-    their number of non-padding tokens (counted on the host, so no device sync).
-    Returns the logged records. ``.item()`` is called only on logging steps."""
-    tcfg, log_every = recipe.training, recipe.logging.every_n_steps
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    progress = Progress(total_steps, show_progress, start=state.step)
+    """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
+    their number of non-padding tokens (counted on the host). Returns the logged records (the same
+    on every rank). Host reads of device values happen on logging steps only, plus the one
+    all-reduce of the step's token counts."""
+    log_every = recipe.logging.every_n_steps
+    progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
     history: list[dict[str, Any]] = []
     window_start, window_tokens = time.perf_counter(), 0
-    model.train()
+    engine.train(True)
     try:
         while state.step < total_steps:
             micro_batches, n_input = next(steps)
-            micro_batches = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
-            n_targets = sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches)
-            n_targets = n_targets.clamp(min=1)
-            loss = sum(micro_step(model, b, n_targets, device, tcfg.precision) for b in micro_batches)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(trainable, tcfg.grad_clip)
-                         if tcfg.grad_clip else None)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
+            n_local = sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches)
+            counts = engine.dp_sum(torch.stack([n_local.to(torch.float64), torch.tensor(float(n_input),
+                                                dtype=torch.float64, device=engine.device)]))
+            n_targets = counts[0].clamp(min=1).to(torch.float32)
+            loss = engine.forward_backward(micro_batches, n_targets)
+            grad_norm = engine.step()
+            n_targets_all, n_input_all = (int(c) for c in counts.tolist())
             state.step += 1
-            state.input_tokens += n_input
-            window_tokens += n_input
-            state.tokens += int(n_targets)
+            state.input_tokens += n_input_all
+            state.tokens += n_targets_all
+            window_tokens += n_input_all
             if state.step % log_every == 0 or state.step == total_steps:
                 elapsed = time.perf_counter() - window_start
-                rec = {"train_loss": float(loss), "lr": scheduler.get_last_lr()[0],
+                rec = {"train_loss": float(engine.dp_sum(loss)), "lr": engine.scheduler.get_last_lr()[0],
                        "tokens_per_s": window_tokens / max(elapsed, 1e-9), "tokens": state.tokens}
                 if grad_norm is not None:
                     rec["grad_norm"] = float(grad_norm)
@@ -170,62 +159,142 @@ def _step_batches(
         yield step, n_tokens
 
 
+# ---------------------------------------------------------------------- processes
+
+
 def run(recipe: Any) -> dict[str, Any]:
-    """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``)."""
-    from nxd_finetune.sft.build import build_optimizer, build_training_model, load_tokenizer, resolve_model_dir
+    """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``).
+
+    ``parallel.nproc > 1`` outside a launched environment: the model and the tokenized data are
+    prepared here once, then ``nproc`` workers are started (elastic launcher, spawn) and rank 0's
+    summary is returned. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) this
+    process is one worker: the world size must equal ``parallel.nproc`` (or nproc is left at 1,
+    and then taken from the world). A worker's failure is one NxdError line naming the rank.
+    """
+    from nxd_finetune.parallel.launch import in_launched_env, launch
+
+    if in_launched_env():
+        return run_rank(_recipe_for_world(recipe, int(os.environ["WORLD_SIZE"])))
+    _preflight(recipe)
+    if recipe.parallel.nproc == 1:
+        return run_rank(recipe)
+    _prepare_shared(recipe)
+    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict())
+    return results[0]
+
+
+def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
+    from nxd_finetune.recipe import recipe_from_dict
+
+    return run_rank(recipe_from_dict(recipe_dict))
+
+
+def _recipe_for_world(recipe: Any, world: int) -> Any:
+    if recipe.parallel.nproc == world:
+        return recipe
+    if recipe.parallel.nproc != 1:
+        raise NxdError(f"parallel.nproc={recipe.parallel.nproc} but the launcher started {world} processes")
+    from nxd_finetune.recipe import recipe_from_dict
+
+    data = recipe.to_dict()
+    data["parallel"]["nproc"] = world
+    return recipe_from_dict(data, "launched world")
+
+
+def _preflight(recipe: Any) -> None:
+    """Checks that need no model, before any worker starts."""
+    from nxd_finetune.sft.export import check_save_mode
+
+    check_save_mode(recipe)
+    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.recipe import check_against_model
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    check_against_model(recipe, DecoderConfig.from_hf(resolve_model_dir(recipe.model.path)))
+    if recipe.output.registry:
+        from nxd_finetune.registry.publish import check_publish_target
+
+        check_publish_target(recipe.output.registry, None if recipe.lora is None else recipe.checkpoint.save_mode)
+
+
+def _prepare_shared(recipe: Any) -> None:
+    """Build what workers would race to create: the builtin model and the tokenized-data cache."""
+    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+    from nxd_finetune.sft.data import DataSpec, prepare_datasets
+
+    model_dir = resolve_model_dir(recipe.model.path)
+    prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
+
+
+@contextlib.contextmanager
+def _rank0_first(rank: int) -> Iterator[None]:
+    """Rank 0 runs the block first (filling caches), the others after it."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if initialised and rank != 0:
+        dist.barrier()
+    yield
+    if initialised and rank == 0:
+        dist.barrier()
+
+
+def run_rank(recipe: Any) -> dict[str, Any] | None:
+    """One process of the run (world size 1 included). Returns the summary on global rank 0."""
+    from nxd_finetune.parallel.launch import init_distributed
+    from nxd_finetune.parallel.state import ParallelDims
+    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+    from nxd_finetune.sft.engine import build_engine
     from nxd_finetune.sft.loader import build_dataloaders
 
-    if recipe.parallel.nproc != 1:
-        raise NxdError(f"parallel.nproc={recipe.parallel.nproc}: multi-process runs are not available in this "
-                       "version; use parallel.nproc=1")
     t0 = time.perf_counter()
+    tcfg, par = recipe.training, recipe.parallel
+    device = pick_device(tcfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    backend = init_distributed("nccl" if device.type == "cuda" else "gloo")
+    rank = backend.rank
+    _, dp_rank, _ = ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp).coords(rank)
     out_dir = Path(recipe.output.dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
-    tcfg = recipe.training
-    device = pick_device(tcfg.device)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
     if device.type == "cpu":
         # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
         # ~100x slower; flushing them to zero changes no result at the loss's precision.
         torch.set_flush_denormal(True)
-    torch.manual_seed(tcfg.seed)
-
-    model_dir = resolve_model_dir(recipe.model.path)
-    tokenizer = load_tokenizer(recipe, model_dir)
-    built = build_training_model(recipe, model_dir, device)
-    model = built.model
-    data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size,
-                             seed=tcfg.seed, fixed_shape=False)
+    with _rank0_first(rank):
+        model_dir = resolve_model_dir(recipe.model.path)
+        tokenizer = load_tokenizer(recipe, model_dir)
+        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=dp_rank,
+                                 dp_world=par.dp, seed=tcfg.seed, fixed_shape=par.pp > 1 or par.sequence_parallel)
     grad_accum = recipe.grad_accum_steps
     if tcfg.max_steps:
         total_steps = tcfg.max_steps
     else:
         total_steps = max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch / grad_accum))
-    optimizer, scheduler = build_optimizer(model, recipe, total_steps)
+    engine = build_engine(recipe, model_dir, device, total_steps)
 
     def eval_fn() -> dict[str, float]:
-        if data.eval is None:
-            return {}
-        return evaluate(model, iter(data.eval), device, tcfg.precision, recipe.eval.max_batches)
+        return evaluate(engine, iter(data.eval), recipe.eval.max_batches) if data.eval is not None else {}
 
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard)
+    n_params = _count(engine, engine.parameters())
+    n_trainable = _count(engine, engine.trainable())
+    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
     before = eval_fn()
     if before:
         metrics.log(0, before)
     state = TrainState()
     t_first = time.perf_counter() - t0
-    history = train(model, optimizer, scheduler, _step_batches(data.train, grad_accum, recipe.data.packing),
-                    total_steps, recipe, device, metrics, eval_fn if data.eval is not None else None, state,
-                    recipe.logging.progress)
+    history = train(engine, _step_batches(data.train, grad_accum, recipe.data.packing), total_steps, recipe,
+                    metrics, eval_fn if data.eval is not None else None, state, recipe.logging.progress)
     after = eval_fn()
     if after and not (history and history[-1].get("eval_loss") == after.get("eval_loss")):
         metrics.log(state.step, after)
     metrics.close()
     train_time = time.perf_counter() - t0 - t_first
     final_dir = out_dir / "final"
-    _save_final(recipe, built, tokenizer, model_dir, final_dir)
+    from nxd_finetune.sft.export import save_final
+
+    save_final(engine, recipe, tokenizer, model_dir, final_dir)
+    if not engine.is_logger:
+        return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
     summary = {
         "steps": state.step, "tokens": state.tokens, "input_tokens": state.input_tokens,
@@ -235,26 +304,46 @@ def run(recipe: Any) -> dict[str, Any]:
         "time_to_first_step_s": round(t_first, 2), "train_time_s": round(train_time, 2),
         "tokens_per_s": round(state.input_tokens / max(train_time, 1e-9), 1),
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
-        "lora_targets": built.lora_targets,
+        "lora_targets": engine.lora_targets,
+        "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
+                     "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
+        "history": [h for h in history if "train_loss" in h],
     }
+    if recipe.output.registry:
+        summary["registry_version"] = _publish(recipe, engine, final_dir, summary)
     save_summary(out_dir, summary)
     print_summary(summary)
     return summary
 
 
-def _save_final(recipe: Any, built: Any, tokenizer: Any, model_dir: Path, final_dir: Path) -> None:
-    """Write the end-of-run artefact: LoRA in the recipe's save mode, or a full HF checkpoint."""
-    if built.lora_config is not None:
-        from nxd_finetune.lora import save_model
+def _count(engine: Any, params: list[torch.nn.Parameter]) -> int:
+    """Elements of the unsharded model among ``params`` (shards counted at their full size, once
+    per pipeline stage). Collective over tp and pp."""
+    from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
 
-        save_model(built.model, built.lora_config, final_dir, recipe.checkpoint.save_mode,
-                   base_model_name_or_path=recipe.model.path, base_config=built.config,
-                   tokenizer=tokenizer, revision=recipe.model.revision)
-        return
-    from nxd_finetune.models import save_pretrained
+    specs: dict[int, Any] = {}
+    for m in engine.modules:
+        specs.update(shard_spec_map(m))
+    st = engine.state
+    mine = sum(p.numel() for p in params if counts_on_rank(specs.get(id(p)), st.tp_rank))
+    skip = {id(p) for p in (engine.runner.not_counted_parameters() if engine.runner else [])}
+    mine -= sum(p.numel() for p in params if id(p) in skip and counts_on_rank(specs.get(id(p)), st.tp_rank))
+    total = torch.tensor(float(mine), dtype=torch.float64)
+    for group, size in ((st.tp_group, st.tp_size), (st.pp_group, st.pp_size)):
+        if size > 1:
+            dist.all_reduce(total, group=group)
+    return int(total)
 
-    save_pretrained(built.config, built.model.state_dict().items(), final_dir)
-    tokenizer.save_pretrained(final_dir)
+
+def _publish(recipe: Any, engine: Any, final_dir: Path, summary: dict[str, Any]) -> int:
+    from nxd_finetune.registry.publish import publish_run
+
+    keys = ("steps", "tokens", "first_loss", "final_loss", "eval_after")
+    version = publish_run(final_dir, recipe.output.registry, recipe_dict=recipe.to_dict(),
+                          metrics={k: summary[k] for k in keys}, parallel=summary["parallel"],
+                          lineage=engine.lineage,
+                          base_model={"name_or_path": recipe.model.path, "revision": recipe.model.revision})
+    return version.version
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -271,10 +360,15 @@ def print_summary(summary: dict[str, Any]) -> None:
     for key in ("steps", "tokens", "parameters", "trainable_parameters", "first_loss", "final_loss",
                 "time_to_first_step_s", "train_time_s", "tokens_per_s"):
         table.add_row(key.replace("_", " "), fmt(summary[key]))
+    p = summary["parallel"]
+    table.add_row("layout", f"{p['nproc']} process(es): tp {p['tp']} x pp {p['pp']} x dp {p['dp']}"
+                            + ("  zero1" if p["zero1"] else "") + ("  sp" if p["sequence_parallel"] else ""))
     for when in ("before", "after"):
         ev = summary[f"eval_{when}"]
         if ev:
             table.add_row(f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
                                           f"token acc {ev['eval_accuracy']:.3f}")
     table.add_row("saved", f"{summary['output']} ({summary['save_mode']})")
+    if "registry_version" in summary:
+        table.add_row("published", f"{summary['registry_version']}")
     Console(stderr=True).print(table)
