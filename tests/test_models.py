@@ -182,7 +182,11 @@ def test_per_sample_attention_equals_the_segment_mask(tmp_path, monkeypatch):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_loss_at_targets_equals_full_logits_loss(tmp_path):
+@pytest.mark.parametrize("layout", ["runs", "mask", "causal"])
+def test_loss_at_targets_equals_full_logits_loss(tmp_path, monkeypatch, layout):
+    """Logits at target positions only (the last layer's o_proj/MLP on those rows only) give the
+    full-logits loss and gradients, for packed rows (per-sample runs or the mask) and plain rows."""
+    from nxd_finetune.models import llama
     from nxd_finetune.sft.loss import causal_lm_loss_at_targets
 
     make_hf(CONFIGS["llama2"](), tmp_path)
@@ -191,6 +195,10 @@ def test_loss_at_targets_equals_full_logits_loss(tmp_path):
     labels = ids.clone()
     labels[:, :4] = -100  # a prompt
     labels[seg == 0] = -100
+    if layout == "mask":
+        monkeypatch.setattr(llama, "segment_runs", lambda s: None)
+    if layout == "causal":
+        pos = seg = None
     batch = {"input_ids": ids, "position_ids": pos, "segment_ids": seg, "labels": labels}
     grads = []
     for loss_fn in (lambda: causal_lm_loss(model(ids, pos, seg), labels, reduction="sum"),
@@ -204,3 +212,18 @@ def test_loss_at_targets_equals_full_logits_loss(tmp_path):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     mean = causal_lm_loss_at_targets(model, batch, reduction="mean")
     assert torch.allclose(mean, causal_lm_loss(model(ids, pos, seg), labels), rtol=1e-6)
+
+
+def test_swiglu_recomputes_silu_with_the_same_gradients():
+    """The MLP's fused ``silu(gate) * up`` (silu recomputed in backward) against autograd's ops."""
+    from nxd_finetune.models.llama import _SwiGLU
+
+    g = torch.Generator().manual_seed(6)
+    gate = torch.randn(5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    up = torch.randn(5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(_SwiGLU.apply, (gate, up))
+    grad = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    ref = torch.autograd.grad(torch.nn.functional.silu(gate) * up, (gate, up), grad)
+    got = torch.autograd.grad(_SwiGLU.apply(gate, up), (gate, up), grad)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-12)

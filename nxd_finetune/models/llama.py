@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,11 @@ def attention_layout(
     return attention_mask(segment_ids, seq_len, sliding_window, device)
 
 
+def _keep(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``index`` of ``x [B, T, F]`` flattened to ``[B*T, F]``: ``[N, F]``; ``x`` when None."""
+    return x if index is None else x.reshape(-1, x.shape[-1]).index_select(0, index)
+
+
 def _run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Causal attention within each run; q/k/v ``[B, T, heads, D]`` (kv heads may be fewer) -> like q.
 
@@ -183,16 +189,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=config.o_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | SegmentRuns | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | SegmentRuns | None,
+        keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs)."""
+        """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs).
+        ``keep_index`` (long [N], flat indices into the B*T positions): attention still runs over
+        every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, t = q.shape[:2]  # not x.shape: under sequence parallel x holds T/tp positions
         q = _rotary_tokens_first(q.view(b, t, -1, self.head_dim), cos, sin)
         k = _rotary_tokens_first(k.view(b, t, -1, self.head_dim), cos, sin)
         v = v.view(b, t, -1, self.head_dim)
         if isinstance(mask, SegmentRuns):
-            return self.o_proj(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1))
+            return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1), keep_index))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is None:  # GQA inside the kernel: no repeated K/V copies kept for backward
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
@@ -201,7 +214,25 @@ class Attention(nn.Module):
                 rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(_keep(out.transpose(1, 2).reshape(b, t, -1), keep_index))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` that keeps only ``gate`` and ``up`` for backward and recomputes
+    ``silu(gate)`` there: one ``[N, intermediate]`` tensor less per layer held between forward and
+    backward than the two autograd ops would keep (the MLP holds most of a layer's activations)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
 
 
 class MLP(nn.Module):
@@ -215,7 +246,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(_SwiGLU.apply(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -227,9 +261,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | SegmentRuns | None,
+        keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        """``x [B, T, H]`` -> ``[B, T, H]``, or ``[N, H]`` at the positions of ``keep_index`` only
+        (attention still reads every position's keys and values; see :class:`Attention`)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keep_index)
+        x = _keep(x, keep_index) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,9 +296,16 @@ class DecoderModel(nn.Module):
         hidden_or_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden_or_ids``: token ids [B, T] when this stage owns the embeddings, else hidden
-        states [B, T, H]. Returns hidden states [B, T, H] (normed when this stage owns ``norm``)."""
+        states [B, T, H]. Returns hidden states [B, T, H] (normed when this stage owns ``norm``).
+
+        ``keep_index`` (long [N], flat indices into the B*T positions; not under sequence parallel,
+        where a rank holds T/tp positions): return ``[N, H]``, those positions only. The last layer
+        then runs ``o_proj``, its residual, norm and MLP on those N rows alone, since no later
+        position reads them: with SFT's target positions (about half the tokens in bench/'s data)
+        that skips ~45% of the last layer's matmul work."""
         x = self.embed_tokens(hidden_or_ids) if self.embed_tokens is not None else hidden_or_ids
         b = x.shape[0]
         if position_ids is None:
@@ -267,8 +316,11 @@ class DecoderModel(nn.Module):
         t = position_ids.shape[1]
         cos, sin = rotary_cos_sin(self.inv_freq(x.device), position_ids, x.dtype)
         mask = attention_layout(segment_ids, t, self.config.sliding_window, x.device)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+        layers = list(self.layers.values())
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, mask, keep_index if i == len(layers) - 1 else None)
+        if not layers:
+            x = _keep(x, keep_index)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -280,7 +332,8 @@ class DecoderForCausalLM(nn.Module):
     no token then attends across a segment boundary. With ``logits_index`` (long [N], flat indices
     into the B*T positions) only those rows of logits are computed: ``[N, V]``. SFT needs logits at
     the target positions only (prompts and padding carry label -100), so the vocabulary projection,
-    its fp32 logits and the loss's softmax shrink to those rows (see ``sft.loss.causal_lm_loss_at_targets``).
+    its fp32 logits and the loss's softmax shrink to those rows, and so does the last layer's work
+    after attention (``DecoderModel``'s ``keep_index``; see ``sft.loss.causal_lm_loss_at_targets``).
     """
 
     def __init__(self, config: DecoderConfig) -> None:
@@ -303,9 +356,6 @@ class DecoderForCausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = self.model(input_ids, position_ids, segment_ids)
         if self.lm_head is None:
-            return h
-        if logits_index is not None:
-            h = h.reshape(-1, h.shape[-1]).index_select(0, logits_index)
-        return self.lm_head(h)
+            return self.model(input_ids, position_ids, segment_ids)
+        return self.lm_head(self.model(input_ids, position_ids, segment_ids, logits_index))
