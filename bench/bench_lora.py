@@ -1,19 +1,25 @@
 """LoRA SFT throughput and memory: nxd-finetune vs HF transformers + peft (eager), side by side.
 
-    python bench/bench_lora.py            # full run (both shapes), ~15 min on 2 CPU cores
-    python bench/bench_lora.py --quick    # smoke run: small shape, 64 samples
+    python bench/bench_lora.py                 # both shapes, 3 interleaved repeats, 1 thread (~35 min)
+    python bench/bench_lora.py --quick         # smoke run: small shape, 64 samples, 1 repeat
+    python bench/bench_lora.py --threads 2     # torch threads per worker (default 1)
     make bench
 
-For each model shape (bench/common.py) it runs, each in its own subprocess (bench/worker.py):
+For each model shape (bench/common.py) four configurations run, each in its own subprocess
+(bench/worker.py), on the same training samples (bench/data/sft.jsonl, variable length):
 
-- ``ours/packed``: nxd-finetune with packing (best-fit rows of 512 tokens), our trainer's loop;
-- ``ours/padded``: nxd-finetune with packing off: the *same* padded micro-batches as HF's;
-- ``hf/padded``: ``LlamaForCausalLM`` + ``get_peft_model``, micro-batches padded to the longest
-  sample (``DataCollatorForSeq2Seq``), a plain loop with the same AdamW, schedule and clipping.
+- ``ours/packed``: nxd-finetune with packing (best-fit rows of 512 tokens), the trainer's loop;
+- ``ours/padded``: nxd-finetune with packing off: the *same* padded micro-batches as ``hf/padded``;
+- ``hf/padded``: ``LlamaForCausalLM`` + ``get_peft_model``, micro-batches of 4 samples padded to the
+  longest (``DataCollatorForSeq2Seq``), a plain loop with the same AdamW, schedule and clipping;
+- ``hf/packed``: the same micro-batches flattened without padding (``DataCollatorWithFlattening``,
+  HF's padding-free packing; sdpa attention then masks across samples from the position ids).
 
-The data is ``bench/data/sft.jsonl`` (``bench/make_data.py``). Every configuration excludes its warmup
-steps and then times one pass over the same training samples, so they process the same non-padding
-tokens. Results go to ``bench/results/lora_cpu[_quick].{json,md}`` (bench/report.py).
+Fair under contention (the machine may be shared): the configurations are interleaved -- repeat
+``r`` runs them in an order rotated by ``r`` -- and each row reports the median over repeats of
+tokens per second of process CPU time (robust to other processes taking cores when ``--threads 1``)
+as well as of wall time, with the other processes' core usage measured during each run.
+Results go to ``bench/results/<out>.{json,md}`` (bench/report.py).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +40,7 @@ from bench import report, system  # noqa: E402
 from bench.common import BENCH, CACHE, MAX_SEQ_LEN, SEED, SHAPES, ensure_model, recipe_dict, train_flops  # noqa: E402
 
 PADDED_MBS, PACKED_MBS, GRAD_ACCUM = 4, 1, 2  # ~1180 vs ~1000 non-padding tokens per optimizer step
+CONFIGS = (("ours", True), ("hf", False), ("ours", False), ("hf", True))  # alternating ours / HF
 
 
 def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path, list[int]]:
@@ -63,55 +71,83 @@ def run_config(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         raise SystemExit(f"worker failed: {spec}\n{proc.stderr[-4000:]}")
     result = json.loads(line[len("RESULT "):])
     result.update(gate, **{k: round(v, 2) for k, v in usage.items()})
-    print(f"  {spec['framework']:4s} {'packed' if spec.get('packing') else 'padded'}: "
-          f"{result['tokens'] / result['time_s']:.0f} tok/s, step {result['step_s_mean']:.3f}s, "
-          f"peak RSS {result['peak_rss_mb']:.0f} MB, other load {usage['other_cores']:.2f} cores", flush=True)
+    result["tokens_per_s"] = result["tokens"] / result["time_s"]
+    result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
+    print(f"  {spec['framework']:4s} {'packed' if spec['packing'] else 'padded'}: "
+          f"{result['tokens_per_cpu_s']:.0f} tok/CPU-s, {result['tokens_per_s']:.0f} tok/s wall, "
+          f"step {result['step_s_median']:.3f}s, peak RSS {result['peak_rss_mb']:.0f} MB, "
+          f"other load {usage['other_cores']:.2f} cores", flush=True)
     return result
 
 
-def bench_shape(shape: str, args: argparse.Namespace, peak: float) -> list[dict[str, Any]]:
-    max_samples = args.max_samples or (64 if args.quick else {"small": None, "large": 128}[shape])
+def summarise(runs: list[dict[str, Any]], flops_per_token: float, peak: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the repeats of one configuration (the runs themselves are kept in the JSON)."""
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    cpu_tps, wall_tps = med("tokens_per_cpu_s"), med("tokens_per_s")
+    return {
+        "spec": runs[0]["spec"], "repeats": len(runs), "threads": runs[0]["threads"],
+        "tokens": runs[0]["tokens"], "slots": runs[0]["slots"], "steps": runs[0]["steps"],
+        "tokens_per_cpu_s": cpu_tps, "tokens_per_s": wall_tps,
+        "tokens_per_s_range": [min(r["tokens_per_s"] for r in runs), max(r["tokens_per_s"] for r in runs)],
+        "tokens_per_cpu_s_range": [min(r["tokens_per_cpu_s"] for r in runs),
+                                   max(r["tokens_per_cpu_s"] for r in runs)],
+        "step_s_median": med("step_s_median"), "peak_rss_mb": med("peak_rss_mb"),
+        # useful FLOPs per CPU-second (per busy core) against the matmul peak per CPU-second
+        "flops_per_cpu_s": cpu_tps * flops_per_token, "flops_per_s": wall_tps * flops_per_token,
+        "mfu_cpu": cpu_tps * flops_per_token / peak["flops_per_cpu_s"],
+        "mfu_wall": wall_tps * flops_per_token / peak["flops_per_s"],
+        "first_loss": runs[0]["first_loss"], "other_cores": med("other_cores"), "load1_before": med("load1_before"),
+    }
+
+
+def bench_shape(shape: str, args: argparse.Namespace, peaks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    max_samples = args.max_samples or (64 if args.quick else {"small": None, "large": 64}[shape])
     warmup = 1 if args.quick else 2
     model_dir = ensure_model(shape)
     batches, lengths = prepare_data(shape, max_samples, warmup)
     config = json.loads((model_dir / "config.json").read_text())
     flops_per_token = train_flops(config, 16, lengths) / sum(lengths)
     base = dict(shape=shape, grad_accum=GRAD_ACCUM, warmup_steps=warmup, max_samples=max_samples,
-                flush_denormal=True)
-    specs = [
-        dict(base, framework="ours", packing=True, micro_batch_size=PACKED_MBS),
-        dict(base, framework="ours", packing=False, micro_batch_size=PADDED_MBS),
-        dict(base, framework="hf", micro_batch_size=PADDED_MBS, batches=str(batches)),
-    ]
-    if args.hf_no_flush:
-        specs.append(dict(specs[-1], flush_denormal=False))
-    rows = []
+                threads=args.threads)
+    specs = {(fw, packing): dict(base, framework=fw, packing=packing,
+                                 micro_batch_size=PACKED_MBS if fw == "ours" and packing else PADDED_MBS,
+                                 **({"batches": str(batches)} if fw == "hf" else {}))
+             for fw, packing in CONFIGS}
     print(f"{shape}: {config['hidden_size']}h x {config['num_hidden_layers']}L, vocab {config['vocab_size']}, "
-          f"{len(lengths)} samples", flush=True)
-    for spec in specs:
-        r = run_config(spec, args)
-        r["tokens_per_s"] = r["tokens"] / r["time_s"]
-        r["flops_per_s"] = r["tokens_per_s"] * flops_per_token
-        r["mfu"] = r["flops_per_s"] / peak
-        r["shape_config"] = {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                    "num_key_value_heads", "intermediate_size", "vocab_size")}
-        r["flops_per_token"] = flops_per_token
-        rows.append(r)
-    return rows
+          f"{len(lengths)} samples, {sum(lengths)} tokens", flush=True)
+    runs: dict[tuple[str, bool], list[dict[str, Any]]] = {k: [] for k in specs}
+    for rep in range(args.reps):
+        order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]
+        print(f" repeat {rep + 1}/{args.reps}", flush=True)
+        for key in order:
+            runs[key].append(run_config(specs[key], args))
+    peak = peaks[args.threads or os.cpu_count() or 1]
+    rows = [summarise(runs[k], flops_per_token, peak) for k in CONFIGS]
+    return {"shape": shape, "shape_config": {k: config[k] for k in (
+                "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size")},
+            "samples": len(lengths), "tokens": sum(lengths), "flops_per_token": flops_per_token,
+            "rows": rows, "runs": [r for k in CONFIGS for r in runs[k]]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short smoke run (small shape, 64 samples)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small shape, 64 samples, 1 repeat")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: small large (quick: small)")
-    ap.add_argument("--max-samples", type=int, default=None, help="training samples per shape")
-    ap.add_argument("--max-busy", type=float, default=0.4,
+    ap.add_argument("--max-samples", type=int, default=None, help="training samples (default: small 512, large 64)")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved repeats of every configuration (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker; 0 = torch's default")
+    ap.add_argument("--max-busy", type=float, default=0.5,
                     help="before each configuration wait until other processes keep fewer cores busy")
-    ap.add_argument("--max-wait", type=float, default=120.0, help="... but at most this many seconds")
-    ap.add_argument("--hf-no-flush", action="store_true", help="also run HF without set_flush_denormal")
+    ap.add_argument("--max-wait", type=float, default=20.0, help="... but at most this many seconds")
     ap.add_argument("--skip-cli", action="store_true", help="skip the --help / quickstart timings")
     ap.add_argument("--out", default=None, help="results basename (default lora_cpu[_quick])")
     args = ap.parse_args()
+    args.threads = args.threads or None
+    args.reps = args.reps or (1 if args.quick else 3)
     shapes = args.shapes or (["small"] if args.quick else ["small", "large"])
 
     import torch
@@ -119,25 +155,25 @@ def main() -> None:
 
     try:
         import peft
-        peft_version = peft.__version__
     except ImportError:
         raise SystemExit("the benchmark needs peft: pip install -e '.[dev]'") from None
     t0 = time.time()
-    peak = system.matmul_peak()
-    print(f"fp32 matmul peak: {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['threads']} threads)", flush=True)
-    rows = []
-    for shape in shapes:
-        rows += bench_shape(shape, args, peak["flops_per_s"])
+    peaks_info = [system.matmul_peak(threads=n) for n in sorted({1, os.cpu_count() or 1})]
+    peaks = {p["threads"]: p for p in peaks_info}
+    print("fp32 matmul peak: " + ", ".join(f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s wall, "
+                                           f"{p['flops_per_cpu_s'] / 1e9:.1f} per CPU-s ({p['threads']} threads)"
+                                           for p in peaks_info), flush=True)
+    shape_results = [bench_shape(shape, args, peaks) for shape in shapes]
     cli = {} if args.skip_cli else {"help": system.cli_help_time(), "quickstart": system.quickstart_first_step()}
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "duration_s": round(time.time() - t0),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "cpu_model": report.cpu_model(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "peft": peft_version,
+                    "transformers": transformers.__version__, "peft": peft.__version__,
                     "python": platform.python_version()},
-        "matmul_peak": peak, "max_seq_len": MAX_SEQ_LEN, "grad_accum": GRAD_ACCUM,
-        "micro_batch": {"packed_rows": PACKED_MBS, "padded_samples": PADDED_MBS},
-        "cli": cli, "runs": rows, "quick": args.quick,
+        "matmul_peak": peaks_info, "threads": args.threads, "reps": args.reps, "max_seq_len": MAX_SEQ_LEN,
+        "grad_accum": GRAD_ACCUM, "micro_batch": {"packed_rows": PACKED_MBS, "padded_samples": PADDED_MBS},
+        "cli": cli, "shapes": shape_results, "quick": args.quick,
     }
     name = args.out or ("lora_cpu_quick" if args.quick else "lora_cpu")
     out = BENCH / "results"

@@ -38,24 +38,23 @@ def batch_for(shape: str, packing: bool, mbs: int, index: int) -> dict[str, torc
     return batch
 
 
-def ours_step(shape: str, target_logits: bool = False):
+def ours_step(shape: str, optimizer: bool = False):
+    """The trainer's step on one micro-batch: ``Engine.forward_backward`` (loss at target positions),
+    plus ``Engine.step`` (clipping, AdamW, schedule) with ``optimizer``."""
     from nxd_finetune.recipe import recipe_from_dict
-    from nxd_finetune.sft.build import build_training_model
-    from nxd_finetune.sft.loss import causal_lm_loss_at_targets
-    from nxd_finetune.sft.trainer import micro_step
+    from nxd_finetune.sft.engine import build_engine
 
     recipe = recipe_from_dict(recipe_dict(shape, True, 1, 1, None))
-    model = build_training_model(recipe, Path(recipe.model.path), torch.device("cpu")).model
-    model.train()
+    engine = build_engine(recipe, Path(recipe.model.path), torch.device("cpu"), 1000)
+    engine.train(True)
 
     def step(batch):
-        n = (batch["labels"][:, 1:] != -100).sum()
-        if target_logits:
-            (causal_lm_loss_at_targets(model, batch) / n).backward()
-        else:
-            micro_step(model, batch, n, torch.device("cpu"), "fp32")
+        n = (batch["labels"][:, 1:] != -100).sum().clamp(min=1).float()
+        engine.forward_backward([batch], n)
+        if optimizer:
+            engine.step()
 
-    return model, step
+    return engine.model, step
 
 
 def hf_step(shape: str):
@@ -71,7 +70,8 @@ def hf_step(shape: str):
         mask = batch.get("segment_ids")
         attn = (mask > 0).long() if mask is not None else (batch["labels"] != -12345).long()
         n = (batch["labels"][:, 1:] != -100).sum()
-        out = model(input_ids=batch["input_ids"], attention_mask=attn, labels=batch["labels"], num_items_in_batch=n)
+        out = model(input_ids=batch["input_ids"], attention_mask=attn, labels=batch["labels"], num_items_in_batch=n,
+                    use_cache=False)
         out.loss.backward()
 
     return model, step
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--target-logits", action="store_true", help="ours: logits at target positions only")
+    ap.add_argument("--optimizer", action="store_true", help="ours: include the optimizer step")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args()
     if args.threads:
@@ -98,7 +98,7 @@ def main() -> None:
     batch = batch_for(args.shape, args.packing, mbs, args.index)
     if args.framework == "hf" and args.packing:
         raise SystemExit("HF runs padded batches only")
-    model, step = ours_step(args.shape, args.target_logits) if args.framework == "ours" else hf_step(args.shape)
+    model, step = ours_step(args.shape, args.optimizer) if args.framework == "ours" else hf_step(args.shape)
     step(batch)  # warmup
     times, cpu = [], []
     for _ in range(args.reps):
