@@ -24,6 +24,12 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check nxd_finetune tests
 
+# LoRA SFT throughput / memory against HF transformers + peft on this CPU (~30 min; bench/README.md).
+# BENCH_ARGS, e.g. "--quick" (2 min smoke run) or "--threads 2 --reps 5".
+.PHONY: bench
+bench: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/bench_lora.py $(BENCH_ARGS)
+
 # The Trainium path on a real XLA device without Trainium: torch-xla 2.9 runs only with torch 2.9,
 # so it gets its own environment (several GB; pulls CUDA wheels from PyPI, unused here), with
 # the project installed from this tree and its other dependencies read from pyproject.toml.
