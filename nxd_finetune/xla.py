@@ -165,8 +165,14 @@ class DeviceLoader:
 # ---------------------------------------------------------------- step runtimes
 
 
-def _floats(values: Mapping[str, Any]) -> dict[str, float | None]:
-    return {k: (None if v is None else float(v)) for k, v in values.items()}
+def _floats(values: Mapping[str, Any]) -> dict[str, Any]:
+    """0-d tensors -> float, larger ones -> lists, None stays None."""
+    def one(v: Any) -> Any:
+        if v is None:
+            return None
+        return v.tolist() if isinstance(v, torch.Tensor) and v.numel() > 1 else float(v)
+
+    return {k: one(v) for k, v in values.items()}
 
 
 class StepRuntime:
@@ -174,7 +180,8 @@ class StepRuntime:
 
     - :meth:`batches`: the step iterator with its tensors moved to the device as they are used;
     - :meth:`end_step`: called once after every optimizer step (nothing to do eagerly);
-    - :meth:`on_host`: ``fn(floats)`` with the values of some 0-d tensors, at once;
+    - :meth:`on_host`: ``fn(values)`` with some tensors' values on the host (0-d -> float, else a
+      list; None stays None), at once;
     - :meth:`to_cpu`: a state dict (nested) with every tensor on the CPU, for writing;
     - :meth:`report`: device-specific facts for the run summary ({} here).
     """
@@ -192,10 +199,16 @@ class StepRuntime:
         return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0,
                             snapshot, restore)
 
+    def prepare(self, engine: Any) -> None:
+        """Adjust a freshly built engine to the device (nothing to do eagerly)."""
+
     def end_step(self) -> None:
         pass
 
-    def on_host(self, fn: Callable[[dict[str, float | None]], None], values: Mapping[str, Any]) -> None:
+    def sync(self) -> None:
+        """A graph boundary outside the optimizer step (eval batches); nothing to do eagerly."""
+
+    def on_host(self, fn: Callable[[dict[str, Any]], None], values: Mapping[str, Any]) -> None:
         fn(_floats(values))
 
     def to_cpu(self, obj: Any) -> Any:
@@ -263,6 +276,16 @@ class XlaRuntime(StepRuntime):
         return DeviceLoader(source, lambda x: self._xm.send_cpu_data_to_device(x, self.device),
                             self.prefetch, snapshot, restore)
 
+    def prepare(self, engine: Any) -> None:
+        """Logits at every position: the engine's targets-only path gathers positions with a
+        data-dependent count (``nonzero``), which on XLA forces a mid-step execution and a new
+        graph for every count. ``Engine.sequence_parallel`` selects the full-logits path (its only
+        use in the engine); the loss is the same."""
+        engine.sequence_parallel = True
+
+    def sync(self) -> None:
+        self._sync()
+
     def end_step(self) -> None:
         self._sync()
         self.compiles.append(self.compile_count())
@@ -274,7 +297,7 @@ class XlaRuntime(StepRuntime):
                         "Python-side branch changed; every change costs a compilation (see docs/trainium.md)",
                         step, self.compiles[-1])
 
-    def on_host(self, fn: Callable[[dict[str, float | None]], None], values: Mapping[str, Any]) -> None:
+    def on_host(self, fn: Callable[[dict[str, Any]], None], values: Mapping[str, Any]) -> None:
         names = list(values)
         tensors = [values[k] for k in names]
 
