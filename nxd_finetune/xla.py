@@ -233,7 +233,8 @@ class XlaRuntime(StepRuntime):
     defers ``fn`` to a step closure, which runs after that step's graph has executed, so reading
     the loss adds no graph execution. After each step the cumulative number of compiled and
     launched graphs is recorded;
-    a compilation after ``warmup_steps`` (a shape or control flow changed) is logged once.
+    a compilation of the step's graph after ``warmup_steps`` (a shape or control flow changed) is
+    logged once.
 
     Counts come from torch_xla's counters, read on the host: ``UncachedCompile`` (graphs compiled)
     and ``UncachedCompile + CachedCompile`` (graphs launched, counted when launched; the execution
@@ -287,11 +288,13 @@ class XlaRuntime(StepRuntime):
         self._sync()
 
     def end_step(self) -> None:
+        before = self.compile_count()
         self._sync()
         self.compiles.append(self.compile_count())
         self.launches.append(self.launch_count())
         step = len(self.compiles)
-        if (step > self.warmup_steps and self.compiles[-1] > self.compiles[-2] and not self._warned):
+        # only the step's own graph counts here: eval and checkpoints compile theirs at other syncs
+        if step > self.warmup_steps and self.compiles[-1] > before and not self._warned:
             self._warned = True
             log.warning("XLA compiled a new graph at step %d (%d graphs so far): a shape or a "
                         "Python-side branch changed; every change costs a compilation (see docs/trainium.md)",

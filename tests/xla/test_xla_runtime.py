@@ -99,3 +99,22 @@ def test_a_host_read_in_the_loop_shows_as_a_second_graph():
         opt.zero_grad(set_to_none=True)
         rt.end_step()
     assert [b - a for a, b in zip(rt.launches, rt.launches[1:], strict=False)] == [2, 2, 2]
+
+
+def test_a_new_step_graph_after_step_2_is_logged_once(caplog):
+    rt = make_runtime(device_backend("xla").device)
+    w = torch.nn.Parameter(torch.ones(4, device=rt.device))
+    for step, rows in enumerate((2, 2, 2, 3, 5), 1):  # the batch shape changes at step 4
+        if step == 3:  # an eval between steps compiles its own graph at its own sync: no warning
+            with torch.no_grad():
+                evaluated = (w * torch.ones(7, 4).to(rt.device)).sum()
+            rt.sync()
+            assert float(evaluated) == pytest.approx(28 * 0.6)  # w after two steps of -0.1 * 2
+        (w * torch.ones(rows, 4).to(rt.device)).sum().backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+        w.grad = None
+        rt.end_step()
+    assert rt.compiles[2] > rt.compiles[1]  # the eval's graph
+    warnings = [r.getMessage() for r in caplog.records if "compiled a new graph" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("XLA compiled a new graph at step 4"), warnings
