@@ -256,6 +256,7 @@ class XlaRuntime(StepRuntime):
         self.compiles: list[int] = []
         self.launches: list[int] = []
         self._warned = False
+        self._base = (self.compile_count(), self.launch_count())  # counters are per process
 
     def _counter(self, name: str) -> int:
         return int(self._met.counter_value(name) or 0)
@@ -290,11 +291,11 @@ class XlaRuntime(StepRuntime):
     def end_step(self) -> None:
         before = self.compile_count()
         self._sync()
-        self.compiles.append(self.compile_count())
-        self.launches.append(self.launch_count())
+        self.compiles.append(self.compile_count() - self._base[0])
+        self.launches.append(self.launch_count() - self._base[1])
         step = len(self.compiles)
         # only the step's own graph counts here: eval and checkpoints compile theirs at other syncs
-        if step > self.warmup_steps and self.compiles[-1] > before and not self._warned:
+        if step > self.warmup_steps and self.compiles[-1] + self._base[0] > before and not self._warned:
             self._warned = True
             log.warning("XLA compiled a new graph at step %d (%d graphs so far): a shape or a "
                         "Python-side branch changed; every change costs a compilation (see docs/trainium.md)",
@@ -319,7 +320,8 @@ class XlaRuntime(StepRuntime):
         self._xm.wait_device_ops()
 
     def report(self) -> dict[str, Any]:
-        """``xla_compiles`` / ``xla_graphs``: graphs compiled / launched so far, after each optimizer step."""
+        """``xla_compiles`` / ``xla_graphs``: graphs compiled / launched since this runtime was created
+        (the run's start: eval before training included), after each optimizer step."""
         return {"xla_compiles": list(self.compiles), "xla_graphs": list(self.launches)}
 
 
