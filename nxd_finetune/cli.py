@@ -77,9 +77,14 @@ def run(
 ) -> None:
     """Train: load and validate the recipe, then run the SFT loop."""
     loaded = _load(recipe, overrides, nproc, resume, no_resume)
+    from nxd_finetune.checkpoint.training import TrainingStopped
     from nxd_finetune.sft import trainer
 
-    trainer.run(loaded)
+    try:
+        trainer.run(loaded)
+    except TrainingStopped as stopped:  # SIGTERM / SIGINT: checkpoint saved, one line on how to resume
+        typer.echo(str(stopped), err=True)
+        raise typer.Exit(stopped.exit_code) from None
 
 
 @app.command()

@@ -13,13 +13,21 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
+import pytest
 import torch
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.curve import read_series, write_loss_curve
+from nxd_finetune.checkpoint.manager import FAILPOINT_ENV
 from nxd_finetune.checkpoint.training import (
     StopSignals,
     purge_tensorboard,
@@ -102,3 +110,135 @@ def test_loss_curve_svg(tmp_path):
     # the highest loss is drawn highest (smallest y)
     ys = [float(xy.split(",")[1]) for xy in lines[0].get("points").split()]
     assert ys == sorted(ys)
+
+
+# ----------------------------------------------------------------------------- end to end: the CLI
+
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+STEPS = 6
+# the quickstart, shortened; LoRA dropout on, so the RNG state must be restored too
+RUN = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_batch_size=4", "training.warmup_steps=1",
+       "logging.progress=false", "logging.every_n_steps=1", "eval.max_batches=1", "eval.every_n_steps=3",
+       "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "lora.dropout=0.1"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The environment of the CLI subprocesses: a private cache holding the tiny model, one thread."""
+    cache = tmp_path_factory.mktemp("nxd-cache")
+    env = {**os.environ, "NXD_FINETUNE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(cache)}
+    env.pop(FAILPOINT_ENV, None)
+    subprocess.run([sys.executable, "-c", "from nxd_finetune.quickstart import ensure_tiny_model as e; e()"],
+                   env=env, check=True, capture_output=True, timeout=300)
+    return env
+
+
+def start(env: dict, out: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
+    env = {**env, FAILPOINT_ENV: failpoint} if failpoint else env
+    return subprocess.Popen([sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), *RUN, f"output.dir={out}",
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    output, _ = proc.communicate(timeout=300)
+    return proc.returncode, output
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def curve(out: Path) -> list[tuple]:
+    """(step, kind, value) of every loss logged, in file order."""
+    return [(r["step"], k, r[k]) for r in records(out) for k in ("train_loss", "eval_loss") if k in r]
+
+
+def signal_when_logged(proc: subprocess.Popen, out: Path, step: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc`` from outside as soon as its metrics show ``step`` (wherever it then is)."""
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and f'"step": {step},' in path.read_text():
+            proc.send_signal(sig)
+            return
+        time.sleep(0.01)
+
+
+def resumed_from(log: str) -> int:
+    match = re.search(r"resumed from \S+ \(step (\d+)\)", log)
+    assert match, log
+    return int(match.group(1))
+
+
+def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp_path):
+    ref_out, out = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    reference = start(env, ref_out)  # runs beside the interrupted runs (two cores)
+    ckpts = out / "checkpoints"
+    # 1. SIGKILL during the save of step 4: its files are written, its manifest is not
+    code, log = finish(start(env, out, failpoint="before-manifest:4"))
+    assert code == -signal.SIGKILL, log
+    assert (ckpts / "step-00000004" / "state-pp00.safetensors").exists()
+    assert not (ckpts / "step-00000004" / "manifest.json").exists()
+    # 2. resumes from step 2 (step 4 is incomplete); SIGKILL from outside once step 5 is logged
+    proc = start(env, out)
+    signal_when_logged(proc, out, 5)
+    code, log = finish(proc)
+    assert code == -signal.SIGKILL and resumed_from(log) == 2, log
+    # 3. resumes from the newest complete checkpoint (4; 6 if the kill came late) and finishes
+    code, log = finish(start(env, out))
+    assert code == 0 and resumed_from(log) in (4, 6), log
+    code, log = finish(reference)
+    assert code == 0, log
+
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / "final" / name).read_bytes() == (ref_out / "final" / name).read_bytes(), name
+    assert curve(out) == curve(ref_out)  # train and eval losses, exactly, in the same order
+    assert [r["step"] for r in records(out) if "train_loss" in r] == list(range(1, STEPS + 1))  # each step once
+    assert [r["step"] for r in records(out) if "eval_loss" in r] == [0, 3, 6]
+    summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (out, ref_out))
+
+    def losses(s: dict) -> list[tuple]:
+        return [(h["step"], h["train_loss"], h["lr"], h["tokens"]) for h in s["history"]]
+
+    assert losses(summary) == losses(ref_summary) and summary["tokens"] == ref_summary["tokens"]
+    assert summary["eval_before"] == ref_summary["eval_before"] and summary["eval_after"] == ref_summary["eval_after"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]  # keep_last=2
+    svg = ET.parse(out / "loss_curve.svg").getroot()
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 2
+
+
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(env, tmp_path, monkeypatch):
+    from nxd_finetune.checkpoint.training import TrainingStopped
+    from nxd_finetune.recipe import load_recipe
+    from nxd_finetune.sft import trainer
+
+    monkeypatch.setenv("NXD_FINETUNE_CACHE", env["NXD_FINETUNE_CACHE"])
+    out = tmp_path / "out"
+    recipe = load_recipe(QUICKSTART, [*RUN, f"output.dir={out}", "checkpoint.every_n_steps=100"])
+
+    def send_when_logged() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = out / "metrics.jsonl"
+            if path.exists() and '"step": 2,' in path.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.005)
+
+    before = signal.getsignal(signal.SIGTERM)
+    sender = threading.Thread(target=send_when_logged)
+    sender.start()
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.run(recipe)
+    sender.join()
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert str(stopped.value) == (f"stopped by SIGTERM after step {step}; checkpoint saved to {out / 'checkpoints'}. "
+                                  "Resume: run the same command again (same recipe and output.dir), or add "
+                                  f"--resume {out / 'checkpoints'}/step-{step:08d}")
+    assert stopped.value.exit_code == 143 and 2 <= step < STEPS
+    manifest = json.loads((out / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
+    assert manifest["step"] == step and not (out / "final").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored

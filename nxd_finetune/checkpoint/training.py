@@ -4,8 +4,10 @@
 
     ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader=data.train)
     resumed = ckpt.resume(state)          # before the metrics writer opens; None: a fresh start
-    ...                                   # each step: ckpt.after_step(state, history, eval_before)
-    ckpt.finish(state, history, eval_before)   # the end-of-run checkpoint; waits for async saves
+    ckpt.eval_before = ...                # the eval before training (resumed.eval_before on a resume)
+    ...                                   # each step, after logging and eval: ckpt.after_step(state, history)
+    ckpt.finish(state, history)           # the end-of-run checkpoint; waits for async saves
+    ckpt.close()                          # in a finally: signal handlers back
 
 A checkpoint's ``extra`` holds everything besides tensors of parameters and optimizer state: the
 counters (:class:`TrainState` fields), the LR scheduler, the data sampler's position, the RNG
@@ -180,8 +182,10 @@ class TrainingCheckpoints:
 
     ``engine``: has ``state`` (ParallelState), ``modules``, ``optimizer`` and ``scheduler``
     (``sft.engine.Engine``); ``loader``: the resumable train loader (``state_dict`` /
-    ``load_state_dict``); ``out_dir``: the run's output directory (metrics files, default
-    ``checkpoint.dir = <out_dir>/checkpoints``). Installs the stop-signal handlers.
+    ``load_state_dict``; may be replaced by an object standing in for it, e.g. a prefetching device
+    loader that reports the position of the batches handed out); ``out_dir``: the run's output
+    directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``eval_before``:
+    stored with each checkpoint for the summary. Installs the stop-signal handlers.
     """
 
     def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any) -> None:
@@ -192,6 +196,7 @@ class TrainingCheckpoints:
         self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
                                          state=engine.state)
         self.last_saved: int | None = None
+        self.eval_before: dict[str, float] = {}
         self.signals = StopSignals()
 
     @property
@@ -235,7 +240,7 @@ class TrainingCheckpoints:
         if self.engine.state.world_size > 1:
             dist.barrier()
 
-    def save(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> str:
+    def save(self, train_state: Any, history: list[dict[str, Any]]) -> str:
         """Checkpoint the run at ``train_state.step`` (collective)."""
         e, step = self.engine, train_state.step
         metrics = self.out_dir / METRICS_FILE
@@ -245,7 +250,7 @@ class TrainingCheckpoints:
             "data": self.loader.state_dict(),
             "rng": rng_state(e.state),
             "history": history,
-            "eval_before": eval_before,
+            "eval_before": self.eval_before,
             "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
             "recipe": self.recipe.to_yaml(),
         }
@@ -253,14 +258,14 @@ class TrainingCheckpoints:
         self.last_saved = step
         return uri
 
-    def after_step(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> None:
+    def after_step(self, train_state: Any, history: list[dict[str, Any]]) -> None:
         """After a step's logging and eval: save every ``checkpoint.every_n_steps``; on a stop
         signal save and raise :class:`TrainingStopped`. Collective."""
         step = train_state.step
         failpoint("after-step", step)
         signum = self.signals.agreed(self.engine.state)
         if signum or (self.every and step % self.every == 0):
-            self.save(train_state, history, eval_before)
+            self.save(train_state, history)
         if signum:
             self.manager.wait()
             self.signals.restore()
@@ -269,18 +274,15 @@ class TrainingCheckpoints:
                 f"stopped by {name} after step {step}; checkpoint saved to {self.uri}. Resume: run the same "
                 f"command again (same recipe and output.dir), or add --resume {self.uri}/step-{step:08d}", signum)
 
-    def finish(self, train_state: Any, history: list[dict[str, Any]], eval_before: dict[str, float]) -> None:
-        """The end-of-run checkpoint (unless this step is saved already); waits for async saves and
-        puts the signal handlers back. Collective."""
-        try:
-            if self.last_saved != train_state.step:
-                self.save(train_state, history, eval_before)
-            self.manager.wait()
-        finally:
-            self.signals.restore()
+    def finish(self, train_state: Any, history: list[dict[str, Any]]) -> None:
+        """The end-of-run checkpoint (unless this step is saved already); waits for async saves.
+        Collective."""
+        if self.last_saved != train_state.step:
+            self.save(train_state, history)
+        self.manager.wait()
 
     def close(self) -> None:
-        """Restore the signal handlers (after an error); an in-flight async save finishes."""
+        """Restore the signal handlers; an in-flight async save finishes (call in a ``finally``)."""
         self.signals.restore()
         try:
             self.manager.wait()

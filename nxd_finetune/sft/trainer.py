@@ -89,14 +89,18 @@ def train(
     eval_fn: Any,
     state: TrainState,
     show_progress: bool,
+    ckpt: Any = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
     their number of non-padding tokens (counted on the host). Returns the logged records (the same
     on every rank). Host reads of device values happen on logging steps only, plus the one
-    all-reduce of the step's token counts."""
+    all-reduce of the step's token counts. ``history``: a resumed run's records, appended to.
+    ``ckpt`` (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's
+    logging and eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT."""
     log_every = recipe.logging.every_n_steps
     progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
-    history: list[dict[str, Any]] = []
+    history = [] if history is None else history
     window_start, window_tokens = time.perf_counter(), 0
     engine.train(True)
     try:
@@ -132,6 +136,8 @@ def train(
                 if rec:
                     metrics.log(state.step, rec)
                     history.append({"step": state.step, **rec})
+            if ckpt is not None:
+                ckpt.after_step(state, history)
     finally:
         progress.close()
     return history
@@ -276,18 +282,32 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
-    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
-    before = eval_fn()
-    if before:
-        metrics.log(0, before)
+    from nxd_finetune.checkpoint.training import TrainingCheckpoints
+
     state = TrainState()
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, data.train)
+    resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
+    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
+    before = resumed.eval_before if resumed else eval_fn()
+    if before and not resumed:
+        metrics.log(0, before)
+    ckpt.eval_before = before
     t_first = time.perf_counter() - t0
-    history = train(engine, _step_batches(data.train, grad_accum, recipe.data.packing), total_steps, recipe,
-                    metrics, eval_fn if data.eval is not None else None, state, recipe.logging.progress)
+    try:
+        history = train(engine, _step_batches(data.train, grad_accum, recipe.data.packing), total_steps, recipe,
+                        metrics, eval_fn if data.eval is not None else None, state, recipe.logging.progress,
+                        ckpt=ckpt, history=resumed.history if resumed else None)
+        ckpt.finish(state, history)
+    finally:
+        ckpt.close()
     after = eval_fn()
     if after and not (history and history[-1].get("eval_loss") == after.get("eval_loss")):
         metrics.log(state.step, after)
     metrics.close()
+    if engine.is_logger:
+        from nxd_finetune.checkpoint.curve import write_loss_curve
+
+        write_loss_curve(metrics.path, out_dir / "loss_curve.svg", f"{recipe.model.path}: loss")
     train_time = time.perf_counter() - t0 - t_first
     final_dir = out_dir / "final"
     from nxd_finetune.sft.export import save_final
@@ -308,6 +328,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
+        "checkpoints": ckpt.uri, "resumed_from": resumed.ref.uri if resumed else None,
     }
     if recipe.output.registry:
         summary["registry_version"] = _publish(recipe, engine, final_dir, summary)
