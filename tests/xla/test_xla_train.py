@@ -86,3 +86,24 @@ def test_eval_and_the_saved_adapter_match(runs):
         assert torch.allclose(x, c, rtol=RTOL, atol=1e-4), name
     config = json.loads((xla_dir / "final" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 16
+
+
+def test_pure_bf16_runs_as_one_graph_per_step(tmp_path):
+    """``training.precision=bf16`` (bf16 weights and LoRA factors): the same graph discipline, and
+    losses within bf16 rounding of the eager CPU run."""
+    steps = 6
+    runs = {}
+    for device in ("xla", "cpu"):
+        out = tmp_path / device
+        recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [
+            f"training.device={device}", f"training.max_steps={steps}", "training.warmup_steps=2",
+            "training.precision=bf16", "data.eval=null", "eval.every_n_steps=null", "checkpoint.every_n_steps=null",
+            "logging.every_n_steps=1", "logging.progress=false", f"output.dir={out}",
+        ])
+        runs[device] = trainer.run(recipe)
+    xla, cpu = runs["xla"], runs["cpu"]
+    assert xla["xla_compiles"][1:] == [xla["xla_compiles"][1]] * (steps - 1), xla["xla_compiles"]
+    graphs = xla["xla_graphs"]
+    assert [b - a for a, b in zip(graphs[1:], graphs[2:], strict=False)] == [1] * (steps - 2), graphs
+    for c, x in zip(cpu["history"], xla["history"], strict=True):
+        assert x["train_loss"] == pytest.approx(c["train_loss"], rel=2e-2), (c, x)
