@@ -77,12 +77,15 @@ def run(
 ) -> None:
     """Train: load and validate the recipe, then run the SFT loop."""
     loaded = _load(recipe, overrides, nproc, resume, no_resume)
-    from nxd_finetune.checkpoint.training import TrainingStopped
+    from nxd_finetune.checkpoint.training import as_training_stopped
     from nxd_finetune.sft import trainer
 
     try:
         trainer.run(loaded)
-    except TrainingStopped as stopped:  # SIGTERM / SIGINT: checkpoint saved, one line on how to resume
+    except Exception as err:
+        stopped = as_training_stopped(err, loaded)  # SIGTERM / SIGINT: saved; one line on how to resume
+        if stopped is None:
+            raise
         typer.echo(str(stopped), err=True)
         raise typer.Exit(stopped.exit_code) from None
 

@@ -59,6 +59,21 @@ class TrainingStopped(Exception):
         self.exit_code = 128 + signum
 
 
+def as_training_stopped(err: BaseException, recipe: Any) -> TrainingStopped | None:
+    """``err`` as a :class:`TrainingStopped` when it reports a stop signal, else None: the loop's own
+    exception, or the elastic launcher's ``SignalException`` (``parallel.nproc > 1``: the launcher
+    got the signal and passed it to its workers, which finished their step and saved)."""
+    if isinstance(err, TrainingStopped):
+        return err
+    sigval = getattr(err, "sigval", None)
+    if type(err).__name__ != "SignalException" or sigval is None:
+        return None
+    where = recipe.checkpoint.dir or str(Path(recipe.output.dir) / "checkpoints")
+    return TrainingStopped(f"stopped by {signal.Signals(sigval).name}; the workers saved a checkpoint to {where} "
+                           "after their current step. Resume: run the same command again (same recipe and "
+                           "output.dir)", int(sigval))
+
+
 class StopSignals:
     """SIGTERM / SIGINT handlers that ask the loop to stop after the current step.
 
