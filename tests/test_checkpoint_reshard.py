@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
 
 from nxd_finetune.checkpoint import CheckpointManager
 from nxd_finetune.lora import LoraConfig, inject_lora
@@ -47,15 +47,6 @@ N_TARGETS = (LABELS[:, 1:] != -100).sum()
 VARIANTS = ("lora", "full-tied")
 LAYOUTS = ("tp2", "dp2-zero1", "pp2")
 OPT = dict(lr=1e-2, eps=1e-4)  # eps: keep 1e-7 summation-order differences from growing in Adam's update
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_tmpdir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def base_model(tied: bool = False) -> DecoderForCausalLM:

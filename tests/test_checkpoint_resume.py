@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.curve import read_series, write_loss_curve
@@ -242,3 +243,76 @@ def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(env, tmp_path, m
     manifest = json.loads((out / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
     assert manifest["step"] == step and not (out / "final").exists()
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+def test_a_signal_to_the_launcher_reads_as_a_stop_with_the_resume_hint(tmp_path):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from nxd_finetune.checkpoint.training import TrainingStopped, as_training_stopped
+    from nxd_finetune.recipe import load_recipe
+
+    recipe = load_recipe(QUICKSTART, [f"output.dir={tmp_path}"])
+    stopped = as_training_stopped(SignalException("got signal", sigval=signal.SIGTERM), recipe)
+    assert stopped.exit_code == 143 and str(stopped).startswith(
+        f"stopped by SIGTERM; the workers saved a checkpoint to {tmp_path / 'checkpoints'}")
+    own = TrainingStopped("x", signal.SIGINT)
+    assert as_training_stopped(own, recipe) is own and own.exit_code == 130
+    assert as_training_stopped(ValueError("no"), recipe) is None
+
+
+def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp_path, capsys):
+    """``TrainingCheckpoints`` on real pieces (tiny model, AdamW, LambdaLR, the resumable sampler)
+    without the trainer: saves every 2 steps and at the end, resumes an earlier step by path."""
+    from types import SimpleNamespace
+
+    from test_checkpoint import make_run, train, trainable
+
+    from nxd_finetune.checkpoint.training import TrainingCheckpoints
+    from nxd_finetune.parallel import ParallelDims, ParallelState
+    from nxd_finetune.recipe import load_recipe
+    from nxd_finetune.sft.sampler import ResumableSampler
+    from nxd_finetune.sft.trainer import TrainState
+
+    def pieces(resume: str | None):
+        model, opt, sched = make_run(seed=7)
+        recipe = load_recipe(QUICKSTART, [f"output.dir={tmp_path}", "checkpoint.every_n_steps=2",
+                                          "checkpoint.keep_last=3", f"checkpoint.resume={resume}"])
+        engine = SimpleNamespace(state=ParallelState(ParallelDims()), modules=[model], optimizer=opt, scheduler=sched)
+        sampler = ResumableSampler(50, 4, seed=1)
+        return TrainingCheckpoints(recipe, engine, tmp_path, sampler), engine, sampler, model
+
+    metrics, snapshots = tmp_path / "metrics.jsonl", {}
+    ckpt, engine, sampler, model = pieces("latest")
+    state, history = TrainState(), []
+    assert ckpt.resume(state) is None
+    batches = iter(sampler)
+    try:
+        for _ in range(5):
+            next(batches)
+            train(model, engine.optimizer, engine.scheduler, 1)
+            state.step, state.tokens = state.step + 1, state.tokens + 10
+            history.append({"step": state.step, "train_loss": 1.0 / state.step})
+            with metrics.open("a") as f:
+                f.write(json.dumps(history[-1]) + "\n")
+            snapshots[state.step] = (trainable(model), sampler.state_dict())
+            ckpt.after_step(state, history)
+        ckpt.finish(state, history)
+    finally:
+        ckpt.close()
+    assert ckpt.manager.steps() == [2, 4, 5]
+
+    ckpt, engine, sampler, model = pieces(str(tmp_path / "checkpoints" / "step-00000002"))
+    state = TrainState()
+    resumed = ckpt.resume(state)
+    ckpt.close()
+    assert (state.step, state.tokens) == (2, 20) and resumed.history == history[:2]
+    assert sampler.state_dict() == snapshots[2][1]
+    assert all(torch.equal(p, snapshots[2][0][n]) for n, p in trainable(model).items())
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+    assert ckpt.manager.steps() == [2] and ckpt.last_saved == 2  # 4 and 5 belong to the abandoned future
+    assert "removing checkpoint(s) [4, 5]" in capsys.readouterr().out
+
+    ckpt, *_ = pieces("null")  # --no-resume: a fresh start empties the metrics and drops every checkpoint
+    assert ckpt.resume(TrainState()) is None
+    ckpt.close()
+    assert ckpt.manager.steps() == [] and metrics.read_text() == ""

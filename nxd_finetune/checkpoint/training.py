@@ -221,18 +221,15 @@ class TrainingCheckpoints:
     def resume(self, train_state: Any) -> Resumed | None:
         """Load ``checkpoint.resume`` (``latest``: the newest complete one, if any) into the engine,
         the loader, ``train_state`` and the RNG, and cut the metrics files back to it. Call before
-        the metrics writer opens. A fresh start empties ``metrics.jsonl`` and deletes checkpoints
-        left in ``checkpoint.dir`` by an earlier run (they would be resumed later). Collective."""
-        which = self.recipe.checkpoint.resume
-        ref = self.manager.resolve(which)
+        the metrics writer opens. Checkpoints of ``checkpoint.dir`` that the run will not continue
+        from are deleted, so they can neither be resumed later nor crowd out new ones under
+        ``keep_last``: all of them on a fresh start, those after the resumed step otherwise.
+        Collective."""
+        ref = self.manager.resolve(self.recipe.checkpoint.resume)
         if ref is None:
             if self._rank0:
                 truncate_metrics(self.out_dir, None)
-                old = [s for s, _ in list_checkpoints(self.manager.storage)]
-                if old:
-                    print(f"starting fresh: removing {len(old)} earlier checkpoint(s) from {self.uri}", flush=True)
-                    for step in old:
-                        delete_checkpoint(self.manager.storage, step)
+                self._remove_after(-1, "starting fresh")
             self._barrier()
             return None
         e = self.engine
@@ -246,10 +243,19 @@ class TrainingCheckpoints:
             truncate_metrics(self.out_dir, extra["metrics_bytes"])
             if self.recipe.logging.tensorboard:
                 purge_tensorboard(self.out_dir, ref.step)
+            self._remove_after(ref.step, f"resuming from step {ref.step}")
             print(f"resumed from {ref.uri} (step {ref.step})", flush=True)
         self._barrier()
-        self.last_saved = ref.step
+        if ref.uri == f"{self.manager.uri}/step-{ref.step:08d}":
+            self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice
         return Resumed(ref, extra["history"], extra["eval_before"])
+
+    def _remove_after(self, step: int, why: str) -> None:
+        later = [s for s, _ in list_checkpoints(self.manager.storage) if s > step]
+        if later:
+            print(f"{why}: removing checkpoint(s) {later} from {self.uri}", flush=True)
+        for s in later:
+            delete_checkpoint(self.manager.storage, s)
 
     def _barrier(self) -> None:
         if self.engine.state.world_size > 1:
