@@ -261,9 +261,11 @@ def test_a_signal_to_the_launcher_reads_as_a_stop_with_the_resume_hint(tmp_path)
     assert as_training_stopped(ValueError("no"), recipe) is None
 
 
-def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp_path, capsys, request, where):
     """``TrainingCheckpoints`` on real pieces (tiny model, AdamW, LambdaLR, the resumable sampler)
-    without the trainer: saves every 2 steps and at the end, resumes an earlier step by path."""
+    without the trainer: saves every 2 steps and at the end, resumes an earlier step by path;
+    ``checkpoint.dir`` local or ``s3://`` (moto over HTTP)."""
     from types import SimpleNamespace
 
     from test_checkpoint import make_run, train, trainable
@@ -276,12 +278,16 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
 
     def pieces(resume: str | None):
         model, opt, sched = make_run(seed=7)
-        recipe = load_recipe(QUICKSTART, [f"output.dir={tmp_path}", "checkpoint.every_n_steps=2",
-                                          "checkpoint.keep_last=3", f"checkpoint.resume={resume}"])
+        recipe = load_recipe(QUICKSTART, [f"output.dir={tmp_path}", f"checkpoint.dir={ckpt_dir}",
+                                          "checkpoint.keep_last=3", "checkpoint.every_n_steps=2",
+                                          f"checkpoint.resume={resume}"])
         engine = SimpleNamespace(state=ParallelState(ParallelDims()), modules=[model], optimizer=opt, scheduler=sched)
         sampler = ResumableSampler(50, 4, seed=1)
         return TrainingCheckpoints(recipe, engine, tmp_path, sampler), engine, sampler, model
 
+    ckpt_dir = tmp_path / "checkpoints" if where == "local" else "s3://nxd-test/hooks"
+    if where == "s3":
+        request.getfixturevalue("moto_s3")
     metrics, snapshots = tmp_path / "metrics.jsonl", {}
     ckpt, engine, sampler, model = pieces("latest")
     state, history = TrainState(), []
@@ -302,7 +308,7 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
         ckpt.close()
     assert ckpt.manager.steps() == [2, 4, 5]
 
-    ckpt, engine, sampler, model = pieces(str(tmp_path / "checkpoints" / "step-00000002"))
+    ckpt, engine, sampler, model = pieces(f"{ckpt_dir}/step-00000002")
     state = TrainState()
     resumed = ckpt.resume(state)
     ckpt.close()

@@ -101,7 +101,9 @@ class CheckpointRef:
                 self._check(name, F.file_entry(path) if os.path.isfile(path) else None)
             return path
         if name not in self._local:
-            self._tmp = self._tmp or tempfile.mkdtemp(prefix="nxd-ckpt-")
+            if self._tmp is None:
+                self._tmp = tempfile.mkdtemp(prefix="nxd-ckpt-")
+                weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)  # if load() never runs
             path = os.path.join(self._tmp, name)
             self.storage.get_file(self.key(name), path)
             self._check(name, F.file_entry(path))  # downloaded anyway: always checked
@@ -405,37 +407,46 @@ class CheckpointManager:
         self.wait()
         text = os.fspath(which)
         if text == "latest":
-            step = self._broadcast_int(self._pick_latest() if self.rank == 0 else 0)
-            return None if step < 0 else self._ref(self.storage, f"{self.uri}/{F.step_dir(step)}", F.step_dir(step))
+            mine = self._pick_latest() if self.rank == 0 else None  # verified (S3: files already fetched)
+            step = self._broadcast_int(-1 if mine is None else mine.step)
+            if step < 0:
+                return None
+            return mine or self._ref(self.storage, f"{self.uri}/{F.step_dir(step)}", F.step_dir(step))
         if F.parse_step_dir(text) is not None:
             storage, uri, prefix = self.storage, f"{self.uri}/{text}", text
         else:
             uri = text.rstrip("/")
             storage, prefix = open_storage(uri), ""
-        error = None
+        error, mine = None, None
         if self.rank == 0:
             try:
-                self._ref(storage, uri, prefix).verify()
+                mine = self._verified(self._ref(storage, uri, prefix))
             except (CheckpointError, StorageError) as e:
                 error = str(e)
         if self._broadcast_int(1 if error else 0):
             raise CheckpointError(error or f"checkpoint {uri} failed verification on rank 0")
-        return self._ref(storage, uri, prefix)
+        return mine or self._ref(storage, uri, prefix)
 
-    def _pick_latest(self) -> int:
+    @staticmethod
+    def _verified(ref: CheckpointRef) -> CheckpointRef:
+        try:
+            ref.verify()
+        except BaseException:
+            ref.cleanup()
+            raise
+        return ref
+
+    def _pick_latest(self) -> CheckpointRef | None:
         for step, complete in reversed(list_checkpoints(self.storage)):
             if not complete:
                 continue
             name = F.step_dir(step)
             try:
-                ref = self._ref(self.storage, f"{self.uri}/{name}", name)
-                ref.verify()
-                ref.cleanup()
-                return step
+                return self._verified(self._ref(self.storage, f"{self.uri}/{name}", name))
             except (CheckpointError, StorageError) as e:
                 warnings.warn(f"skipping checkpoint {self.uri}/{name}: {e}; trying an older one",
                               CheckpointWarning, stacklevel=3)
-        return -1
+        return None
 
     @staticmethod
     def _ref(storage: Storage, uri: str, prefix: str) -> CheckpointRef:
