@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +44,7 @@ class TrainState:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. ``xla`` comes with the Trainium backend."""
+    """``auto`` -> xla where torch_neuronx imports, else cuda when available, else cpu."""
     from nxd_finetune.parallel.launch import device_backend
 
     return device_backend(name, local_rank).device
@@ -63,15 +64,19 @@ def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets
     return loss.detach()
 
 
-def evaluate(engine: Any, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None) -> dict[str, float]:
+def evaluate(engine: Any, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
+             runtime: Any = None) -> dict[str, float]:
     """Token-mean eval loss, perplexity and next-token accuracy over target tokens of every dp
-    rank's eval share. Collective (every rank calls it; eval loaders give each rank as many batches)."""
+    rank's eval share. Collective (every rank calls it; eval loaders give each rank as many batches).
+    One host read at the end; on XLA one graph per batch (``runtime.sync()``)."""
     engine.train(False)
     stats = torch.zeros(3, device=engine.device)
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
         stats += engine.eval_stats({k: v.to(engine.device) for k, v in batch.items()})
+        if runtime is not None:
+            runtime.sync()
     engine.train(True)
     loss_sum, correct, n = engine.dp_sum(stats).tolist()
     if n == 0:
@@ -89,48 +94,62 @@ def train(
     eval_fn: Any,
     state: TrainState,
     show_progress: bool,
+    runtime: Any = None,
     ckpt: Any = None,
     history: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
     their number of non-padding tokens (counted on the host). Returns the logged records (the same
-    on every rank). Host reads of device values happen on logging steps only, plus the one
-    all-reduce of the step's token counts. ``history``: a resumed run's records, appended to.
-    ``ckpt`` (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's
-    logging and eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT."""
+    on every rank). Device values (token counts; loss and grad norm on logging steps) reach the
+    host only through ``runtime.on_host`` (:mod:`nxd_finetune.xla`): at once on eager devices, in
+    a step closure after the step's graph ran on XLA, where ``runtime.end_step()`` is the step's one
+    ``mark_step``. ``history``: a resumed run's records, appended to. ``ckpt``
+    (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's logging and
+    eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT."""
+    from nxd_finetune.xla import StepRuntime
+
+    runtime = runtime or StepRuntime(engine.device)
     log_every = recipe.logging.every_n_steps
     progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
     history = [] if history is None else history
-    window_start, window_tokens = time.perf_counter(), 0
+    window = {"start": time.perf_counter(), "tokens": 0}
+
+    def on_values(step: int, lr: float, v: dict[str, Any]) -> None:
+        """Token accounting and, on logging steps, the record; ``v`` holds host values."""
+        n_targets_all, n_input_all = (int(c) for c in v["counts"])
+        state.input_tokens += n_input_all
+        state.tokens += n_targets_all
+        window["tokens"] += n_input_all
+        if "loss" not in v:
+            progress.update(step)
+            return
+        elapsed = time.perf_counter() - window["start"]
+        rec = {"train_loss": v["loss"], "lr": lr, "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+               "tokens": state.tokens}
+        if v["grad_norm"] is not None:
+            rec["grad_norm"] = v["grad_norm"]
+        window["start"], window["tokens"] = time.perf_counter(), 0
+        metrics.log(step, rec)
+        history.append({"step": step, **rec})
+        progress.update(step, f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s")
+
     engine.train(True)
     try:
         while state.step < total_steps:
             micro_batches, n_input = next(steps)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             n_local = sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches)
-            counts = engine.dp_sum(torch.stack([n_local.to(torch.float64), torch.tensor(float(n_input),
-                                                dtype=torch.float64, device=engine.device)]))
+            counts = engine.dp_sum(torch.stack([n_local.to(torch.int64), torch.tensor(n_input, dtype=torch.int64,
+                                                                                     device=engine.device)]))
             n_targets = counts[0].clamp(min=1).to(torch.float32)
             loss = engine.forward_backward(micro_batches, n_targets)
             grad_norm = engine.step()
-            n_targets_all, n_input_all = (int(c) for c in counts.tolist())
             state.step += 1
-            state.input_tokens += n_input_all
-            state.tokens += n_targets_all
-            window_tokens += n_input_all
+            values: dict[str, Any] = {"counts": counts}
             if state.step % log_every == 0 or state.step == total_steps:
-                elapsed = time.perf_counter() - window_start
-                rec = {"train_loss": float(engine.dp_sum(loss)), "lr": engine.scheduler.get_last_lr()[0],
-                       "tokens_per_s": window_tokens / max(elapsed, 1e-9), "tokens": state.tokens}
-                if grad_norm is not None:
-                    rec["grad_norm"] = float(grad_norm)
-                window_start, window_tokens = time.perf_counter(), 0
-                metrics.log(state.step, rec)
-                history.append({"step": state.step, **rec})
-                progress.update(state.step, f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  "
-                                            f"{rec['tokens_per_s']:.0f} tok/s")
-            else:
-                progress.update(state.step)
+                values.update(loss=engine.dp_sum(loss), grad_norm=grad_norm)
+            runtime.on_host(functools.partial(on_values, state.step, engine.scheduler.get_last_lr()[0]), values)
+            runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
                 rec = eval_fn()
                 if rec:
@@ -245,16 +264,20 @@ def _rank0_first(rank: int) -> Iterator[None]:
 
 def run_rank(recipe: Any) -> dict[str, Any] | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
-    from nxd_finetune.parallel.launch import init_distributed
+    from nxd_finetune.neuron import apply_neuron_env
+    from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
     from nxd_finetune.parallel.state import ParallelDims
     from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
     from nxd_finetune.sft.engine import build_engine
     from nxd_finetune.sft.loader import build_dataloaders
+    from nxd_finetune.xla import make_runtime
 
     t0 = time.perf_counter()
     tcfg, par = recipe.training, recipe.parallel
+    apply_neuron_env(recipe)  # Trainium only; before the first XLA tensor
     device = pick_device(tcfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    backend = init_distributed("nccl" if device.type == "cuda" else "gloo")
+    backend = init_distributed(dist_backend_for(device.type))
+    runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
     rank = backend.rank
     _, dp_rank, _ = ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp).coords(rank)
     out_dir = Path(recipe.output.dir)
@@ -269,16 +292,18 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
         data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=dp_rank,
-                                 dp_world=par.dp, seed=tcfg.seed, fixed_shape=par.pp > 1 or par.sequence_parallel)
+                                 dp_world=par.dp, seed=tcfg.seed,
+                                 fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
     grad_accum = recipe.grad_accum_steps
     if tcfg.max_steps:
         total_steps = tcfg.max_steps
     else:
         total_steps = max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch / grad_accum))
     engine = build_engine(recipe, model_dir, device, total_steps)
+    runtime.prepare(engine)
 
     def eval_fn() -> dict[str, float]:
-        return evaluate(engine, iter(data.eval), recipe.eval.max_batches) if data.eval is not None else {}
+        return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
@@ -291,15 +316,17 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     before = resumed.eval_before if resumed else eval_fn()
     if before and not resumed:
         metrics.log(0, before)
-    ckpt.eval_before = before
     t_first = time.perf_counter() - t0
+    steps = runtime.batches(_step_batches(data.train, grad_accum, recipe.data.packing),
+                            snapshot=data.train.state_dict, restore=data.train.load_state_dict)
+    ckpt.loader, ckpt.eval_before = steps, before  # checkpoints record the position of batches handed out
     try:
-        history = train(engine, _step_batches(data.train, grad_accum, recipe.data.packing), total_steps, recipe,
-                        metrics, eval_fn if data.eval is not None else None, state, recipe.logging.progress,
-                        ckpt=ckpt, history=resumed.history if resumed else None)
+        history = train(engine, steps, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
+                        state, recipe.logging.progress, runtime, ckpt, resumed.history if resumed else None)
         ckpt.finish(state, history)
     finally:
         ckpt.close()
+    steps.close()
     after = eval_fn()
     if after and not (history and history[-1].get("eval_loss") == after.get("eval_loss")):
         metrics.log(state.step, after)
@@ -312,6 +339,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     final_dir = out_dir / "final"
     from nxd_finetune.sft.export import save_final
 
+    runtime.wait()
     save_final(engine, recipe, tokenizer, model_dir, final_dir)
     if not engine.is_logger:
         return None
@@ -329,6 +357,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
         "checkpoints": ckpt.uri, "resumed_from": resumed.ref.uri if resumed else None,
+        **runtime.report(),  # xla: graphs compiled / launched after each step
     }
     if recipe.output.registry:
         summary["registry_version"] = _publish(recipe, engine, final_dir, summary)
