@@ -308,3 +308,43 @@ def test_s3_round_trip_retention_and_corruption(moto_s3, tmp_path):
     assert_same_params(trainable(fresh), params[2])
     assert mgr.resolve("s3://nxd-test/runs/ckpt/step-00000002").step == 2
     assert Path(tmp_path).exists()
+
+
+def test_zero1_bf16_keeps_fp32_masters_and_loads_into_plain_adamw(tmp_path):
+    """ZeRO-1 (dp=1, one process) over bf16 LoRA factors: the fp32 masters are saved next to the
+    bf16 parameters and restored exactly; a plain AdamW loads the same checkpoint (moments cast)."""
+    from nxd_finetune.parallel.zero1 import Zero1Optimizer
+
+    def zero1_run(seed: int):
+        model, _, _ = make_run(seed=seed)
+        model.to(torch.bfloat16)
+        return model, Zero1Optimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW, None,
+                                     lr=1e-2)
+
+    model, opt = zero1_run(0)
+    for _ in range(2):
+        causal_lm_loss(model(IDS).float(), LABELS).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(2, [model], opt)
+    tensors = load_file(tmp_path / "step-00000002" / "state-pp00.safetensors")
+    name = "model.layers.0.mlp.up_proj.lora_B.weight"
+    assert tensors[f"param/{name}"].dtype == torch.bfloat16 and tensors[f"optim/{name}/master"].dtype == torch.float32
+    assert not torch.equal(tensors[f"optim/{name}/master"], tensors[f"param/{name}"].float())  # more precise
+
+    fresh, fresh_opt = zero1_run(1)
+    mgr.load(mgr.resolve("latest"), [fresh], fresh_opt)
+    assert_same_params(trainable(fresh), trainable(model))
+    for mine, theirs in zip(fresh_opt.flats, opt.flats, strict=True):
+        assert torch.equal(mine.master, theirs.master)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh_opt.inner.state[mine.master][key], opt.inner.state[theirs.master][key])
+
+    plain, _, _ = make_run(seed=1)
+    plain.to(torch.bfloat16)
+    adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    mgr.load(mgr.resolve("latest"), [plain], adamw)
+    p = plain.get_parameter(name)
+    assert torch.equal(p, model.get_parameter(name)) and adamw.state[p]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(adamw.state[p]["exp_avg"], tensors[f"optim/{name}/exp_avg"].to(torch.bfloat16))
