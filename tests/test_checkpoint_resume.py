@@ -184,7 +184,7 @@ def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp
     assert (ckpts / "step-00000004" / "state-pp00.safetensors").exists()
     assert not (ckpts / "step-00000004" / "manifest.json").exists()
     # 2. resumes from step 2 (step 4 is incomplete), saving in the background this time; SIGKILL
-    #    from outside once step 5 is logged
+    #    from outside once step 5 is logged (run 1 logged step 4 already: not a sign of run 2)
     proc = start(env, out, "checkpoint.async_save=true")
     signal_when_logged(proc, out, 5)
     code, log = finish(proc)
