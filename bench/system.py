@@ -102,7 +102,8 @@ def quickstart_first_step() -> dict[str, Any]:
     including the pre-training eval) and the process wall time (imports, one step, saving)."""
     exe = str(Path(sys.executable).with_name("nxd-finetune"))
     with tempfile.TemporaryDirectory() as out:
-        cmd = [exe, "run", "recipes/quickstart.yaml", "training.max_steps=1", f"output.dir={out}",
+        cmd = [exe, "run", "recipes/quickstart.yaml", "training.max_steps=1",
+            "training.warmup_steps=0", f"output.dir={out}",
                "logging.progress=false"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)  # warm caches (model, tokenized data)
