@@ -8,6 +8,7 @@ into ``error: <message>`` on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -55,6 +56,9 @@ def _load(recipe: Path, overrides: list[str] | None, nproc: int | None = None,
     extra = list(overrides or [])
     if nproc is not None:
         extra.append(f"parallel.nproc={nproc}")
+    elif "WORLD_SIZE" in os.environ and not any(o.startswith("parallel.nproc=") for o in extra):
+        # one worker of torchrun: the world it was started in is the process count
+        extra.insert(0, f"parallel.nproc={os.environ['WORLD_SIZE']}")
     if resume is not None and no_resume:
         raise RecipeError("--resume and --no-resume are mutually exclusive")
     if resume is not None:

@@ -129,3 +129,4 @@ def test_four_process_layouts_match_single_process(references, tmp_path):
     results = launch(_run_layouts, 4, dicts, start_method="fork")
     for name, got in zip(names, results[0], strict=True):
         _check_same(name, got, references[name.split("/")[0]])
+
