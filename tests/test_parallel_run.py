@@ -102,16 +102,22 @@ def references(quickstart_cache, tmp_path_factory):
     return {mode: trainer.run(recipe(out / mode, 1, "training.grad_accum=2", *extra)) for mode, extra in MODES.items()}
 
 
-def test_two_process_layouts_match_single_process(references, tmp_path):
+def _run_and_check(references, tmp_path, layouts: dict, nproc: int) -> list:
+    """Every (mode, layout) in one launch of ``nproc`` forked workers, each checked against the reference."""
     dicts, names = [], []
     for mode, extra in MODES.items():
-        for name, layout in LAYOUTS_2.items():
+        for name, layout in layouts.items():
             names.append(f"{mode}/{name}")
-            dicts.append(recipe(tmp_path / mode / name, 2, *layout, *extra).to_dict())
-    results = launch(_run_layouts, 2, dicts, start_method="fork")
-    assert all(r is None for r in results[1])  # only global rank 0 reports
+            dicts.append(recipe(tmp_path / mode / name, nproc, *layout, *extra).to_dict())
+    results = launch(_run_layouts, nproc, dicts, start_method="fork")
     for name, got in zip(names, results[0], strict=True):
         _check_same(name, got, references[name.split("/")[0]])
+    return results
+
+
+def test_two_process_layouts_match_single_process(references, tmp_path):
+    results = _run_and_check(references, tmp_path, LAYOUTS_2, 2)
+    assert all(r is None for r in results[1])  # only global rank 0 reports
     # the tp=2 adapter is a plain PEFT adapter of the unsharded model
     from peft import LoraConfig as PeftLoraConfig
 
@@ -121,12 +127,4 @@ def test_two_process_layouts_match_single_process(references, tmp_path):
 
 
 def test_four_process_layouts_match_single_process(references, tmp_path):
-    dicts, names = [], []
-    for mode, extra in MODES.items():
-        for name, layout in LAYOUTS_4.items():
-            names.append(f"{mode}/{name}")
-            dicts.append(recipe(tmp_path / mode / name, 4, *layout, *extra).to_dict())
-    results = launch(_run_layouts, 4, dicts, start_method="fork")
-    for name, got in zip(names, results[0], strict=True):
-        _check_same(name, got, references[name.split("/")[0]])
-
+    _run_and_check(references, tmp_path, LAYOUTS_4, 4)
