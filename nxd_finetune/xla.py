@@ -279,11 +279,10 @@ class XlaRuntime(StepRuntime):
                             self.prefetch, snapshot, restore)
 
     def prepare(self, engine: Any) -> None:
-        """Logits at every position: the engine's targets-only path gathers positions with a
-        data-dependent count (``nonzero``), which on XLA forces a mid-step execution and a new
-        graph for every count. ``Engine.sequence_parallel`` selects the full-logits path (its only
-        use in the engine); the loss is the same."""
-        engine.sequence_parallel = True
+        """Logits at every position (``Engine.full_logits``): the engine's targets-only path
+        gathers positions with a data-dependent count (``nonzero``), which on XLA forces a mid-step
+        execution and a new graph for every count; the loss is the same."""
+        engine.full_logits = True
 
     def sync(self) -> None:
         self._sync()

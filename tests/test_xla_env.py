@@ -378,3 +378,115 @@ def test_eager_runtime_reads_values_at_once_and_keeps_cpu_tensors():
     assert batches[0][1] == 1 and rt.report() == {}
     rt.end_step()
     rt.wait()
+
+
+# ---------------------------------------------------------------- engine: full logits, host groups
+
+
+def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
+    """``Engine.full_logits`` (set by ``XlaRuntime.prepare``): logits at every position, the same
+    loss as the default gather of target positions; ``sequence_parallel`` keeps its own meaning."""
+    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.sft.engine import build_engine
+
+    rec = load_recipe(QUICKSTART, ["training.max_steps=2", "training.warmup_steps=0"])
+    engine = build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 2)
+    assert not engine.full_logits and not engine.sequence_parallel
+    torch.manual_seed(0)
+    ids = torch.randint(0, engine.config.vocab_size, (2, 16))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, 12:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    losses, shapes = [], []
+    for full in (False, True):
+        engine.full_logits = full
+        with torch.no_grad():
+            logits, targets = engine._logits_and_targets(batch)
+        losses.append(engine._ce_sum(logits, targets))
+        shapes.append(tuple(logits.shape))
+    assert shapes == [(11 + 7, engine.config.vocab_size), (2, 16, engine.config.vocab_size)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+
+
+def _host_groups_worker(out_dir: str) -> dict:
+    """World 2 on gloo, pp=2: the call sites that exchange CPU tensors or objects, given gloo host
+    groups of their own (what the xla and nccl backends get), use those groups and no other."""
+    import signal
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from nxd_finetune.checkpoint.manager import CheckpointManager
+    from nxd_finetune.checkpoint.training import StopSignals, TrainingCheckpoints, rng_state
+    from nxd_finetune.parallel.launch import init_distributed
+    from nxd_finetune.parallel.state import ParallelDims, ParallelState
+    from nxd_finetune.sft import export, trainer
+    from nxd_finetune.sft.engine import HostGroups
+
+    backend = init_distributed("gloo")
+    rank = backend.rank
+    state = ParallelState(ParallelDims.for_world(2, tp=1, pp=2))
+    shared = HostGroups.for_state(state)  # gloo: the main groups serve
+    host = HostGroups.for_state(state, separate=True)
+    out: dict = {"shared": (shared.world is None, shared.pp is state.pp_group, shared.tp is state.tp_group),
+                 "backends": [dist.get_backend(g) for g in (host.world, host.tp, host.pp, host.dp)],
+                 "separate": host.pp is not state.pp_group and host.world is not None}
+    allowed = {id(g) for g in (host.world, host.tp, host.pp, host.dp)}
+    used: list[str] = []
+
+    def spy(name):
+        real = getattr(dist, name)
+
+        def call(*args, group=None, **kwargs):
+            if id(group) not in allowed:  # None (the default group) or a main group
+                raise AssertionError(f"dist.{name} on group {group!r}, not a host group")
+            used.append(name)
+            return real(*args, group=group, **kwargs)
+
+        return call
+
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier", "gather_object"):
+        setattr(dist, name, spy(name))
+    torch.manual_seed(100 + rank)
+    with trainer._rank0_first(rank, host.world):
+        pass
+    signals = StopSignals()
+    signals.signum = signal.SIGTERM if rank == 1 else None
+    out["agreed"] = signals.agreed(state, host.world)
+    signals.restore()
+    rows = rng_state(state, host.world)["torch_cpu"]
+    out["rng_rows_are_each_ranks"] = rows.shape[0] == 2 and torch.equal(rows[rank], torch.get_rng_state())
+    engine = SimpleNamespace(state=state, modules=[], runner=None, host=host)
+    out["count"] = trainer._count(engine, [torch.nn.Parameter(torch.ones(3 + rank))])
+    united = export._unite_stages(state, host.pp, {f"stage{rank}.w": torch.full((2,), float(rank))})
+    out["united"] = None if united is None else {k: v.tolist() for k, v in sorted(united.items())}
+    manager = CheckpointManager(out_dir, state=state, group=host.world)
+    out["resolved"] = manager.resolve("latest")  # rank 0 looks, broadcasts -1: nothing saved
+    out["broadcast"] = manager._broadcast_int(41 if rank == 0 else 0)
+    recipe = SimpleNamespace(checkpoint=SimpleNamespace(dir=out_dir, every_n_steps=None, keep_last=1, resume=None))
+    TrainingCheckpoints(recipe, SimpleNamespace(state=state), Path(out_dir), None, group=host.world)._barrier()
+    out["used"] = sorted(set(used))
+    dist.destroy_process_group()
+    return out
+
+
+def test_host_collectives_go_through_the_groups_they_are_given(tmp_path, monkeypatch):
+    """The gloo routing of issue 7's multi-process XLA gap, on gloo (torch_xla's CPU device cannot
+    run a multi-process world: docs/trainium.md)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    r0, r1 = launch.launch(_host_groups_worker, 2, str(tmp_path / "ckpt"), start_method="fork")
+    for r in (r0, r1):
+        assert r["shared"] == (True, True, True) and r["separate"]
+        assert r["backends"] == ["gloo"] * 4
+        assert r["agreed"] == signal_number("SIGTERM") and r["rng_rows_are_each_ranks"]
+        assert r["count"] == 3 + 4  # one parameter per stage, summed over pp
+        assert r["resolved"] is None and r["broadcast"] == 41
+        assert r["used"] == ["all_gather", "all_reduce", "barrier", "broadcast", "gather_object"]
+    assert r0["united"] == {"stage0.w": [0.0, 0.0], "stage1.w": [1.0, 1.0]} and r1["united"] is None
+
+
+def signal_number(name: str) -> int:
+    import signal
+
+    return int(getattr(signal, name))

@@ -300,18 +300,25 @@ class CheckpointManager:
 
     ``keep_last``: complete checkpoints kept (older ones are deleted after each save).
     ``async_save``: write in a background thread (see the module docstring). ``state``: this
-    rank's ``ParallelState``; required in a multi-process world (None: one process).
-    ``storage_options`` go to ``open_storage`` (S3 endpoint, region...). Raises CheckpointError
-    for a bad ``keep_last`` or a multi-process world without ``state``.
+    rank's ``ParallelState``; required in a multi-process world (None: one process). ``group``:
+    the world's group for the manager's own collectives on CPU tensors (the save id, rank 0's
+    choice of checkpoint, barriers): a gloo group (``Engine.host.world``); None: the default group,
+    which must then be gloo. ``storage_options`` go to ``open_storage`` (S3 endpoint, region...).
+    Raises CheckpointError for a bad ``keep_last``, a multi-process world without ``state``, or
+    without ``group`` when the default backend is not gloo.
     """
 
     def __init__(self, uri: str | os.PathLike, keep_last: int = 2, async_save: bool = False, state: Any = None,
-                 **storage_options: Any) -> None:
+                 group: Any = None, **storage_options: Any) -> None:
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise CheckpointError(f"checkpoint keep_last must be a positive integer, got {keep_last!r}")
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1 and state is None:
             raise CheckpointError(f"CheckpointManager in a world of {world} processes needs state=ParallelState")
+        if world > 1 and group is None and dist.get_backend() != "gloo":
+            raise CheckpointError(f"CheckpointManager on the {dist.get_backend()} backend needs group= a gloo group "
+                                  "for its collectives on CPU tensors (sft.engine.HostGroups.world)")
+        self.group = group
         self.uri = os.fspath(uri).rstrip("/")
         self.storage = open_storage(self.uri, **storage_options)
         self.keep_last, self.async_save, self.state = keep_last, async_save, state
@@ -362,7 +369,7 @@ class CheckpointManager:
             self._run(job)
             self.wait()
             if self._multi:
-                dist.barrier()  # every rank returns once the manifest is written
+                dist.barrier(group=self.group)  # every rank returns once the manifest is written
         return f"{self.uri}/{name}"
 
     def _run(self, job: _SaveJob) -> None:
@@ -384,9 +391,8 @@ class CheckpointManager:
     def _broadcast_int(self, value: int) -> int:
         if not self._multi:
             return value
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.broadcast(t, src=0)
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.group)
         return int(t.item())
 
     # ------------------------------------------------------------------ find

@@ -94,15 +94,14 @@ class StopSignals:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agreed(self, state: Any) -> int | None:
-        """The signal number if any rank got one (collective over the world when it has several
-        ranks; every rank must call it once per step)."""
+    def agreed(self, state: Any, group: Any = None) -> int | None:
+        """The signal number if any rank got one (collective over ``group`` -- the whole world, on
+        CPU tensors: gloo; None: the default group -- when the world has several ranks; every
+        rank must call it once per step)."""
         if state is None or state.world_size == 1:
             return self.signum
         flag = torch.tensor([self.signum or 0], dtype=torch.int64)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag.item()) or None
 
     def restore(self) -> None:
@@ -114,25 +113,25 @@ class StopSignals:
 # ----------------------------------------------------------------------------- RNG
 
 
-def rng_state(state: Any = None) -> dict[str, Any]:
+def rng_state(state: Any = None, group: Any = None) -> dict[str, Any]:
     """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
-    ``[world, n]`` (all-gathered: collective in multi-process worlds), and Python's ``random``."""
+    ``[world, n]`` (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the
+    default group; collective in multi-process worlds), and Python's ``random``."""
     cpu = torch.get_rng_state()
-    out: dict[str, Any] = {"torch_cpu": _gather_rows(cpu, state)}
+    out: dict[str, Any] = {"torch_cpu": _gather_rows(cpu, state, group)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state)
+        out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state, group)
     version, internal, gauss = random.getstate()
     out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
     return out
 
 
-def _gather_rows(t: torch.Tensor, state: Any) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, state: Any, group: Any) -> torch.Tensor:
     if state is None or state.world_size == 1:
         return t.unsqueeze(0).clone()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
-    rows = [torch.empty_like(t, device=device) for _ in range(state.world_size)]
-    dist.all_gather(rows, t.to(device))
-    return torch.stack(rows).cpu()
+    rows = [torch.empty_like(t) for _ in range(state.world_size)]
+    dist.all_gather(rows, t, group=group)
+    return torch.stack(rows)
 
 
 def set_rng_state(saved: dict[str, Any], state: Any = None) -> None:
@@ -199,17 +198,20 @@ class TrainingCheckpoints:
     (``sft.engine.Engine``); ``loader``: the resumable train loader (``state_dict`` /
     ``load_state_dict``; may be replaced by an object standing in for it, e.g. a prefetching device
     loader that reports the position of the batches handed out); ``out_dir``: the run's output
-    directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``eval_before``:
-    stored with each checkpoint for the summary. Installs the stop-signal handlers.
+    directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``group``: the
+    world's group for collectives on CPU tensors (``Engine.host.world``: gloo; None: the default
+    group, which must then be gloo). ``eval_before``: stored with each checkpoint for the summary.
+    Installs the stop-signal handlers.
     """
 
-    def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any) -> None:
+    def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any, group: Any = None) -> None:
         ck = recipe.checkpoint
         self.recipe, self.engine, self.out_dir, self.loader = recipe, engine, Path(out_dir), loader
+        self.group = group
         self.uri = ck.dir or str(self.out_dir / "checkpoints")
         self.every = ck.every_n_steps
         self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
-                                         state=engine.state)
+                                         state=engine.state, group=group)
         self.last_saved: int | None = None
         self.eval_before: dict[str, float] = {}
         self.signals = StopSignals()
@@ -259,7 +261,7 @@ class TrainingCheckpoints:
 
     def _barrier(self) -> None:
         if self.engine.state.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def save(self, train_state: Any, history: list[dict[str, Any]]) -> str:
         """Checkpoint the run at ``train_state.step`` (collective)."""
@@ -269,7 +271,7 @@ class TrainingCheckpoints:
             "train_state": dataclasses.asdict(train_state),
             "scheduler": e.scheduler.state_dict(),
             "data": self.loader.state_dict(),
-            "rng": rng_state(e.state),
+            "rng": rng_state(e.state, self.group),
             "history": history,
             "eval_before": self.eval_before,
             "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
@@ -284,7 +286,7 @@ class TrainingCheckpoints:
         signal save and raise :class:`TrainingStopped`. Collective."""
         step = train_state.step
         failpoint("after-step", step)
-        signum = self.signals.agreed(self.engine.state)
+        signum = self.signals.agreed(self.engine.state, self.group)
         if signum or (self.every and step % self.every == 0):
             self.save(train_state, history)
         if signum:

@@ -201,8 +201,14 @@ class Attention(nn.Module):
         every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, t = q.shape[:2]  # not x.shape: under sequence parallel x holds T/tp positions
-        q = _rotary_tokens_first(q.view(b, t, -1, self.head_dim), cos, sin)
-        k = _rotary_tokens_first(k.view(b, t, -1, self.head_dim), cos, sin)
+        # Under autocast the projections come out in the autocast dtype while cos/sin stay in the
+        # residual stream's dtype (fp32 weights: fp32), so the rotary product promotes q and k to
+        # fp32 (as in HF). Attention then takes q/k/v in v's dtype, the projections' compute dtype:
+        # the autocast dtype under autocast, the model dtype outside it. CPU and CUDA autocast cast
+        # SDPA's inputs to it anyway (same numbers); torch_xla's autocast does not, and SDPA
+        # refuses mixed dtypes.
+        q = _rotary_tokens_first(q.view(b, t, -1, self.head_dim), cos, sin).to(v.dtype)
+        k = _rotary_tokens_first(k.view(b, t, -1, self.head_dim), cos, sin).to(v.dtype)
         v = v.view(b, t, -1, self.head_dim)
         if isinstance(mask, SegmentRuns):
             return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1), keep_index))

@@ -18,8 +18,9 @@ plain micro-batch loop, or the pipeline schedule), the optimizer step (:meth:`En
 eval statistics (:meth:`Engine.eval_stats`). Losses: each micro-batch contributes its summed
 token cross entropy divided by ``n_targets``, the loss-bearing tokens of the whole optimizer step
 over all dp ranks; with TP the cross entropy is the vocab-parallel one on ``[*, V/tp]`` logits.
-Outside pipeline and sequence parallel, logits are computed only at target positions
-(``logits_index``), which SFT's masked prompts make a large saving.
+Outside pipeline parallel, logits are computed only at target positions (``logits_index``),
+which SFT's masked prompts make a large saving, unless :attr:`Engine.full_logits` asks for every
+position (sequence parallel; fixed shapes on XLA).
 """
 
 from __future__ import annotations
@@ -54,10 +55,56 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+@dataclasses.dataclass(frozen=True)
+class HostGroups:
+    """Process groups for collectives on CPU tensors and pickled objects (parameter counts, the
+    stop-signal flag, RNG states, checkpoint ids and barriers, the pipeline stages' adapter parts):
+    ``world`` (None: the default group) and this rank's ``tp`` / ``pp`` / ``dp`` groups, over the
+    same ranks as :class:`ParallelState`'s. Single process: all None (no collective is made).
+
+    Under gloo they are the main groups. The ``xla`` backend takes XLA tensors only (a CPU tensor
+    raises ``Expected XLA tensor``) and its barrier returns at once, nccl takes CUDA tensors only:
+    under those backends :meth:`for_state` creates gloo groups over the same ranks beside the main
+    ones (as Megatron-LM's ``*_GLOO`` groups).
+    """
+
+    world: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+
+    @classmethod
+    def for_state(cls, state: ParallelState, separate: bool | None = None) -> HostGroups:
+        """The host groups of ``state``'s layout. ``separate``: gloo groups of their own (True),
+        ``state``'s groups (False), or True unless the default backend is gloo (None). Collective
+        when a default group is initialised: every rank calls it, in the same order relative to
+        other group creation."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        if not (dist.get_backend() != "gloo" if separate is None else separate):
+            return cls(None, state.tp_group, state.pp_group, state.dp_group)
+        d = state.dims
+
+        def mine(blocks: list[list[int]]) -> dist.ProcessGroup:
+            groups = [(ranks, dist.new_group(ranks, backend="gloo")) for ranks in blocks]
+            return next(g for ranks, g in groups if state.rank in ranks)
+
+        world = dist.new_group(backend="gloo")
+        return cls(world, mine([d.tp_ranks(p, q) for p in range(d.pp) for q in range(d.dp)]),
+                   mine([d.pp_ranks(q, t) for q in range(d.dp) for t in range(d.tp)]),
+                   mine([d.dp_ranks(p, t) for p in range(d.pp) for t in range(d.tp)]))
+
+
 @dataclasses.dataclass
 class Engine:
     """This rank's model (``modules``: the whole model, or its pipeline stages in local order),
-    optimizer, schedule and the layout they run in. Build with :func:`build_engine`."""
+    optimizer, schedule and the layout they run in. Build with :func:`build_engine`.
+
+    ``full_logits``: the loss takes the logits of every position (``[B, T, V(/tp)]`` against the
+    shifted labels, -100 ignored) instead of gathering the target positions first. The two give
+    the same loss; sequence parallel needs every position, and XLA needs shapes that do not depend
+    on the data (``XlaRuntime.prepare`` sets it). ``host``: the process groups for collectives on
+    CPU tensors and Python objects (:class:`HostGroups`)."""
 
     state: ParallelState
     device: torch.device
@@ -70,6 +117,8 @@ class Engine:
     lora_targets: list[str] = dataclasses.field(default_factory=list)
     lineage: str | None = None
     sequence_parallel: bool = False
+    full_logits: bool = False
+    host: HostGroups = dataclasses.field(default_factory=HostGroups)
     runner: Any = None  # PipelineRunner when pp > 1
 
     # ------------------------------------------------------------------ layout facts
@@ -108,9 +157,9 @@ class Engine:
 
     def _logits_and_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, targets)`` of a micro-batch on the whole model: only at target positions
-        (``[N, V(/tp)]``, ``[N]``) unless sequence parallel needs every position."""
+        (``[N, V(/tp)]``, ``[N]``), or at every position with :attr:`full_logits`."""
         model = self.modules[0]
-        if self.sequence_parallel:
+        if self.full_logits:
             logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
             return logits, shift_labels(batch["labels"])
         index, targets = target_index(batch["labels"])
@@ -216,13 +265,18 @@ def _param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[
                         {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
-def build_engine(recipe: Any, model_dir: Path, device: torch.device, total_steps: int) -> Engine:
+def build_engine(recipe: Any, model_dir: Path, device: torch.device, total_steps: int,
+                 state: ParallelState | None = None, host: HostGroups | None = None) -> Engine:
     """This rank's :class:`Engine` (see the module docstring). Collective when a process group is
-    initialised: every rank calls it with the same recipe. The global RNG is seeded here with
-    ``training.seed``. Raises NxdError (one line) for layouts the model or precision cannot take."""
+    initialised: every rank calls it with the same recipe. ``state`` / ``host``: the layout's
+    groups when the caller has made them already (the trainer needs them before the engine), else
+    they are made here. The global RNG is seeded here with ``training.seed``. Raises NxdError (one
+    line) for layouts the model or precision cannot take."""
     par, tcfg = recipe.parallel, recipe.training
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    state = ParallelState(ParallelDims.for_world(world, tp=par.tp, pp=par.pp))
+    if state is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        state = ParallelState(ParallelDims.for_world(world, tp=par.tp, pp=par.pp))
+    host = host if host is not None else HostGroups.for_state(state)
     config = DecoderConfig.from_hf(model_dir)
     precision = tcfg.precision
     dtype = torch.bfloat16 if precision == "bf16" else resolve_dtype(recipe.model.dtype)
@@ -258,7 +312,7 @@ def build_engine(recipe: Any, model_dir: Path, device: torch.device, total_steps
         apply_activation_checkpointing(m, spec)
         m.to(device)
     engine = Engine(state, device, precision, modules, config, None, None, lora_cfg, targets, lineage,  # type: ignore[arg-type]
-                    par.sequence_parallel)
+                    par.sequence_parallel, full_logits=par.sequence_parallel, host=host)
     _build_optimizer(engine, recipe, total_steps)
     if state.pp_size > 1:
         from nxd_finetune.parallel.pipeline import PipelineRunner

@@ -23,16 +23,16 @@ import torch.distributed as dist
 from nxd_finetune.errors import NxdError
 
 
-def _unite_stages(engine: Any, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+def _unite_stages(state: Any, pp_group: Any, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """``local`` (this rank's stages, already gathered over TP) united over the pipeline ranks on
-    global rank 0; None elsewhere. Only the (dp 0, tp 0) rank of every stage sends."""
-    state = engine.state
+    global rank 0; None elsewhere. Only the (dp 0, tp 0) rank of every stage sends, as pickled CPU
+    tensors over ``pp_group``: this rank's pipeline group on CPU objects (``Engine.host.pp``, gloo)."""
     if state.pp_size == 1:
         return local if state.rank == 0 else None
     if state.dp_rank != 0 or state.tp_rank != 0:
         return None
     parts: list[Any] | None = [None] * state.pp_size if state.pp_rank == 0 else None
-    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.pp_ranks[0], group=state.pp_group)
+    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.pp_ranks[0], group=pp_group)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}
@@ -47,7 +47,7 @@ def gathered_adapter(engine: Any) -> dict[str, torch.Tensor] | None:
     for m in engine.modules:
         local.update(adapter_state_dict(m, bias) if engine.state.tp_size == 1
                      else gather_adapter_state_dict(m, engine.state, bias))
-    return _unite_stages(engine, local)
+    return _unite_stages(engine.state, engine.host.pp, local)
 
 
 def gathered_model(engine: Any) -> dict[str, torch.Tensor] | None:
@@ -59,7 +59,7 @@ def gathered_model(engine: Any) -> dict[str, torch.Tensor] | None:
         specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
         for name, t in m.state_dict().items():
             local[name] = gather_shards(t, specs[name], engine.state.tp_group) if name in specs else t.detach()
-    return _unite_stages(engine, local)
+    return _unite_stages(engine.state, engine.host.pp, local)
 
 
 def check_save_mode(recipe: Any) -> None:

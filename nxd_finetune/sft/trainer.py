@@ -252,23 +252,24 @@ def _prepare_shared(recipe: Any) -> None:
 
 
 @contextlib.contextmanager
-def _rank0_first(rank: int) -> Iterator[None]:
-    """Rank 0 runs the block first (filling caches), the others after it."""
+def _rank0_first(rank: int, group: Any) -> Iterator[None]:
+    """Rank 0 runs the block first (filling caches), the others after it. ``group``: the world's
+    host group (gloo; the xla backend's own barrier returns at once)."""
     initialised = dist.is_available() and dist.is_initialized()
     if initialised and rank != 0:
-        dist.barrier()
+        dist.barrier(group=group)
     yield
     if initialised and rank == 0:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def run_rank(recipe: Any) -> dict[str, Any] | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
     from nxd_finetune.neuron import apply_neuron_env
     from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
-    from nxd_finetune.parallel.state import ParallelDims
+    from nxd_finetune.parallel.state import ParallelDims, ParallelState
     from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-    from nxd_finetune.sft.engine import build_engine
+    from nxd_finetune.sft.engine import HostGroups, build_engine
     from nxd_finetune.sft.loader import build_dataloaders
     from nxd_finetune.xla import make_runtime
 
@@ -279,7 +280,8 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     backend = init_distributed(dist_backend_for(device.type))
     runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
     rank = backend.rank
-    _, dp_rank, _ = ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp).coords(rank)
+    layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
+    host = HostGroups.for_state(layout)  # collectives on CPU tensors and objects (gloo)
     out_dir = Path(recipe.output.dir)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,10 +290,10 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
         # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
         # ~100x slower; flushing them to zero changes no result at the loss's precision.
         torch.set_flush_denormal(True)
-    with _rank0_first(rank):
+    with _rank0_first(rank, host.world):
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
-        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=dp_rank,
+        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
                                  dp_world=par.dp, seed=tcfg.seed,
                                  fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
     grad_accum = recipe.grad_accum_steps
@@ -299,7 +301,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
         total_steps = tcfg.max_steps
     else:
         total_steps = max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch / grad_accum))
-    engine = build_engine(recipe, model_dir, device, total_steps)
+    engine = build_engine(recipe, model_dir, device, total_steps, layout, host)
     runtime.prepare(engine)
 
     def eval_fn() -> dict[str, float]:
@@ -310,7 +312,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
 
     state = TrainState()
-    ckpt = TrainingCheckpoints(recipe, engine, out_dir, data.train)
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, data.train, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
     metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
     before = resumed.eval_before if resumed else eval_fn()
@@ -368,7 +370,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
 
 def _count(engine: Any, params: list[torch.nn.Parameter]) -> int:
     """Elements of the unsharded model among ``params`` (shards counted at their full size, once
-    per pipeline stage). Collective over tp and pp."""
+    per pipeline stage). Collective over tp and pp (the engine's host groups: a CPU tensor)."""
     from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
 
     specs: dict[int, Any] = {}
@@ -379,7 +381,7 @@ def _count(engine: Any, params: list[torch.nn.Parameter]) -> int:
     skip = {id(p) for p in (engine.runner.not_counted_parameters() if engine.runner else [])}
     mine -= sum(p.numel() for p in params if id(p) in skip and counts_on_rank(specs.get(id(p)), st.tp_rank))
     total = torch.tensor(float(mine), dtype=torch.float64)
-    for group, size in ((st.tp_group, st.tp_size), (st.pp_group, st.pp_size)):
+    for group, size in ((engine.host.tp, st.tp_size), (engine.host.pp, st.pp_size)):
         if size > 1:
             dist.all_reduce(total, group=group)
     return int(total)

@@ -118,3 +118,11 @@ def test_a_new_step_graph_after_step_2_is_logged_once(caplog):
     assert rt.compiles[2] > rt.compiles[1]  # the eval's graph
     warnings = [r.getMessage() for r in caplog.records if "compiled a new graph" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("XLA compiled a new graph at step 4"), warnings
+
+
+def test_prepare_asks_the_engine_for_full_logits_not_sequence_parallel(rt):
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(full_logits=False, sequence_parallel=False)
+    rt.prepare(engine)
+    assert engine.full_logits and not engine.sequence_parallel
