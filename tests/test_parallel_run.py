@@ -10,6 +10,10 @@ the plain single-process ``trainer.run``. Checked for each layout, LoRA and full
   to 2e-5) or the HF checkpoint of full SFT; the tp/pp adapters are gathered by the export;
 - eval statistics over the whole eval set equal the reference's.
 
+Activation checkpointing is checked through the trainer too: single-process (the recomputation
+counted) and under tp=2 with sequence parallel. ``nxd-finetune run --nproc 2`` itself runs once from
+the command line, publishing to a local registry.
+
 The 2-process layouts share one launch of forked workers (a layout after another in the same
 processes, each building its own groups); the 4-process ones another. AdamW's ``eps`` is raised to
 1e-6 so that elements whose gradient is at rounding level do not turn float summation-order noise
@@ -39,6 +43,8 @@ BASE = ["data.max_seq_len=64", "training.max_steps=10", "training.micro_batch_si
 LAYOUTS_2 = {
     "tp2": ["parallel.tp=2", "training.grad_accum=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "training.grad_accum=2"],
+    "tp2-sp-ckpt": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.activation_checkpointing=full",
+                    "training.grad_accum=2"],
     "pp2-1f1b": ["parallel.pp=2", "training.grad_accum=2"],
     "pp2-interleaved": ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
                         "training.grad_accum=2"],
@@ -79,7 +85,6 @@ def _final_tensors(summary: dict) -> dict[str, torch.Tensor]:
 
 
 def _check_same(name: str, got: dict, ref: dict) -> None:
-    assert got["parallel"]["nproc"] > 1
     a, b = torch.tensor(_curve(got), dtype=torch.float64), torch.tensor(_curve(ref), dtype=torch.float64)
     assert a.shape == b.shape == (10,), name
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
@@ -111,6 +116,7 @@ def _run_and_check(references, tmp_path, layouts: dict, nproc: int) -> list:
             dicts.append(recipe(tmp_path / mode / name, nproc, *layout, *extra).to_dict())
     results = launch(_run_layouts, nproc, dicts, start_method="fork")
     for name, got in zip(names, results[0], strict=True):
+        assert got["parallel"]["nproc"] == nproc, name
         _check_same(name, got, references[name.split("/")[0]])
     return results
 
@@ -128,3 +134,65 @@ def test_two_process_layouts_match_single_process(references, tmp_path):
 
 def test_four_process_layouts_match_single_process(references, tmp_path):
     _run_and_check(references, tmp_path, LAYOUTS_4, 4)
+
+
+@pytest.mark.parametrize("mode, overrides, module", [
+    ("lora", ["parallel.activation_checkpointing=full"], "DecoderLayer"),
+    ("sft", ["parallel.activation_checkpointing=selective", "parallel.checkpoint_modules=[MLP]"], "MLP"),
+])
+def test_activation_checkpointing_recomputes_and_keeps_the_run(references, tmp_path, monkeypatch, mode, overrides,
+                                                               module):
+    """Through the trainer: the checkpointed modules run twice per training micro-batch (forward,
+    then recomputed in backward) and the run is the reference's (loss curve, eval, final files)."""
+    from nxd_finetune.models import llama
+
+    cls, calls = getattr(llama, module), []
+    forward = cls.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    got = trainer.run(recipe(tmp_path / "ckpt", 1, "training.grad_accum=2", *MODES[mode], *overrides))
+    _check_same(f"{mode}/checkpointing", got, references[mode])
+    layers = 4  # the quickstart model's decoder layers, one MLP each
+    assert sum(calls) == 2 * (10 * 2 * layers)  # 10 steps x 2 micro-batches, each forward + recompute
+
+
+def test_cli_run_nproc2_tp2_publishes_the_reference_adapter(references, quickstart_cache, tmp_path):
+    """The user's path end to end: ``nxd-finetune run --nproc 2 parallel.tp=2`` in a fresh process
+    (elastic launcher, spawned workers) writes the reference's adapter and publishes it to a local
+    registry with the layout in the manifest; an impossible layout is one line and exit 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from nxd_finetune.registry import pull
+
+    env = {**os.environ, "NXD_FINETUNE_CACHE": str(quickstart_cache), "TMPDIR": str(tmp_path),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out, reg = tmp_path / "cli", tmp_path / "reg"
+    cmd = [sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), "--nproc", "2", *BASE,
+           "parallel.tp=2", "training.grad_accum=2", f"output.dir={out}",
+           f"output.registry={reg}/bot"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((out / "summary.json").read_text())
+    _check_same("cli/tp2", got, references["lora"])
+    assert got["registry_version"] == 1
+    pulled = tmp_path / "pulled"
+    pull(f"{reg}/bot:1", pulled)
+    manifest = json.loads((pulled / "manifest.json").read_text())
+    assert manifest["parallel"]["tp"] == 2 and manifest["parallel"]["nproc"] == 2
+    assert manifest["metrics"]["final_loss"] == pytest.approx(_curve(references["lora"])[-1], rel=1e-5)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (pulled / name).read_bytes() == (out / "final" / name).read_bytes(), name
+
+    bad = subprocess.run([sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), "--nproc", "3",
+                          "parallel.tp=2", f"output.dir={tmp_path / 'bad'}"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "not divisible by tp*pp" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
