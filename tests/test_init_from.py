@@ -12,9 +12,11 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nxd_finetune.cli import main
 from nxd_finetune.lora import lora_modules, read_adapter
+from nxd_finetune.lora.io import adapter_config_hash
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.registry import pull, show
 from nxd_finetune.registry.publish import publish_run
@@ -76,9 +78,9 @@ def test_publish_run_manifest(trained):
     assert "chat_template.jinja" not in m["files"]  # not a file the registry accepts: left out
     assert m["lineage"] is None and m["metrics"]["nan"] is None and m["metrics"]["final_loss"] > 0
     assert m["recipe"]["lora"]["rank"] == 16 and m["parallel"]["nproc"] == 1
-    adapter_cfg = json.loads((final / "adapter_config.json").read_text())
     assert m["base_model"] == {"name_or_path": "builtin:tiny-llama", "revision": None,
-                               "config_hash": adapter_cfg["nxd_config_hash"]}
+                               "config_hash": adapter_config_hash(final)}
+    assert len(m["base_model"]["config_hash"]) == 16
 
 
 def test_start_values_equal_the_adapter_and_lineage_is_recorded(trained, tmp_path):
@@ -156,8 +158,8 @@ def test_a_different_base_warns(trained, tmp_path, caplog):
     edited.mkdir()
     for name in ADAPTER_FILES:
         (edited / name).write_bytes((final / name).read_bytes())
-    cfg = json.loads((edited / "adapter_config.json").read_text())
-    (edited / "adapter_config.json").write_text(json.dumps({**cfg, "nxd_config_hash": "f" * 16}))
+    weights = edited / "adapter_model.safetensors"
+    save_file(load_file(weights), weights, metadata={"format": "pt", "nxd_config_hash": "f" * 16})
     rec = recipe(tmp_path, f"lora.init_from={edited}")
     build_training_model(rec, resolve_model_dir(rec.model.path), torch.device("cpu"))
     assert any("config hash ffffffffffffffff" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")

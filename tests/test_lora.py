@@ -4,6 +4,7 @@ modes, init and scaling, trainable sets, and the user errors."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import peft
 import pytest
@@ -29,6 +30,7 @@ from nxd_finetune.lora import (
     saved_modules,
     trainable_parameters,
 )
+from nxd_finetune.lora.io import adapter_config_hash
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 
 TOL = 1e-5
@@ -108,13 +110,19 @@ def test_adapter_files_match_peft(kw, make_tiny_hf, tmp_path):
     ours_c = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     peft_c = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     for key, value in ours_c.items():
-        if key in ("target_modules", "base_model_name_or_path", "nxd_config_hash"):
+        if key in ("target_modules", "base_model_name_or_path"):
             continue
         assert peft_c[key] == value, key
     if isinstance(peft_c["target_modules"], list):  # all-linear: PEFT writes full names, we short ones
         assert {t.rpartition(".")[2] for t in peft_c["target_modules"]} == set(ours_c["target_modules"])
     else:
         assert peft_c["target_modules"] == ours_c["target_modules"]
+    # PEFT reads our config without a warning (no foreign keys); the base hash is in the header
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peft.LoraConfig.from_pretrained(tmp_path / "ours")
+    assert adapter_config_hash(tmp_path / "ours") == DecoderConfig.from_hf(base).config_hash()
+    assert adapter_config_hash(tmp_path / "peft") is None
 
 
 # ---------------------------------------------------------------------------- PEFT -> ours

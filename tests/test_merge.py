@@ -14,7 +14,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nxd_finetune.cli import main
@@ -225,7 +225,9 @@ def test_warns_when_base_config_differs(make_tiny_hf, tmp_path, caplog):
     base = sharded_base(make_tiny_hf, tmp_path)
     adapter = our_adapter(base, tmp_path / "adapter", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     cfg = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "nxd_config_hash": "0" * 16, "revision": "v1"}))
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "revision": "v1"}))
+    weights = adapter / "adapter_model.safetensors"
+    save_file(load_file(weights), weights, metadata={"format": "pt", "nxd_config_hash": "0" * 16})
     merge_adapter(adapter, base, tmp_path / "out", base_revision="v2")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("config hash 0000000000000000" in w for w in warnings)

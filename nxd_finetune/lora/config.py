@@ -120,13 +120,11 @@ class LoraConfig:
         """The factor on ``B @ A``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
-    def to_peft_dict(
-        self, base_model_name_or_path: str | None, revision: str | None = None, config_hash: str | None = None
-    ) -> dict[str, Any]:
-        """The ``adapter_config.json`` dict that PEFT writes for this config.
+    def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> dict[str, Any]:
+        """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT
+        warns about keys it does not know).
 
-        ``init_lora_weights`` is written as PEFT's value (``True`` for default). ``config_hash``
-        (a hash of the base model's config) is recorded under ``nxd_config_hash``; PEFT ignores it.
+        ``init_lora_weights`` is written as PEFT's value (``True`` for default).
         ``"all-linear"`` stays as is here; :func:`~nxd_finetune.lora.io.save_adapter` replaces it
         with the resolved module names, as PEFT does.
         """
@@ -146,8 +144,6 @@ class LoraConfig:
             init_lora_weights=True if self.init_lora_weights == "default" else self.init_lora_weights,
             modules_to_save=list(self.modules_to_save) or None,
         )
-        if config_hash is not None:
-            d["nxd_config_hash"] = config_hash
         return d
 
     @classmethod

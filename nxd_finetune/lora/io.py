@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from nxd_finetune.errors import AdapterError
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 PEFT_PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_HASH_KEY = "nxd_config_hash"  # safetensors metadata: the hash of the base config
 SAVE_MODES = ("adapter", "base_and_adapter", "merged")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -156,8 +157,11 @@ def save_adapter(
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
 
     ``"all-linear"`` is written as the sorted short names of the wrapped modules (PEFT also writes
-    the resolved names). ``config_hash`` defaults to ``model.config.config_hash()`` when the model
-    has one. ``extra_config`` keys are added to the JSON (PEFT ignores unknown keys). Returns the
+    the resolved names). ``config_hash`` (a hash of the base model's config; defaults to
+    ``model.config.config_hash()`` when the model has one) goes into the safetensors header's
+    metadata under ``nxd_config_hash``, where PEFT does not look (:func:`adapter_config_hash` reads
+    it), so ``adapter_config.json`` holds PEFT's keys only. ``extra_config`` keys are added to the
+    JSON (PEFT warns about keys it does not know). Returns the
     directory. Raises AdapterError when the model holds no LoRA layer.
 
     ``state``: the ``ParallelState`` of a tensor-parallel model. The tensors are gathered
@@ -181,7 +185,7 @@ def save_adapter(
     out = Path(out_dir)
     if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
         config_hash = model.config.config_hash()
-    d = cfg.to_peft_dict(base_model_name_or_path, revision=revision, config_hash=config_hash)
+    d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
     d["target_modules"] = _resolved_targets(model, cfg, target_names)
     clash = sorted(set(extra_config or {}) & set(d))
     if clash:
@@ -195,9 +199,40 @@ def save_adapter(
         return out
     tensors = {k: v.to("cpu").contiguous() for k, v in sd.items()}
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    metadata = {"format": "pt", **({CONFIG_HASH_KEY: config_hash} if config_hash else {})}
+    _write_atomic(out / WEIGHTS_NAME, lambda p: p.write_bytes(_safetensors_bytes(tensors, metadata)))
     _write_atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(d, indent=2, sort_keys=True)))
     return out
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """``safetensors.torch.save`` with the metadata keys in sorted order: safetensors keeps the
+    metadata in a hash map whose order changes from process to process, and the same adapter must
+    be the same bytes (resume and registry pushes compare files byte for byte). Only the order of
+    keys inside ``__metadata__`` changes, so the header keeps its length and padding."""
+    blob = save(tensors, metadata=metadata)
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes
+        return blob
+    return blob[:8] + text.ljust(n) + blob[8 + n:]
+
+
+def adapter_config_hash(adapter_dir: str | Path) -> str | None:
+    """The base-config hash an adapter was saved with: ``nxd_config_hash`` in the safetensors
+    metadata, or in ``adapter_config.json`` (where older adapters kept it); None for
+    PEFT's adapters and unreadable files."""
+    d = Path(adapter_dir)
+    try:
+        with safe_open(d / WEIGHTS_NAME, framework="pt") as f:
+            recorded = (f.metadata() or {}).get(CONFIG_HASH_KEY)
+        if recorded:
+            return recorded
+        return json.loads((d / CONFIG_NAME).read_text()).get(CONFIG_HASH_KEY) or None
+    except (OSError, ValueError, SafetensorError):
+        return None
 
 
 def _is_writer(state: ParallelState | None) -> bool:

@@ -39,6 +39,7 @@ from nxd_finetune.lora.io import (
     PEFT_PREFIX,
     TOKENIZER_FILES,
     _needs_untie,
+    adapter_config_hash,
     adapter_state_dict,
     read_adapter,
     save_tokenizer,
@@ -67,11 +68,12 @@ class MergePlan:
 
 def base_mismatches(adapter_dir: str | Path, config: DecoderConfig, revision: str | None = None) -> list[str]:
     """Why the adapter may have been trained on another base: one line per difference between
-    what its ``adapter_config.json`` records (``nxd_config_hash``, ``revision``) and ``config``'s
-    hash / ``revision``. Fields either side leaves empty are not compared (PEFT records no hash)."""
+    adapter records (:func:`~nxd_finetune.lora.io.adapter_config_hash`, the ``revision`` of its
+    ``adapter_config.json``) and ``config``'s hash / ``revision``. Fields either side leaves empty are
+    not compared (PEFT records no hash)."""
     raw = json.loads((Path(adapter_dir) / CONFIG_NAME).read_text())
     out = []
-    recorded, actual = raw.get("nxd_config_hash"), config.config_hash()
+    recorded, actual = adapter_config_hash(adapter_dir), config.config_hash()
     if recorded and recorded != actual:
         out.append(f"the adapter was trained on a base with config hash {recorded}, this base has {actual}")
     if raw.get("revision") and revision and raw["revision"] != revision:

@@ -100,8 +100,9 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def check_safetensors_header(path: Path) -> None:
-    """Check the 8-byte length + JSON header of a safetensors file (no tensor data is read)."""
+def check_safetensors_header(path: Path) -> dict[str, Any]:
+    """Check the 8-byte length + JSON header of a safetensors file (no tensor data is read) and
+    return the header."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -114,6 +115,7 @@ def check_safetensors_header(path: Path) -> None:
             raise RegistryError(f"{path} is not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise RegistryError(f"{path} is not a safetensors file (header is not a JSON object)")
+    return header
 
 
 def file_entries(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from nxd_finetune.registry.core import Version, push
 from nxd_finetune.registry.errors import RegistryError
-from nxd_finetune.registry.manifest import FILE_RE, MANIFEST, read_adapter_config
+from nxd_finetune.registry.manifest import FILE_RE, MANIFEST, check_safetensors_header, read_adapter_config
 from nxd_finetune.registry.ref import parse_ref
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,15 @@ def publish_run(
     themselves are pushed byte for byte. Manifest: ``recipe`` = ``recipe_dict``, ``metrics``,
     ``parallel``, ``lineage`` (the REF the run started from, or None) and ``base_model`` (caller keys
     over ``name_or_path``/``revision`` from ``adapter_config.json``; ``config_hash`` is added from
-    the adapter's ``nxd_config_hash``). Non-finite floats in the metadata are stored as null.
+    the adapter's ``nxd_config_hash``: safetensors metadata, or ``adapter_config.json`` in older
+    adapters). Non-finite floats in the metadata are stored as null.
     Raises :class:`RegistryError` (and the storage errors) with one line.
     """
     src = _adapter_dir(Path(final_dir))
     adapter_config = read_adapter_config(src / ADAPTER_CONFIG)
-    base = {"config_hash": adapter_config.get("nxd_config_hash")} if adapter_config.get("nxd_config_hash") else {}
+    header = check_safetensors_header(src / "adapter_model.safetensors")
+    config_hash = (header.get("__metadata__") or {}).get("nxd_config_hash") or adapter_config.get("nxd_config_hash")
+    base = {"config_hash": config_hash} if config_hash else {}
     base.update(base_model or {})
     metadata = _json_safe(
         {"recipe": recipe_dict, "metrics": metrics, "parallel": parallel, "lineage": lineage, "base_model": base}
