@@ -113,14 +113,21 @@ class StopSignals:
 # ----------------------------------------------------------------------------- RNG
 
 
-def rng_state(state: Any = None, group: Any = None) -> dict[str, Any]:
+def rng_state(state: Any = None, group: Any = None, device: torch.device | None = None) -> dict[str, Any]:
     """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
     ``[world, n]`` (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the
-    default group; collective in multi-process worlds), and Python's ``random``."""
+    default group; collective in multi-process worlds), the XLA device's seed when ``device`` is an
+    XLA device (dropout masks there come from it, not from the CPU generator), and Python's
+    ``random``."""
     cpu = torch.get_rng_state()
     out: dict[str, Any] = {"torch_cpu": _gather_rows(cpu, state, group)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state, group)
+    if device is not None and device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        seed = xm.get_rng_state(str(device))  # an unsigned 64-bit int, stored as int64
+        out["xla"] = _gather_rows(torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed]), state, group)
     version, internal, gauss = random.getstate()
     out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
     return out
@@ -134,7 +141,7 @@ def _gather_rows(t: torch.Tensor, state: Any, group: Any) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def set_rng_state(saved: dict[str, Any], state: Any = None) -> None:
+def set_rng_state(saved: dict[str, Any], state: Any = None, device: torch.device | None = None) -> None:
     """Restore :func:`rng_state`: this rank's row when the world size is the one saved, else
     row 0 (a resharded resume reproduces the data order, not every dropout mask)."""
     rank = state.rank if state is not None else 0
@@ -145,6 +152,10 @@ def set_rng_state(saved: dict[str, Any], state: Any = None) -> None:
     torch.set_rng_state(row(saved["torch_cpu"]).clone())
     if "torch_cuda" in saved and torch.cuda.is_available():
         torch.cuda.set_rng_state(row(saved["torch_cuda"]).clone())
+    if "xla" in saved and device is not None and device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(row(saved["xla"])[0]) % (1 << 64), str(device))
     py = saved["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
 
@@ -240,7 +251,7 @@ class TrainingCheckpoints:
         self.loader.load_state_dict(extra["data"])
         for key, value in extra["train_state"].items():
             setattr(train_state, key, value)
-        set_rng_state(extra["rng"], e.state)
+        set_rng_state(extra["rng"], e.state, e.device)
         if self._rank0:
             truncate_metrics(self.out_dir, extra["metrics_bytes"])
             if self.recipe.logging.tensorboard:
@@ -271,7 +282,7 @@ class TrainingCheckpoints:
             "train_state": dataclasses.asdict(train_state),
             "scheduler": e.scheduler.state_dict(),
             "data": self.loader.state_dict(),
-            "rng": rng_state(e.state, self.group),
+            "rng": rng_state(e.state, self.group, e.device),
             "history": history,
             "eval_before": self.eval_before,
             "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,

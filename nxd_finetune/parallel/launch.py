@@ -107,7 +107,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
     is set from ``LOCAL_RANK``; with xla the group is joined through torch_xla's ``xla://`` init
     method, which reads the same torchrun variables. Already initialised: returns the current
     backend. Not launched (no ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``): world size 1, no
-    process group. Raises NxdError for an unknown backend, nccl without CUDA, xla without torch_xla.
+    process group. Raises NxdError for an unknown backend, nccl without CUDA, xla without torch_xla,
+    and a group smaller than ``WORLD_SIZE`` (each process alone in a world of its own).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
@@ -128,7 +129,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
 
         extra["init_method"] = "xla://"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
-    return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
+    expected, got = int(os.environ["WORLD_SIZE"]), dist.get_world_size()
+    if got != expected:  # torch_xla's CPU device makes every process rank 0 of its own world
+        dist.destroy_process_group()
+        raise NxdError(f"the {backend} process group has {got} process(es) but WORLD_SIZE={expected}: this "
+                       f"device cannot form a {expected}-process world (torch_xla's CPU device runs 1 process)")
+    return dataclasses.replace(dev, rank=dist.get_rank(), world_size=got)
 
 
 def smoke_test(x: float = 0.0) -> dict[str, Any]:

@@ -126,3 +126,26 @@ def test_prepare_asks_the_engine_for_full_logits_not_sequence_parallel(rt):
     engine = SimpleNamespace(full_logits=False, sequence_parallel=False)
     rt.prepare(engine)
     assert engine.full_logits and not engine.sequence_parallel
+
+
+def test_rng_state_restores_the_xla_dropout_masks(rt):
+    """A checkpoint's RNG state holds the XLA device's seed: restored, the next dropout mask on the
+    device is the one drawn after the save (and differs from the mask before it)."""
+    from nxd_finetune.checkpoint.training import rng_state, set_rng_state
+
+    device = rt.device
+    x = torch.ones(64, 64, device=device)
+
+    def mask() -> torch.Tensor:
+        m = torch.nn.functional.dropout(x, p=0.5).cpu()  # .cpu() executes the graph
+        return m
+
+    first = mask()
+    saved = rng_state(device=device)
+    assert "xla" in saved and saved["xla"].shape == (1, 1)
+    second = mask()
+    assert not torch.equal(first, second)
+    mask()  # move the seed on
+    set_rng_state(saved, device=device)
+    assert torch.equal(mask(), second)
+    assert "xla" not in rng_state(device=torch.device("cpu"))
