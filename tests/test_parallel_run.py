@@ -5,7 +5,7 @@ optimizer steps on the same global batch (4 packed rows of 64 tokens per step), 
 ``trainer.run_rank``, the function every worker of ``nxd-finetune run`` executes. The reference is
 the plain single-process ``trainer.run``. Checked for each layout, LoRA and full SFT:
 
-- the logged loss curve equals the reference within 1e-5 relative;
+- the logged loss curve equals the reference within 1e-5 relative, the gradient norms within 1e-4;
 - the final artefact equals the reference's: the PEFT adapter files (same keys and shapes, values
   to 2e-5) or the HF checkpoint of full SFT; the tp/pp adapters are gathered by the export;
 - eval statistics over the whole eval set equal the reference's.
@@ -88,6 +88,10 @@ def _check_same(name: str, got: dict, ref: dict) -> None:
     a, b = torch.tensor(_curve(got), dtype=torch.float64), torch.tensor(_curve(ref), dtype=torch.float64)
     assert a.shape == b.shape == (10,), name
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
+    # the gradient norm too: AdamW hides a gradient scaled by a constant (a dp mean for a sum), this does not
+    ga, gb = ([h["grad_norm"] for h in s["history"]] for s in (got, ref))
+    assert torch.allclose(torch.tensor(ga), torch.tensor(gb), rtol=1e-4, atol=0), (name, ga, gb)
+    assert [h["tokens"] for h in got["history"]] == [h["tokens"] for h in ref["history"]], name
     ev_got, ev_ref = got["eval_after"], ref["eval_after"]
     assert ev_got["eval_loss"] == pytest.approx(ev_ref["eval_loss"], rel=1e-5), name
     assert ev_got["eval_accuracy"] == pytest.approx(ev_ref["eval_accuracy"], abs=1e-9), name
