@@ -74,8 +74,8 @@ def test_publish_run_manifest(trained):
     final, v = trained
     assert v.version == 1 and v.ref == f"{REGISTRY}/qs-bot:1"
     m = show(v.ref).manifest
-    assert set(m["files"]) == set(ADAPTER_FILES) | {"tokenizer.json", "tokenizer_config.json"}
-    assert "chat_template.jinja" not in m["files"]  # not a file the registry accepts: left out
+    # the tokenizer travels with the adapter, chat template included
+    assert set(m["files"]) == set(ADAPTER_FILES) | {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
     assert m["lineage"] is None and m["metrics"]["nan"] is None and m["metrics"]["final_loss"] > 0
     assert m["recipe"]["lora"]["rank"] == 16 and m["parallel"]["nproc"] == 1
     assert m["base_model"] == {"name_or_path": "builtin:tiny-llama", "revision": None,

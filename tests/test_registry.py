@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 from nxd_finetune.errors import NxdError
@@ -311,6 +311,24 @@ def test_bad_names_and_refs(tmp_path, adapter):
         push(adapter, f"{reg}/bot", metadata={"recipee": {}})
     with pytest.raises(StorageError, match="unsupported storage URI scheme 'gs'"):
         push(adapter, "gs://bucket/bot")
+
+
+def test_tokenizer_files_travel_with_the_adapter(reg_uri, tmp_path):
+    """A run's final directory holds the tokenizer: its non-JSON files are stored and come back
+    byte for byte (they are hashed, never parsed); the manifest has the base config hash that the
+    safetensors metadata records."""
+    d = make_adapter(tmp_path / "tok")
+    (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (d / "merges.txt").write_text("#version: 0.2\na b\n")
+    (d / "tokenizer.model").write_bytes(bytes(range(256)))
+    weights = d / "adapter_model.safetensors"  # our adapters record the base config's hash here
+    save_file(load_file(weights), str(weights), metadata={"format": "pt", "nxd_config_hash": "0123456789abcdef"})
+    v = push(d, f"{reg_uri}/tok")
+    assert {"chat_template.jinja", "merges.txt", "tokenizer.model"} <= set(v.manifest["files"])
+    assert v.manifest["base_model"]["config_hash"] == "0123456789abcdef"
+    pull(v.ref, tmp_path / "back")
+    for f in d.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_refuses_pickles_and_incomplete_dirs(tmp_path):

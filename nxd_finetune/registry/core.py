@@ -211,7 +211,7 @@ class Registry:
         meta = mf.check_metadata(metadata)
         files = mf.scan_adapter_dir(src)
         entries = mf.file_entries(files)
-        adapter_config = mf.read_adapter_config(files["adapter_config.json"])
+        adapter_base = mf.adapter_base(files)
         versions = self.versions(name)
         if versions and self._manifest(name, versions[-1])["files"] == entries:
             for t in tags:
@@ -221,7 +221,7 @@ class Registry:
         for _ in range(_MAX_ATTEMPTS):
             v, gen = self.claims.claim(name, push_id, (versions[-1] if versions else 0) + 1)
             try:
-                published = self._upload_and_publish(name, v, gen, files, entries, adapter_config, meta, progress)
+                published = self._upload_and_publish(name, v, gen, files, entries, adapter_base, meta, progress)
             except BaseException:
                 self.claims.release(name, v, gen, files)
                 raise
@@ -234,7 +234,7 @@ class Registry:
             versions = self.versions(name)  # lost the manifest race: retry with the next number
         raise RegistryError(f"could not publish {name} after {_MAX_ATTEMPTS} attempts (too much contention)")
 
-    def _upload_and_publish(self, name, v, gen, files, entries, adapter_config, meta, progress) -> dict | None:
+    def _upload_and_publish(self, name, v, gen, files, entries, adapter_base, meta, progress) -> dict | None:
         for fname, path in files.items():
             cb = (lambda n, _f=fname: progress(_f, n)) if progress else None
             self.storage.put_file(path, f"{name}/{v}/{fname}", cb)
@@ -242,7 +242,7 @@ class Registry:
             base = key.rsplit("/", 1)[1]
             if base not in files and not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
                 self.storage.delete(key)
-        manifest = mf.build_manifest(name, v, adapter_config, entries, meta)
+        manifest = mf.build_manifest(name, v, adapter_base, entries, meta)
         if not self.claims.owns(name, v, gen):
             raise RegistryError(
                 f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claims.ttl:.0f}s "

@@ -1,10 +1,12 @@
 """Adapter directories and the ``manifest.json`` that makes a registry version visible.
 
 A pushable directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (HF PEFT
-layout) and may hold other ``*.json`` / ``*.safetensors`` files and a ``README.md`` (PEFT writes a
-model card). Anything else -- notably pickle-based ``.bin``/``.pt``/``.pkl`` -- or any subdirectory
-is refused, so nothing a registry hands out is ever unpickled. A ``manifest.json`` found in the
-directory (one written by ``pull``) is ignored: the registry writes its own.
+layout) and may hold other ``*.json`` / ``*.safetensors`` files, a ``README.md`` (PEFT writes a
+model card) and the tokenizer's non-JSON files (``chat_template.jinja``, ``*.txt`` such as
+``merges.txt``, ``tokenizer.model``), which are stored and hashed but never parsed. Anything
+else -- notably pickle-based ``.bin``/``.pt``/``.pkl`` -- or any subdirectory is refused, so
+nothing a registry hands out is ever unpickled. A ``manifest.json`` found in the directory (one
+written by ``pull``) is ignored: the registry writes its own.
 
 Only JSON and safetensors *headers* are parsed; safetensors payloads are hashed, never loaded.
 
@@ -34,7 +36,8 @@ from nxd_finetune.registry.ref import parse_ref
 FORMAT = "nxd-adapter-manifest/1"
 MANIFEST = "manifest.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
-FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors)|README\.md")
+FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors|jinja|txt)|README\.md|tokenizer\.model")
+ALLOWED_FILES = "*.json, *.safetensors, README.md and tokenizer files (*.jinja, *.txt, tokenizer.model)"
 METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
 _HASH_CHUNK = 1 << 20
 
@@ -49,9 +52,9 @@ def sha256_file(path: Path) -> str:
 
 
 def check_file_name(name: str) -> str:
-    """Names a manifest may list: ``*.json``, ``*.safetensors``, ``README.md``, no paths, no ``..``."""
+    """Names a manifest may list (:data:`FILE_RE`), no paths, no ``..``."""
     if not FILE_RE.fullmatch(name) or ".." in name or name == MANIFEST:
-        raise RegistryError(f"file {name!r} is not allowed in an adapter (only *.json, *.safetensors, README.md)")
+        raise RegistryError(f"file {name!r} is not allowed in an adapter (only {ALLOWED_FILES})")
     return name
 
 
@@ -77,7 +80,7 @@ def scan_adapter_dir(src: str | Path) -> dict[str, Path]:
     if bad:
         raise RegistryError(
             f"{src} contains files the registry refuses: {', '.join(bad)} "
-            "(only *.json, *.safetensors and README.md; pickle-based .bin/.pt are never accepted)"
+            f"(only {ALLOWED_FILES}; pickle-based .bin/.pt are never accepted)"
         )
     missing = [f for f in REQUIRED_FILES if f not in files]
     if missing:
@@ -143,15 +146,24 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return meta
 
 
+def adapter_base(files: Mapping[str, Path]) -> dict[str, Any]:
+    """What an adapter directory (:func:`scan_adapter_dir`'s files) says of its base model:
+    ``name_or_path`` and ``revision`` from ``adapter_config.json``, and ``config_hash`` where the
+    adapter records one (``nxd_config_hash`` in the safetensors metadata, or in the JSON of older
+    adapters; PEFT's adapters have none)."""
+    cfg = read_adapter_config(files["adapter_config.json"])
+    header = check_safetensors_header(files["adapter_model.safetensors"])
+    config_hash = (header.get("__metadata__") or {}).get("nxd_config_hash") or cfg.get("nxd_config_hash")
+    base = {"name_or_path": cfg.get("base_model_name_or_path"), "revision": cfg.get("revision")}
+    return {**base, "config_hash": config_hash} if config_hash else base
+
+
 def build_manifest(
-    name: str, version: int, adapter_config: Mapping[str, Any], files: dict[str, dict], meta: Mapping[str, Any]
+    name: str, version: int, base_model: Mapping[str, Any], files: dict[str, dict], meta: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The manifest dict for ``name:version`` (see the module docstring)."""
-    base = {
-        "name_or_path": adapter_config.get("base_model_name_or_path"),
-        "revision": adapter_config.get("revision"),
-    }
-    base.update(meta.get("base_model") or {})
+    """The manifest dict for ``name:version`` (see the module docstring); ``base_model``: the
+    adapter's :func:`adapter_base`, under the caller's ``meta["base_model"]`` keys."""
+    base = {**base_model, **(meta.get("base_model") or {})}
     return {
         "format": FORMAT,
         "name": name,

@@ -20,7 +20,11 @@ from typing import Any
 
 from nxd_finetune.registry.core import Version, push
 from nxd_finetune.registry.errors import RegistryError
-from nxd_finetune.registry.manifest import FILE_RE, MANIFEST, check_safetensors_header, read_adapter_config
+from nxd_finetune.registry.manifest import (
+    ALLOWED_FILES,
+    FILE_RE,
+    MANIFEST,
+)
 from nxd_finetune.registry.ref import parse_ref
 
 log = logging.getLogger(__name__)
@@ -77,21 +81,16 @@ def publish_run(
     """Push the adapter of a finished run to ``registry_ref`` (``REGISTRY/NAME``); return the version.
 
     ``final_dir``: the run's final output: an adapter directory (save mode ``adapter``) or one with
-    ``adapter/`` (``base_and_adapter``). Files the registry does not accept (tokenizer files such as
-    ``tokenizer.model`` or ``chat_template.jinja``) are left out, with a warning; the adapter files
+    ``adapter/`` (``base_and_adapter``). Files the registry does not accept
+    (:data:`~nxd_finetune.registry.manifest.ALLOWED_FILES`) are left out, with a warning; the adapter files
     themselves are pushed byte for byte. Manifest: ``recipe`` = ``recipe_dict``, ``metrics``,
     ``parallel``, ``lineage`` (the REF the run started from, or None) and ``base_model`` (caller keys
-    over ``name_or_path``/``revision`` from ``adapter_config.json``; ``config_hash`` is added from
-    the adapter's ``nxd_config_hash``: safetensors metadata, or ``adapter_config.json`` in older
-    adapters). Non-finite floats in the metadata are stored as null.
+    over what the adapter records, :func:`~nxd_finetune.registry.manifest.adapter_base`).
+    Non-finite floats in the metadata are stored as null.
     Raises :class:`RegistryError` (and the storage errors) with one line.
     """
     src = _adapter_dir(Path(final_dir))
-    adapter_config = read_adapter_config(src / ADAPTER_CONFIG)
-    header = check_safetensors_header(src / "adapter_model.safetensors")
-    config_hash = (header.get("__metadata__") or {}).get("nxd_config_hash") or adapter_config.get("nxd_config_hash")
-    base = {"config_hash": config_hash} if config_hash else {}
-    base.update(base_model or {})
+    base = dict(base_model or {})
     metadata = _json_safe(
         {"recipe": recipe_dict, "metrics": metrics, "parallel": parallel, "lineage": lineage, "base_model": base}
     )
@@ -99,7 +98,7 @@ def publish_run(
     skipped = [p.name for p in files if p.is_dir() or not FILE_RE.fullmatch(p.name) or ".." in p.name]
     if not skipped:
         return push(src, registry_ref, metadata=metadata)
-    log.warning("warning: not published (the registry keeps *.json, *.safetensors, README.md): %s", ", ".join(skipped))
+    log.warning("warning: not published (the registry keeps %s): %s", ALLOWED_FILES, ", ".join(skipped))
     with tempfile.TemporaryDirectory(prefix="nxd-publish-") as tmp:
         for p in files:
             if p.name not in skipped:
