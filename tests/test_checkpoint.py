@@ -263,6 +263,26 @@ def test_async_save_equals_sync_save_and_snapshots_the_state(tmp_path):
     assert background.steps() == [4, 5]
 
 
+def test_sync_saves_write_the_live_tensors_async_saves_copy_them():
+    """A synchronous save is written before training goes on, so it needs no host copy of the
+    stage's weights and optimizer state (for full SFT that would be three times the model); an
+    async save must snapshot them."""
+    from nxd_finetune.checkpoint.state import collect
+    from nxd_finetune.checkpoint.state import trainable as stage_params
+
+    model, opt, sched = make_run(lora=False)
+    train(model, opt, sched, 1)
+    params = stage_params([model])
+    live = {p.data_ptr() for p in model.parameters()} | {
+        v.data_ptr() for st in opt.state.values() for v in st.values() if v.dim() > 0}
+    for copy in (False, True):
+        out = collect(params, opt, None, copy=copy)
+        big = [t for t in out.values() if t.dim() > 0]
+        assert len(big) == 3 * len(params)  # weight, exp_avg, exp_avg_sq of each
+        shared = sum(t.data_ptr() in live for t in big)
+        assert shared == (0 if copy else len(big)), (copy, shared, len(big))
+
+
 def test_async_save_failure_is_raised_by_wait(tmp_path):
     model, opt, sched = make_run()
     blocker = tmp_path / "root"

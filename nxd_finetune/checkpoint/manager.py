@@ -352,7 +352,7 @@ class CheckpointManager:
         if self.rank == 0 and self.storage.list(f"{name}/"):
             delete_checkpoint(self.storage, step)  # a stale, possibly half-written save of this step
         save_id = self._broadcast_int(secrets.randbits(62) if self.rank == 0 else 0)
-        tensors = collect(params, opt, self.state)
+        tensors = collect(params, opt, self.state, copy=self.async_save)  # sync: written before the next step
         st = self.state
         job = _SaveJob(
             storage=self.storage, name=name, step=step, save_id=f"{save_id:016x}",

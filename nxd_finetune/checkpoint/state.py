@@ -121,14 +121,18 @@ def _per_param_states(optimizer: torch.optim.Optimizer | None) -> dict[int, dict
     return out
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy that no later optimizer step can change (async saves serialise it later)."""
-    return t.detach().to("cpu", copy=True).contiguous()
+def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``t`` on the CPU: a copy that no later optimizer step can change (``copy``: async saves
+    serialise it later), or else the tensor itself where it already is a contiguous CPU tensor."""
+    return t.detach().to("cpu", copy=copy).contiguous()
 
 
 @torch.no_grad()
-def collect(params: list[LocalParam], optimizer: Any, state: Any) -> dict[str, torch.Tensor] | None:
+def collect(params: list[LocalParam], optimizer: Any, state: Any, copy: bool = True) -> dict[str, torch.Tensor] | None:
     """Layout-free tensors of this rank's stage: ``param/<name>`` and ``optim/<name>/<state>``.
+
+    ``copy=False`` (a save written before training goes on) returns the live CPU tensors where no
+    gather was needed, instead of a host copy of the whole stage's parameters and optimizer state.
 
     Collective: over dp (ZeRO-1 export), then over tp on dp rank 0 (one gather per sharded tensor,
     in ``params`` order, identical on every TP rank). Returns the CPU tensors on the writing rank
@@ -147,14 +151,14 @@ def collect(params: list[LocalParam], optimizer: Any, state: Any) -> dict[str, t
         def full(t: torch.Tensor, sharded: bool = sharded, spec: ShardSpec | None = lp.spec) -> torch.Tensor:
             return gather_shards(t, spec, group) if sharded else t
 
-        out[param_key(lp.name)] = _cpu(full(lp.param))
+        out[param_key(lp.name)] = _cpu(full(lp.param), copy)
         for key, value in sorted(states.get(id(lp.param), {}).items()):
             if key == "master" and lp.param.dtype == torch.float32:
                 continue
             if value.dim() == 0:
-                out[optim_key(lp.name, key)] = _cpu(value)
+                out[optim_key(lp.name, key)] = _cpu(value, copy)
             elif tuple(value.shape) == tuple(lp.param.shape):
-                out[optim_key(lp.name, key)] = _cpu(full(value))
+                out[optim_key(lp.name, key)] = _cpu(full(value), copy)
             else:
                 raise CheckpointError(f"optimizer state {key!r} of {lp.name} has shape {tuple(value.shape)}, "
                                       f"neither a scalar nor the parameter's {tuple(lp.param.shape)}")
