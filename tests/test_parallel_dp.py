@@ -239,6 +239,81 @@ def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
     out["zero1 bf16 fp32 master"] = ("close", torch.cat(shards), mine, 1e-6)
 
 
+class _TiedLM(nn.Module):
+    """An embedding and a head sharing one Parameter, a hidden layer and a frozen scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed, self.mid, self.head = nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(ids))) * self.scale)
+
+
+def _storage(t: torch.Tensor | None) -> int:
+    return t.untyped_storage().data_ptr() if t is not None else 0
+
+
+def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
+    """fp32 parameters: ZeRO-1 holds the parameters (with the master shards as views) and the
+    gradients in one flat buffer each per flat space, so trainable parameters + gradients + Adam
+    states take 4N + 4N + 8N/dp bytes (no master copy), and it still equals AdamW on the whole
+    batch, also when a step's ``.grad`` or a parameter's ``.data`` is put elsewhere from outside."""
+    g = torch.Generator().manual_seed(4)
+    ids, targets = torch.randint(0, 11, (4, 8, 5), generator=g), torch.randint(0, 11, (4, 8, 5), generator=g)
+
+    def loss(model: nn.Module, s: int, rows: slice) -> torch.Tensor:
+        logits = model(ids[s][rows]).flatten(0, 1)
+        return F.cross_entropy(logits, targets[s][rows].flatten(), reduction="sum") / targets[s].numel()
+
+    ref = _TiedLM()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
+    for s in range(4):
+        loss(ref, s, slice(None)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    model = _TiedLM()
+    rows = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    # flat spaces: embed/head 44 + mid.weight 16 = 60 (shards 30), mid.bias 4 (shards 2)
+    out["buffer sizes"] = ("equal", [(f.numel, f.shard_size) for f in opt.flats], [(60, 30), (4, 2)], 0)
+    out["params and master share a buffer"] = (
+        "equal", [len({_storage(p) for p in f.params} | {_storage(f.master)}) for f in opt.flats], [1, 1], 0)
+    out["tied head is the embedding"] = ("equal", _storage(model.head.weight), _storage(model.embed.weight), 0)
+    for s in range(4):
+        if s == 1:
+            model.mid.weight.grad = None  # backward then makes a new tensor: copied into the buffer
+        loss(model, s, rows).backward()
+        if s == 0:
+            out["grads share a buffer after backward"] = (
+                "equal", [len({_storage(p.grad) for p in f.params}) for f in opt.flats], [1, 1], 0)
+        if s == 2:
+            model.mid.bias.data = model.mid.bias.data.clone()  # the step puts it back into the buffer
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        out[f"buffers == AdamW {name}"] = ("close", p.detach(), ref.get_parameter(name).detach(), 1e-6)
+    out["frozen grad stays None"] = ("equal", model.scale.grad is None, True, 0)
+    out["params back in the buffers"] = (
+        "equal", [len({_storage(p) for p in f.params} | {_storage(f.master)}) for f in opt.flats], [1, 1], 0)
+    out["zeroed grads are views"] = (
+        "equal", [({_storage(p.grad) for p in f.params}, f.grad_buffer is not None and not f.grad_buffer.any())
+                  for f in opt.flats],
+        [({_storage(f.grad_buffer)}, True) for f in opt.flats], 0)
+    # bytes of the distinct storages behind the trainable parameters, their gradients, the masters
+    # and the Adam moments: buffers (60 + 4) * 4 B each, moments 2 * (30 + 2) * 4 B
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    tensors = [*trainable, *(p.grad for p in trainable), *(f.master for f in opt.flats),
+               *(t for st in opt.inner.state.values() for t in st.values() if t.dim() > 0)]
+    held = {_storage(t): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    out["bytes held"] = ("equal", sum(held.values()), 256 + 256 + 256, 0)
+    out["saved master is a copy"] = ("equal", [m.untyped_storage().nbytes() for m in opt.state_dict()["master"]],
+                                     [30 * 4, 2 * 4], 0)
+
+
 def _tiny_llama() -> nn.Module:
     torch.manual_seed(3)
     return build_model(TINY, device="cpu")
@@ -298,6 +373,7 @@ def _dp_worker() -> dict:
     out: dict = {}
     _bucket_checks(state, out)
     _zero1_mlp_checks(state, out)
+    _zero1_buffer_checks(state, out)
     _lora_api_checks(state, out)
     dist.destroy_process_group()
     return out
@@ -305,7 +381,7 @@ def _dp_worker() -> dict:
 
 def test_data_parallel_zero1_and_api_match_single_process_dp2():
     results = launch(_dp_worker, 2, start_method="fork")
-    assert assert_checks(results) == 2 * 77
+    assert assert_checks(results) == 2 * 90
     assert results[0]["zero1 fp32 0.weight"][1].shape == (6, 5)
 
 

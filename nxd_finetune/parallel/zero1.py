@@ -4,31 +4,54 @@
 pair it lays the group's *trainable* parameters of that dtype end to end in one flat index
 space of ``numel`` elements, padded to ``padded_numel`` (a multiple of dp); dp rank ``r`` owns
 the contiguous shard ``[r * S, (r + 1) * S)`` with ``S = padded_numel / dp``, and keeps an fp32
-master copy of it. The wrapped optimizer runs over the master shards only, one inner param group
+master of it. The wrapped optimizer runs over the master shards only, one inner param group
 per outer group, so per-group options (weight decay on / off, lr) are preserved.
+
+Flat buffers (CPU and CUDA parameters; elsewhere, e.g. XLA, the copying path below is kept):
+
+- *gradients*, when the parameter dtype is the reduce dtype (fp32 parameters, or any dtype with
+  ``reduce_dtype=None``): one zeroed buffer of ``padded_numel`` elements per flat space, and every
+  parameter's ``.grad`` is a view into it (set at construction, keeping the values of gradients
+  that exist, and again by :meth:`zero_grad`, which zeroes the buffer instead of freeing the
+  gradients). Autograd accumulates into an existing ``.grad`` in place, so backward fills the
+  buffer; a ``.grad`` that something replaced (``p.grad = ...``) is copied in at reduction time.
+  Otherwise (bf16 parameters, fp32 reduction) the gradients are copied into a fresh fp32 buffer.
+- *parameters*, when they are fp32: the parameters are views into one fp32 buffer (``p.data``
+  is replaced at construction: the ``Parameter`` objects, which modules and tied pairs share,
+  stay the same) and the master shard is this rank's slice of it, so there is no master copy and
+  the wrapped optimizer updates this rank's part of the weights in place. A parameter whose
+  ``.data`` something replaced later is put back into the buffer: by :meth:`refresh_master` and
+  :meth:`import_param_states` with its values, by ``step`` with the master's (the master wins,
+  as when it is a copy).
 
 ``step()``:
 
-1. ``reduce_gradients()``: flatten the ``.grad`` s into a buffer in ``reduce_dtype`` (fp32 by
-   default, so bf16 gradients are summed in fp32) and reduce-scatter it (SUM; see
-   :mod:`.data_parallel` for why the sum is right) into the master shard's ``.grad``;
+1. ``reduce_gradients()``: reduce (SUM; see :mod:`.data_parallel` for why the sum is right) the
+   flat gradients in ``reduce_dtype`` (fp32 by default, so bf16 gradients are summed in fp32)
+   and hand this rank's shard to the master's ``.grad``. On gloo an in-place all-reduce of the
+   buffer, since gloo's reduce-scatter is an all-reduce of a copy of its input (same result, a
+   whole-buffer copy less; the parameters' ``.grad`` then hold the reduced sum); elsewhere a
+   reduce-scatter into a new shard;
 2. (optional) clip: :func:`nxd_finetune.parallel.clip.clip_grad_norm_zero1` on the shards;
-3. the wrapped optimizer's step on the fp32 master shard;
-4. all-gather the updated shards, cast to each parameter's dtype, into the model parameters.
+3. the wrapped optimizer's step on the fp32 master shards;
+4. the updated shards to every rank: with a parameter buffer, each rank's shard broadcast in
+   place on gloo (gloo's all-gather stages its output in a buffer of the full size), an
+   all-gather into the buffer elsewhere; without one, an all-gather cast into the parameters.
 
-Memory per rank, for ``N`` trainable elements: optimizer states ``k * 4N / dp`` bytes (Adam:
-k = 2) plus the fp32 master ``4N / dp`` (the model parameters stay replicated); during a step a
-transient flat buffer of ``N`` elements in ``reduce_dtype`` and one of ``N`` in the parameter
-dtype. Without ZeRO-1 the states take ``k * 4N`` (and a master copy, if any, ``4N``) on every rank.
+Memory per rank, for ``N`` trainable fp32 elements: parameters ``4N`` and gradients ``4N`` bytes
+(the buffers; as without ZeRO-1), optimizer states ``k * 4N / dp`` (Adam: k = 2), no master and,
+on gloo, no transient buffer. Without ZeRO-1 the states take ``k * 4N`` on every rank. With bf16
+parameters the fp32 master shards add ``4N / dp`` and a step has transient flat buffers of ``N``
+elements in ``reduce_dtype`` and in the parameter dtype.
 
 Works with LoRA (frozen parameters are skipped) and with tensor parallelism: parameters are then
 this rank's local shards and ``dp_group`` is this TP rank's data-parallel group
 (``ParallelState.dp_group``). A trainable parameter whose ``.grad`` is None counts as a zero
 gradient (unlike plain torch optimizers, which skip it): the inner step still applies
-momentum and weight decay to it.
+momentum and weight decay to it. A parameter listed twice (a tied pair) is stepped once.
 
-Build the optimizer after the model weights are loaded (the master copies are taken at
-construction), or call :meth:`Zero1Optimizer.refresh_master` afterwards.
+Build the optimizer after the model weights are loaded and the model is on its device (the
+masters are taken at construction), or call :meth:`Zero1Optimizer.refresh_master` afterwards.
 """
 
 from __future__ import annotations
@@ -45,6 +68,19 @@ from nxd_finetune.parallel import mappings as M
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# devices whose parameters and gradients become views into flat buffers (XLA keeps the copies)
+_FLAT_BUFFER_DEVICES = ("cpu", "cuda")
+
+
+def _slot(buf: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """The view of ``buf`` that holds ``p`` (at ``offset``, shaped like ``p``)."""
+    return buf[offset : offset + p.numel()].view_as(p)
+
+
+def _is_slot(t: torch.Tensor | None, buf: torch.Tensor, offset: int, p: torch.Tensor) -> bool:
+    """Whether ``t`` is (still) the view :func:`_slot` gives, not a tensor put in its place."""
+    return (t is not None and t.dtype == buf.dtype and t.device == buf.device and t.shape == p.shape
+            and t.is_contiguous() and t.data_ptr() == buf.data_ptr() + offset * buf.element_size())
 
 
 @dataclasses.dataclass
@@ -59,7 +95,9 @@ class _FlatShard:
     padded_numel: int
     shard_start: int
     shard_size: int
-    master: torch.Tensor  # fp32 [shard_size]
+    master: torch.Tensor  # fp32 [shard_size]; a view into param_buffer when there is one
+    param_buffer: torch.Tensor | None = None  # fp32 [padded_numel]: the parameters are views into it
+    grad_buffer: torch.Tensor | None = None  # reduce dtype [padded_numel]: the .grad are views into it
 
     def param_ranges(self) -> list[tuple[int, int, int]]:
         """``(param index, start, end)`` for the parameters overlapping this rank's shard, with
@@ -112,12 +150,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = M.group_size(dp_group), M.group_rank(dp_group)
         self.average, self.reduce_dtype = average, reduce_dtype
+        # gloo's reduce-scatter and all-gather stage a whole-buffer copy: use in-place collectives
+        self._gloo = self.dp_size > 1 and dist.get_backend(dp_group) == "gloo"
         self.flats: list[_FlatShard] = []
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
             masters = []
-            for dtype in dict.fromkeys(p.dtype for p in group["params"] if p.requires_grad):
-                flat = self._make_flat(gi, dtype, [p for p in group["params"] if p.requires_grad and p.dtype == dtype])
+            trainable = list(dict.fromkeys(p for p in group["params"] if p.requires_grad))  # a tied pair once
+            for dtype in dict.fromkeys(p.dtype for p in trainable):
+                flat = self._make_flat(gi, dtype, [p for p in trainable if p.dtype == dtype])
                 self.flats.append(flat)
                 masters.append(flat.master)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
@@ -136,14 +177,39 @@ class Zero1Optimizer(torch.optim.Optimizer):
             offsets.append(total)
             total += p.numel()
         shard = -(-total // self.dp_size)
+        padded, start = shard * self.dp_size, self.dp_rank * shard
         device = params[0].device
-        flat = _FlatShard(group_index, dtype, params, offsets, total, shard * self.dp_size,
-                          self.dp_rank * shard, shard, torch.zeros(shard, dtype=torch.float32, device=device))
+        buffers = device.type in _FLAT_BUFFER_DEVICES
+        param_buffer = grad_buffer = None
+        if buffers and dtype == torch.float32:
+            param_buffer = torch.zeros(padded, dtype=dtype, device=device)
+            master = param_buffer[start : start + shard]
+        else:
+            master = torch.zeros(shard, dtype=torch.float32, device=device)
+        if buffers and (self.reduce_dtype or dtype) == dtype:
+            grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        flat = _FlatShard(group_index, dtype, params, offsets, total, padded, start, shard, master,
+                          param_buffer, grad_buffer)
         self._copy_params_to_master(flat)
+        if grad_buffer is not None:
+            for p, off in zip(params, offsets, strict=True):
+                view = _slot(grad_buffer, off, p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
         return flat
 
     @torch.no_grad()
     def _copy_params_to_master(self, flat: _FlatShard) -> None:
+        """Master shard := the parameters' values. With a parameter buffer: parameters that are no
+        longer views into it are copied in and made views again."""
+        if flat.param_buffer is not None:
+            for p, off in zip(flat.params, flat.offsets, strict=True):
+                if not _is_slot(p, flat.param_buffer, off, p):
+                    view = _slot(flat.param_buffer, off, p)
+                    view.copy_(p.detach())
+                    p.data = view
+            return
         for i, a, b in flat.param_ranges():
             off = flat.offsets[i] - flat.shard_start
             flat.master[a:b].copy_(flat.params[i].detach().reshape(-1)[a - off : b - off])
@@ -161,21 +227,61 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return sum(f.shard_size for f in self.flats)
 
     @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers and make every ``.grad`` a view into its buffer again (also
+        with ``set_to_none``: the buffers are kept); other gradients as ``torch.optim``."""
+        in_buffers = set()
+        for flat in self.flats:
+            if flat.grad_buffer is None:
+                continue
+            flat.grad_buffer.zero_()
+            for p, off in zip(flat.params, flat.offsets, strict=True):
+                p.grad = _slot(flat.grad_buffer, off, p)
+                in_buffers.add(id(p))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or id(p) in in_buffers:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False)
+                    p.grad.zero_()
+
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Reduce-scatter (SUM, or mean with ``average``) the parameters' gradients into the fp32
-        master shards' ``.grad``. Collective over ``dp_group``; ``step`` calls it when it has not
-        been called since the last step (call it yourself to clip in between)."""
+        """Reduce (SUM, or mean with ``average``) the parameters' gradients over ``dp_group`` and
+        set the fp32 master shards' ``.grad`` to this rank's part. Collective over ``dp_group``;
+        ``step`` calls it when it has not been called since the last step (call it yourself to
+        clip in between). Afterwards the parameters' ``.grad`` may hold the reduced sum (gloo
+        with a gradient buffer) or still this rank's gradients."""
         for flat in self.flats:
             dtype = self.reduce_dtype or flat.dtype
-            buf = torch.zeros(flat.padded_numel, dtype=dtype, device=flat.master.device)
-            for p, off in zip(flat.params, flat.offsets, strict=True):
-                if p.grad is not None:
-                    buf[off : off + p.numel()].copy_(p.grad.reshape(-1))
-            if self.dp_size > 1:
+            buf = flat.grad_buffer
+            if buf is not None:
+                for p, off in zip(flat.params, flat.offsets, strict=True):
+                    if _is_slot(p.grad, buf, off, p):
+                        continue
+                    view = _slot(buf, off, p)  # .grad replaced (or set to None) since zero_grad
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad)
+            else:
+                buf = torch.zeros(flat.padded_numel, dtype=dtype, device=flat.master.device)
+                for p, off in zip(flat.params, flat.offsets, strict=True):
+                    if p.grad is not None:
+                        buf[off : off + p.numel()].copy_(p.grad.reshape(-1))
+            if self.dp_size == 1:
+                shard = buf
+            elif self._gloo:
+                dist.all_reduce(buf, group=self.dp_group)
+                shard = buf[flat.shard_start : flat.shard_start + flat.shard_size]
+                if flat.grad_buffer is None:
+                    shard = shard.clone()  # let the temporary buffer go
+            else:
                 shard = buf.new_empty(flat.shard_size)
                 _reduce_scatter_single(shard, buf, group=self.dp_group)
-            else:
-                shard = buf
             if self.average and self.dp_size > 1:
                 shard.div_(self.dp_size)
             flat.master.grad = shard.to(torch.float32)
@@ -223,8 +329,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """All-gather the updated master shards into the model parameters (in their dtype)."""
+        """The updated master shards to every dp rank's model parameters (in their dtype)."""
         for flat in self.flats:
+            if flat.param_buffer is not None:
+                self._gather_into_buffer(flat)
+                continue
             local = flat.master.to(flat.dtype)
             if self.dp_size > 1:
                 full = local.new_empty(flat.padded_numel)
@@ -234,16 +343,33 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for p, off in zip(flat.params, flat.offsets, strict=True):
                 p.copy_(full[off : off + p.numel()].view_as(p))
 
+    def _gather_into_buffer(self, flat: _FlatShard) -> None:
+        """Fill the other ranks' shards of the parameter buffer (this rank's is its master), then
+        make parameters that were put elsewhere views into it again (the master wins)."""
+        buf = flat.param_buffer
+        assert buf is not None
+        if self._gloo:
+            for r in range(self.dp_size):
+                dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size],
+                               src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
+        elif self.dp_size > 1:
+            _all_gather_single(buf, flat.master.clone(), group=self.dp_group)
+        for p, off in zip(flat.params, flat.offsets, strict=True):
+            if not _is_slot(p, buf, off, p):
+                p.data = _slot(buf, off, p)
+
     # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
         """This dp rank's shard: the inner optimizer's state (over the master shards), the fp32
         master shards, the outer groups' options, and the layout needed to reshard later
         (``zero1``: dp size / rank and, per flat space, group, dtype, numel, padding, this rank's
-        range, parameter shapes and offsets). Tensors are references, not copies."""
+        range, parameter shapes and offsets). Tensors are references, not copies, except the
+        master shards that are views into a parameter buffer: those are copied, as ``torch.save``
+        would write a view's whole buffer."""
         return {
             "inner": self.inner.state_dict(),
-            "master": [f.master for f in self.flats],
+            "master": [f.master if f.param_buffer is None else f.master.clone() for f in self.flats],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "zero1": {"dp_size": self.dp_size, "dp_rank": self.dp_rank, "flats": [f.layout() for f in self.flats]},
         }
@@ -253,7 +379,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """Restore a :meth:`state_dict` written by the same dp rank of the same layout.
 
         Restores the master shards and the inner states, not the model parameters (they come
-        from the model checkpoint and equal the master cast to their dtype). Local: no collective.
+        from the model checkpoint and equal the master cast to their dtype; where the master is a
+        view into the parameter buffer, this rank's shard of the parameters is the restored master).
+        Local: no collective.
         Raises NxdError (one line, with the numbers) when dp size, rank or layout differ:
         resharding to another dp size is not implemented yet.
         """
@@ -326,7 +454,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
         it (per-element tensors shaped like ``param``, 0-dim scalars, optional ``master``), or
         None / ``{}`` when there is none (a checkpoint taken before the first step). It is called
         only for parameters overlapping this rank's shard. Without ``master`` the master is taken
-        from the parameter's current value, so load the parameters first. Scalar states of a flat
+        from the parameter's current value, so load the parameters first (where the master is a
+        view into the parameter buffer, a given ``master`` also becomes this rank's part of the
+        parameters). Scalar states of a flat
         space come from its first overlapping parameter. Local: no collective. Raises NxdError
         when a state's shape does not match its parameter, or parameters of one flat space
         disagree on which states they have.
