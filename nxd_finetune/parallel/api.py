@@ -27,8 +27,20 @@ changes. Example (one script, run by ``torchrun --nproc-per-node 4`` or through
         optimizer.step()                     # tp grad sync, dp reduction, clipping, step
         optimizer.zero_grad(set_to_none=True)
 
-Differences from NxD, on purpose: the model is returned as the plain module (no ``NxDModel``
-wrapper; PP is not wired here yet and ``pipeline_parallel_size > 1`` raises NxdError);
+With ``pipeline_parallel_size > 1`` the model is a :class:`PipelineModel` (NxD's ``NxDPPModel``):
+this rank's stages, trained by ``loss = model.run_train(micro_batches)`` (forward and backward of
+one optimizer step through the schedule; ``pipeline_config``: ``num_microbatches``, ``schedule``
+``1f1b`` / ``interleaved_1f1b`` / ``gpipe``, ``virtual_stages``, ``cuts``, ``loss_fn``) in place of
+the forward / backward above::
+
+    config = neuronx_distributed_config(pipeline_parallel_size=2,
+                                        pipeline_config={"num_microbatches": 4}, ...)
+    model = initialize_parallel_model(config, build_model, decoder_config)
+    loss = model.run_train([{"input_ids": ids, "labels": labels} for ids, labels in micro_batches])
+    optimizer.step()
+
+Differences from NxD, on purpose: without pipeline parallel the model is returned as the plain
+module (no ``NxDModel`` wrapper);
 ``lora_config`` is :class:`nxd_finetune.lora.LoraConfig` (PEFT field names); with tp > 1 LoRA
 needs the sharded LoRA layers (``lora`` package), else ``inject_lora`` raises AdapterError;
 ``optimizer_config["grad_reduction"]`` says whether data-parallel gradients are averaged
@@ -56,6 +68,13 @@ from nxd_finetune.parallel.zero1 import Zero1Optimizer
 
 OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": 1.0, "grad_reduction": "mean",
+}
+PIPELINE_DEFAULTS: dict[str, Any] = {
+    "num_microbatches": None,  # micro-batches per optimizer step (gradient accumulation); None: pp
+    "schedule": "1f1b",  # 1f1b | interleaved_1f1b | gpipe
+    "virtual_stages": 1,  # stage modules per rank (interleaved_1f1b: >= 2)
+    "cuts": None,  # first layer index of every stage after the first; None: even split
+    "loss_fn": None,  # fn(logits, labels, n_targets); None: token-summed CE / n_targets (vocab-parallel at tp > 1)
 }
 MODEL_INIT_DEFAULTS: dict[str, Any] = {
     "sequential_move_factor": 11,  # accepted for NxD compatibility; unused on CPU / CUDA
@@ -115,7 +134,7 @@ def neuronx_distributed_config(
 
     Collective when a process group is initialised (every rank calls it, with the same values).
     Raises NxdError for unknown ``optimizer_config`` / ``model_init_config`` keys (naming the
-    closest known one), a world size that tp*pp does not divide, ``pad_model`` (not supported),
+    closest known one, ``pipeline_config`` too), a world size that tp*pp does not divide, ``pad_model`` (not supported),
     a ``grad_reduction`` other than mean / sum.
     """
     if pad_model:
@@ -124,12 +143,13 @@ def neuronx_distributed_config(
     if opt["grad_reduction"] not in ("mean", "sum"):
         raise NxdError(f"optimizer_config grad_reduction must be 'mean' or 'sum', got {opt['grad_reduction']!r}")
     init = _merge("model_init_config", model_init_config, MODEL_INIT_DEFAULTS)
+    pipeline = _merge("pipeline_config", pipeline_config, PIPELINE_DEFAULTS)
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else 1
     state = ParallelState(ParallelDims.for_world(world, tp=tensor_parallel_size, pp=pipeline_parallel_size))
     on_cuda = initialised and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    return NxDConfig(tensor_parallel_size, pipeline_parallel_size, pipeline_config, opt, activation_checkpoint_config,
+    return NxDConfig(tensor_parallel_size, pipeline_parallel_size, pipeline, opt, activation_checkpoint_config,
                      sequence_parallel, init, lora_config, state, device)
 
 
@@ -170,6 +190,23 @@ def _on_meta(model: nn.Module) -> list[str]:
     return [name for name, t in tensors if t.device.type == "meta"]
 
 
+def checkpoint_name_map(module: nn.Module) -> Callable[[str], str]:
+    """Checkpoint key of each parameter of ``module`` (a model or a pipeline stage): LoRA's
+    ``base_layer`` dropped; a last stage without the embedding reads a tied ``lm_head`` from
+    ``model.embed_tokens.weight`` (tied checkpoints store only that)."""
+    from nxd_finetune.lora import base_param_name
+
+    config = getattr(module, "config", None)
+    untied_head = (getattr(config, "tie_word_embeddings", False) and getattr(module, "lm_head", None) is not None
+                   and getattr(getattr(module, "model", None), "embed_tokens", True) is None)
+
+    def name_map(name: str) -> str:
+        key = base_param_name(name)
+        return "model.embed_tokens.weight" if untied_head and key == "lm_head.weight" else key
+
+    return name_map
+
+
 def _materialize(model: nn.Module, config: NxDConfig) -> None:
     """Give real storage to meta parameters: this rank's slices of the checkpoint, or
     ``param_init_fn`` on freshly allocated modules."""
@@ -177,11 +214,10 @@ def _materialize(model: nn.Module, config: NxDConfig) -> None:
         return
     init = config.model_init_config
     if init["checkpoint"] is not None:
-        from nxd_finetune.lora import base_param_name
         from nxd_finetune.models import materialize
 
         materialize(model, init["checkpoint"], dtype=init["dtype"], device=config.device,
-                    reader=make_slice_reader(model), name_map=base_param_name)
+                    reader=make_slice_reader(model), name_map=checkpoint_name_map(model))
     elif init["param_init_fn"] is not None:
         for module in model.modules():
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
@@ -204,11 +240,14 @@ def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Modu
     (``checkpoint`` slices or ``param_init_fn``), apply activation checkpointing, move to
     ``config.device``; records the model in ``config.model`` and returns it.
 
-    Collective (every rank calls it). Raises NxdError for pipeline_parallel_size > 1 (not wired
-    here yet), a model without a TP plan, a meta model with no way to initialise it.
+    With ``pipeline_parallel_size > 1``: cuts the model into this rank's stages after the TP plan
+    and LoRA, before materialising (so a rank reads only its stages' slices) and returns a
+    :class:`PipelineModel`; build the model under ``meta_device_init`` so that no rank allocates
+    the layers of other stages.
+
+    Collective (every rank calls it). Raises NxdError for a model without a TP plan, a meta model
+    with no way to initialise it, a pipeline layout the model or schedule cannot take.
     """
-    if config.pipeline_parallel_size > 1:
-        raise NxdError("pipeline_parallel_size > 1 is not wired into initialize_parallel_model yet")
     init = config.model_init_config
     if init["meta_device_init"]:
         with torch.device("meta"):
@@ -222,11 +261,65 @@ def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Modu
         from nxd_finetune.lora import inject_lora
 
         inject_lora(model, config.lora_config)
-    _materialize(model, config)
-    apply_activation_checkpointing(model, config.activation_checkpoint_config)
+    if config.pipeline_parallel_size > 1:
+        model = _pipeline_model(model, config)
+    else:
+        _materialize(model, config)
+        apply_activation_checkpointing(model, config.activation_checkpoint_config)
     model.to(config.device)
     config.model = model
     return model
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages and their schedule (:class:`~.pipeline.PipelineRunner`), as
+    :func:`initialize_parallel_model` returns them at ``pipeline_parallel_size > 1``.
+
+    ``run_train(micro_batches, n_targets=None)``: forward and backward of one optimizer step
+    (``micro_batches``: ``pipeline_config["num_microbatches"]`` dicts of ``input_ids`` and
+    ``labels`` ``[B, T]``, the same on every rank of the pipeline); gradients accumulate into the
+    stages' ``.grad``; returns the step loss on every rank of the pipeline. ``run_eval(batch)``:
+    ``[loss sum, correct, targets]`` of a batch. ``stages``: the stage modules (parameters,
+    ``state_dict``); calling the model directly is an error.
+    """
+
+    def __init__(self, stages: list[nn.Module], runner: Any) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.runner = runner
+
+    def run_train(self, micro_batches: list[dict[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
+        return self.runner.step(micro_batches, n_targets)
+
+    def run_eval(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.runner.eval_step(batch)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NxdError("a pipeline-parallel model is run with model.run_train(micro_batches) / run_eval(batch)")
+
+
+def _pipeline_model(model: nn.Module, config: NxDConfig) -> PipelineModel:
+    from nxd_finetune.parallel.layers import vocab_parallel_cross_entropy
+    from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages, step_normalised_loss
+    from nxd_finetune.sft.loss import shift_labels
+
+    pc, state = config.pipeline_config, config.state
+    if getattr(model, "config", None) is None:
+        raise NxdError("pipeline parallel needs a decoder with .config (num_hidden_layers) to cut into stages")
+    stages = build_stages(model, state, pc["virtual_stages"], pc["cuts"])
+    for stage in stages:
+        _materialize(stage, config)
+        apply_activation_checkpointing(stage, config.activation_checkpoint_config)
+        stage.to(config.device)
+    loss_fn = pc["loss_fn"]
+    if loss_fn is None and state.tp_size > 1:
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor, n_targets: Any) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, shift_labels(labels), state.tp_group).sum() / n_targets
+    runner = PipelineRunner(stages, state, pc["schedule"], n_microbatches=pc["num_microbatches"] or state.pp_size,
+                            loss_fn=loss_fn or step_normalised_loss)
+    if config.model_init_config["checkpoint"] is None:
+        runner.sync_tied_weights()  # param_init_fn drew the tied copies independently
+    return PipelineModel(stages, runner)
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
@@ -293,6 +386,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         state, model = self.config.state, self.config.model
+        if isinstance(model, PipelineModel) and not self.not_counted:
+            self.not_counted = model.runner.not_counted_parameters()  # the tied lm_head copy
         if model is not None:
             allreduce_replicated_grads(model, state)
         elif state.tp_size > 1:

@@ -343,6 +343,16 @@ class PipelineRunner:
         return self._from_last(stats, (3,))
 
     @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Give the last stage's tied ``lm_head`` copy the first stage's embedding values (after a
+        random initialisation that drew the two apart). Collective over the [first, last] stage
+        groups (every rank calls it); no-op without tied embeddings."""
+        weight = self._tied_weight() if self._tied_group is not None else None
+        if weight is not None:
+            src = self.state.dims.pp_ranks(self.state.dp_rank, self.state.tp_rank)[0]
+            dist.broadcast(weight.data, src=src, group=self._tied_group)
+
+    @torch.no_grad()
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the two tied-embedding copies (first and last stage). No-op
         without tied embeddings, on middle ranks, and for a frozen embedding."""

@@ -37,7 +37,13 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.models import DecoderConfig, build_model, materialize, resolve_dtype
-from nxd_finetune.parallel.api import MODEL_INIT_DEFAULTS, NxDConfig, ParallelOptimizer, apply_activation_checkpointing
+from nxd_finetune.parallel.api import (
+    MODEL_INIT_DEFAULTS,
+    NxDConfig,
+    ParallelOptimizer,
+    apply_activation_checkpointing,
+    checkpoint_name_map,
+)
 from nxd_finetune.parallel.layers import vocab_parallel_cross_entropy
 from nxd_finetune.parallel.mappings import all_gather
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
@@ -243,21 +249,6 @@ def _checkpoint_spec(parallel: Any) -> Any:
     return tuple(classes)
 
 
-def _stage_name_map(module: nn.Module, config: DecoderConfig):
-    """Checkpoint key of each parameter; a last pipeline stage without the embedding reads a tied
-    ``lm_head`` from ``model.embed_tokens.weight`` (tied checkpoints store only that)."""
-    from nxd_finetune.lora import base_param_name
-
-    untied_head = (config.tie_word_embeddings and getattr(module, "lm_head", None) is not None
-                   and module.model.embed_tokens is None)
-
-    def name_map(name: str) -> str:
-        key = base_param_name(name)
-        return "model.embed_tokens.weight" if untied_head and key == "lm_head.weight" else key
-
-    return name_map
-
-
 def _param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -304,7 +295,7 @@ def build_engine(recipe: Any, model_dir: Path, device: torch.device, total_steps
         modules = [model]
     for m in modules:
         materialize(m, model_dir, dtype=dtype, device="cpu", reader=make_slice_reader(m),
-                    name_map=_stage_name_map(m, config))
+                    name_map=checkpoint_name_map(m))
     lineage = _finish_lora(recipe, model, modules, lora_cfg, config, precision)
     del model  # under pp, the layers no stage of this rank holds go with it
     spec = _checkpoint_spec(par)

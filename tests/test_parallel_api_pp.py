@@ -1,0 +1,123 @@
+"""The NxD-style API with pipeline parallel (real gloo groups, 4 forked processes): tp=2 x pp=2
+full SFT of a tiny Llama with tied embeddings, initialised from per-rank slices of a checkpoint and
+trained with ``model.run_train(micro_batches)``, equals one process training the whole model on
+the whole batch (losses, gradient norms, every final weight); ``param_init_fn`` initialisation
+gives the two copies of a tied embedding the same values."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
+from nxd_finetune.parallel import gather_shards, iter_shard_specs
+from nxd_finetune.parallel.api import (
+    PipelineModel,
+    initialize_parallel_model,
+    initialize_parallel_optimizer,
+    neuronx_distributed_config,
+)
+from nxd_finetune.parallel.launch import init_distributed, launch
+from nxd_finetune.sft.loss import causal_lm_loss
+
+TINY = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True)
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, TINY.vocab_size, (STEPS, 4, 8), generator=g)
+    labels = ids.clone()
+    labels[:, :, :3] = -100
+    labels[:, 1, 3:5] = -100  # uneven target counts between the micro-batches
+    return ids, labels
+
+
+def _reference(model_dir: str) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    ids, labels = _batches()
+    ref = load_pretrained(model_dir)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    losses, norms = [], []
+    for s in range(STEPS):
+        n = (labels[s][:, 1:] != -100).sum()
+        loss = causal_lm_loss(ref(ids[s]), labels[s], reduction="sum") / n
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, norms, {k: v.detach().clone() for k, v in ref.named_parameters()}
+
+
+def _worker(model_dir: str) -> dict:
+    init_distributed()
+    torch.set_num_threads(1)
+    ids, labels = _batches()
+    config = neuronx_distributed_config(
+        tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_config={"num_microbatches": 2},
+        optimizer_config={"max_grad_norm": 0.5, "grad_reduction": "sum"},
+        model_init_config={"meta_device_init": True, "checkpoint": model_dir})
+    state = config.state
+    model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf(model_dir))
+    assert isinstance(model, PipelineModel) and len(model.stages) == 1
+    with pytest.raises(NxdError, match="run_train"):
+        model(ids[0])
+    opt = initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=1e-2, eps=1e-4)
+    losses, norms = [], []
+    for s in range(STEPS):
+        loss = model.run_train([{"input_ids": ids[s][r:r + 2], "labels": labels[s][r:r + 2]} for r in (0, 2)])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        norms.append(float(opt.grad_norm))
+    stage = model.stages[0]
+    specs = {n: sp for n, _, _, sp in iter_shard_specs(stage)}
+    weights = {n: (gather_shards(p, specs[n], state.tp_group) if n in specs else p.detach()).clone()
+               for n, p in stage.named_parameters()}
+
+    # param_init_fn: each rank draws its own values; the tied lm_head copy gets stage 0's embedding
+    torch.manual_seed(100 + dist.get_rank())
+    init_cfg = neuronx_distributed_config(
+        pipeline_parallel_size=2, tensor_parallel_size=2,
+        model_init_config={"meta_device_init": True, "param_init_fn": lambda m: [
+            torch.nn.init.normal_(p) for p in m.parameters(recurse=False)]})
+    fresh = initialize_parallel_model(init_cfg, build_model, TINY).stages[0]
+    tied = fresh.model.embed_tokens.weight if fresh.model.embed_tokens is not None else fresh.lm_head.weight
+    copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, tied.detach().contiguous())
+    dist.destroy_process_group()
+    return {"rank": (state.pp_rank, state.tp_rank), "losses": losses, "norms": norms, "weights": weights,
+            "tied copies": copies}
+
+
+def test_tp2_pp2_api_training_matches_one_process(tmp_path):
+    torch.manual_seed(1)
+    model = build_model(TINY, device="cpu")
+    save_pretrained(TINY, model.state_dict().items(), tmp_path / "tiny")
+    ref_losses, ref_norms, ref_weights = _reference(str(tmp_path / "tiny"))
+    results = launch(_worker, 4, str(tmp_path / "tiny"), start_method="fork")
+    assert min(ref_norms) > 0.5  # clipping was active
+    seen: set[str] = set()
+    for out in results:
+        assert out["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=0), out["rank"]
+        assert out["norms"] == pytest.approx(ref_norms, rel=1e-5, abs=0), out["rank"]
+        for name, got in out["weights"].items():
+            want = ref_weights["model.embed_tokens.weight" if name == "lm_head.weight" else name]  # tied
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+            seen.add(name)
+        # ranks (pp 0, tp t) hold the embedding and (pp 1, tp t) the head: each pair equal
+        copies = out["tied copies"]
+        assert torch.equal(copies[0], copies[2]) and torch.equal(copies[1], copies[3])
+        assert not torch.equal(copies[0], copies[1])  # tp shards of different rows
+    assert seen == set(ref_weights) | {"lm_head.weight"}  # every weight checked, the tied head on pp rank 1
