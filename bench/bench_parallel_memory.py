@@ -2,6 +2,7 @@
 
     python bench/bench_parallel_memory.py            # ~300M-parameter Llama, full SFT and LoRA
     python bench/bench_parallel_memory.py --quick    # a 30M model, to check the script
+    python bench/bench_parallel_memory.py --only sft:dp2,sft:dp2-zero1 --note "..."  # re-run rows
 
 For each layout (tp 1/2, ZeRO-1 off/on over dp 2) and each mode (full SFT, LoRA), the workers are
 started by the same launcher ``nxd-finetune run`` uses (spawn, so each process starts clean) and
@@ -11,18 +12,23 @@ rows). Each rank reports:
 - ``params_mb`` / ``trainable_mb``: bytes of the parameters it holds (sharded ones: its shard);
 - ``grads_mb``: bytes of the gradients after the last backward (before the optimizer step);
 - ``optim_mb``: bytes of the optimizer's tensors (Adam moments; with ZeRO-1 the dp shard of the
-  moments plus the fp32 master shard of each parameter group);
+  moments plus the fp32 master shards that are copies: with fp32 parameters the master shards are
+  views into the parameters and add nothing);
 - ``rss_after_build_mb``: resident memory once the model is built and loaded (each rank reads only
   its slices of the safetensors files, so this is well under the full model at tp=2);
 - ``peak_rss_mb``: the process's resident high-water mark (``VmHWM``) at the end.
 
 The checkpoint is a ``transformers.LlamaForCausalLM`` with random weights (seed 0), written once
 under ``bench/.cache/models/``. Results: ``bench/results/parallel_memory[_quick].{json,md}``.
+``--only MODE:LAYOUT,...`` runs those rows and puts them in place of the same rows of the existing
+results (each row keeps the date it was measured); ``--note`` records a line about the conditions
+(other jobs on the machine...) under the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import platform
 import sys
@@ -124,7 +130,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     zero1 = hasattr(inner, "flats")  # Zero1Optimizer: moments of the shards + fp32 master shards
     stepper = inner.inner if zero1 else inner
     optim = [v for s in stepper.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
-    optim += [f.master for f in inner.flats] if zero1 else []
+    optim += [f.master for f in inner.flats if f.param_buffer is None] if zero1 else []  # not views
     return {
         "rank": backend.rank, "tp_rank": st.tp_rank, "dp_rank": st.dp_rank,
         "params_mb": _mb(engine.parameters()), "trainable_mb": _mb(engine.trainable()),
@@ -137,36 +143,76 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
+def _selected(only: str | None) -> list[tuple[str, str]]:
+    """``(mode, layout)`` rows to run: all, or those of ``--only`` (SystemExit naming a bad one)."""
+    rows = [(mode, name) for mode in MODES for name in LAYOUTS]
+    if only is None:
+        return rows
+    chosen = []
+    for item in only.split(","):
+        item = item.strip()
+        mode, _, name = item.partition(":")
+        if (mode, name) not in rows:
+            close = difflib.get_close_matches(item, [f"{m}:{n}" for m, n in rows], n=1)
+            raise SystemExit(f"--only: unknown row {item!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        chosen.append((mode, name))
+    return chosen
+
+
+def _parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for d in f.get_slice(key).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--only", help="comma-separated MODE:LAYOUT rows (e.g. sft:dp2,lora:dp2-zero1) to run in "
+                    "place of the same rows of the existing results")
+    ap.add_argument("--note", help="a line about the conditions of this run, shown under the table")
     args = ap.parse_args()
     from nxd_finetune.parallel.launch import launch
     from nxd_finetune.recipe import load_recipe
 
     shape = "30m" if args.quick else "300m"
+    selected = _selected(args.only)
     model_dir = ensure_model(shape)
-    n_params = None
-    rows = []
-    for mode, mode_over in MODES.items():
-        for name, (nproc, layout) in LAYOUTS.items():
-            recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", [
-                f"model.path={model_dir}", "data.max_seq_len=128", "training.micro_batch_size=1",
-                "training.grad_accum=1", "eval.every_n_steps=null", "checkpoint.every_n_steps=null",
-                f"parallel.nproc={nproc}", *layout, *mode_over])
-            t = time.perf_counter()
-            ranks = launch(worker, nproc, recipe.to_dict(), args.steps)
-            print(f"{mode:5s} {name:14s} {time.perf_counter() - t:6.1f}s  " + "  ".join(
-                f"r{r['rank']}: params {r['params_mb']} MB grads {r['grads_mb']} optim {r['optim_mb']} "
-                f"peak {r['peak_rss_mb']} MB" for r in ranks), flush=True)
-            rows.append({"mode": mode, "layout": name, "nproc": nproc, "ranks": ranks})
-            if n_params is None and mode == "sft" and name == "tp1":
-                n_params = int(ranks[0]["params_mb"] * 2**20 / 4)
     out = BENCH / "results" / f"parallel_memory{'_quick' if args.quick else ''}"
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.processor() or platform.machine()}, "
-            f"{__import__('os').cpu_count()} cores", "shape": SHAPES[shape], "parameters": n_params,
+    date = time.strftime("%Y-%m-%d %H:%M")
+    previous = json.loads(out.with_suffix(".json").read_text()) if args.only and out.with_suffix(".json").is_file() \
+        else {"meta": {}, "rows": []}
+    new_rows = {}
+    for mode, name in selected:
+        nproc, layout = LAYOUTS[name]
+        recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", [
+            f"model.path={model_dir}", "data.max_seq_len=128", "training.micro_batch_size=1",
+            "training.grad_accum=1", "eval.every_n_steps=null", "checkpoint.every_n_steps=null",
+            f"parallel.nproc={nproc}", *layout, *MODES[mode]])
+        t = time.perf_counter()
+        ranks = launch(worker, nproc, recipe.to_dict(), args.steps)
+        print(f"{mode:5s} {name:14s} {time.perf_counter() - t:6.1f}s  " + "  ".join(
+            f"r{r['rank']}: params {r['params_mb']} MB grads {r['grads_mb']} optim {r['optim_mb']} "
+            f"peak {r['peak_rss_mb']} MB" for r in ranks), flush=True)
+        new_rows[(mode, name)] = {"mode": mode, "layout": name, "nproc": nproc, "date": date, "ranks": ranks}
+    old_rows = {(r["mode"], r["layout"]): r for r in previous["rows"]}
+    rows = [new_rows.get(key) or old_rows[key] for key in [(m, n) for m in MODES for n in LAYOUTS]
+            if key in new_rows or key in old_rows]
+    meta = {**previous["meta"], "machine": f"{platform.processor() or platform.machine()}, "
+            f"{__import__('os').cpu_count()} cores", "shape": SHAPES[shape], "parameters": _parameters(model_dir),
             "steps": args.steps, "seq": "packed rows of 128 tokens, micro-batch 1, fp32"}
+    meta.setdefault("date", date)  # of the first full run; rows carry their own
+    if args.note:
+        meta["notes"] = [*meta.get("notes", []), f"{date} ({len(new_rows)} rows): {args.note}"]
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     out.with_suffix(".md").write_text(render(meta, rows))
     print(f"wrote {out}.json and {out}.md")
@@ -174,20 +220,30 @@ def main() -> None:
 
 def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Per-rank memory of the parallel layouts ({meta['parameters'] / 1e6:.0f}M-parameter Llama)", "",
-             f"{meta['date']}; {meta['machine']}; shape {meta['shape']}; {meta['seq']}; {meta['steps']} "
-             "optimizer steps (AdamW). Numbers of rank 0 (the other ranks of a layout hold the same sizes).", "",
+             f"{meta['machine']}; shape {meta['shape']}; {meta['seq']}; {meta['steps']} optimizer steps (AdamW). "
+             "Numbers of rank 0 (the other ranks of a layout hold the same sizes); *measured*: when the row ran.", "",
              "| mode | layout | procs | params MB | trainable MB | grads MB | optimizer MB | RSS after build MB "
-             "| peak RSS MB (rank 0) | peak RSS MB (max rank) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak RSS MB (rank 0) | peak RSS MB (max rank) | measured |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         r0 = row["ranks"][0]
         worst = max(r["peak_rss_mb"] for r in row["ranks"])
         lines.append(f"| {row['mode']} | {row['layout']} | {row['nproc']} | {r0['params_mb']} | {r0['trainable_mb']} "
                      f"| {r0['grads_mb']} | {r0['optim_mb']} | {r0['rss_after_build_mb']} | {r0['peak_rss_mb']} "
-                     f"| {worst} |")
-    lines += ["", "- params: what the rank holds (tp shards); optimizer: Adam moments (+ fp32 master shards with "
-              "ZeRO-1), which ZeRO-1 splits over the dp ranks.",
-              "- RSS includes the Python/torch runtime (~300-400 MB per process before the model).", ""]
+                     f"| {worst} | {row.get('date', meta['date'])} |")
+    lines += ["", "- params: what the rank holds (tp shards); optimizer: Adam moments, which ZeRO-1 splits over the "
+              "dp ranks, plus ZeRO-1's fp32 master shards where they are copies (bf16 parameters); with fp32 "
+              "parameters the master shards are views into the parameters.",
+              "- RSS includes the Python/torch runtime (~300-400 MB per process before the model).",
+              "- ZeRO-1 with fp32 parameters (full SFT) keeps per rank the parameters and the gradients (one flat "
+              "buffer each, the master shard a view into the parameters) and 1/dp of the Adam moments: "
+              "4N + 4N + 8N/dp bytes for N trainable elements, against 4N + 4N + 8N for plain dp; its collectives "
+              "work in place on gloo and AdamW steps the shard in chunks of 4M elements, so its temporaries stay "
+              "small. With bf16 parameters it adds the fp32 master shards (4N/dp).",
+              "- RSS after build is higher with ZeRO-1 and fp32 parameters: the optimizer copies the parameters "
+              "into its flat buffer (without it they stay file-backed pages of the checkpoint until first used) "
+              "and zeroes the gradient buffer at construction; the peak is reached in training either way.",
+              *(f"- {note}" for note in meta.get("notes", [])), ""]
     return "\n".join(lines)
 
 

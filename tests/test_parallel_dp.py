@@ -261,7 +261,9 @@ def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
     """fp32 parameters: ZeRO-1 holds the parameters (with the master shards as views) and the
     gradients in one flat buffer each per flat space, so trainable parameters + gradients + Adam
     states take 4N + 4N + 8N/dp bytes (no master copy), and it still equals AdamW on the whole
-    batch, also when a step's ``.grad`` or a parameter's ``.data`` is put elsewhere from outside."""
+    batch, also when a step's ``.grad`` or a parameter's ``.data`` is put elsewhere from outside.
+    The wrapped AdamW steps the shards in chunks of 8 elements here: bit for bit the same as in one
+    piece, also through export_param_states / import_param_states."""
     g = torch.Generator().manual_seed(4)
     ids, targets = torch.randint(0, 11, (4, 8, 5), generator=g), torch.randint(0, 11, (4, 8, 5), generator=g)
 
@@ -277,9 +279,12 @@ def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
         ref_opt.zero_grad()
     model = _TiedLM()
     rows = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
-    # flat spaces: embed/head 44 + mid.weight 16 = 60 (shards 30), mid.bias 4 (shards 2)
-    out["buffer sizes"] = ("equal", [(f.numel, f.shard_size) for f in opt.flats], [(60, 30), (4, 2)], 0)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2, inner_chunk_numel=8)
+    twin = _TiedLM()
+    twin_opt = Zero1Optimizer(_groups(twin), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    # flat spaces: embed/head 44 + mid.weight 16 = 60 (shards 30 = 8 + 8 + 8 + 6), mid.bias 4 (shards 2)
+    out["buffer sizes"] = ("equal", [(f.numel, f.shard_size, len(f.chunks)) for f in opt.flats],
+                           [(60, 30, 4), (4, 2, 1)], 0)
     out["params and master share a buffer"] = (
         "equal", [len({_storage(p) for p in f.params} | {_storage(f.master)}) for f in opt.flats], [1, 1], 0)
     out["tied head is the embedding"] = ("equal", _storage(model.head.weight), _storage(model.embed.weight), 0)
@@ -294,8 +299,30 @@ def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
             model.mid.bias.data = model.mid.bias.data.clone()  # the step puts it back into the buffer
         opt.step()
         opt.zero_grad(set_to_none=True)
+        loss(twin, s, rows).backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
     for name, p in model.named_parameters():
-        out[f"buffers == AdamW {name}"] = ("close", p.detach(), ref.get_parameter(name).detach(), 1e-6)
+        out[f"buffers == AdamW {name}"] = ("close", p.detach().clone(), ref.get_parameter(name).detach(), 1e-6)
+        out[f"chunked == one piece {name}"] = ("equal", p.detach().clone(), twin.get_parameter(name).detach(), 0)
+    exported = opt.export_param_states()
+    out["chunked export == one piece"] = ("equal", all(
+        st.keys() == st2.keys() and all(torch.equal(st[k], st2[k]) for k in st)
+        for (_, st), (_, st2) in zip(exported, twin_opt.export_param_states(), strict=True)), True, 0)
+    again = _TiedLM()
+    again.load_state_dict(model.state_dict())
+    again_opt = Zero1Optimizer(_groups(again), torch.optim.AdamW, state.dp_group, lr=1e-2, inner_chunk_numel=8)
+    by_name = {n: st for p, st in exported for n, q in model.named_parameters() if q is p}
+    names = {id(q): n for n, q in again.named_parameters()}
+    again_opt.import_param_states(lambda p: by_name[names[id(p)]])
+    for m, o in ((model, opt), (again, again_opt)):
+        loss(m, 0, rows).backward()
+        o.step()
+        o.zero_grad()
+    for name, p in model.named_parameters():
+        out[f"imported chunks step on {name}"] = ("equal", again.get_parameter(name).detach(), p.detach(), 0)
+    with pytest.raises(NxdError, match=r"shards in \[1, 1\] optimizer chunks, this optimizer in \[4, 1\]"):
+        again_opt.load_state_dict(twin_opt.state_dict())
     out["frozen grad stays None"] = ("equal", model.scale.grad is None, True, 0)
     out["params back in the buffers"] = (
         "equal", [len({_storage(p) for p in f.params} | {_storage(f.master)}) for f in opt.flats], [1, 1], 0)
@@ -381,7 +408,7 @@ def _dp_worker() -> dict:
 
 def test_data_parallel_zero1_and_api_match_single_process_dp2():
     results = launch(_dp_worker, 2, start_method="fork")
-    assert assert_checks(results) == 2 * 90
+    assert assert_checks(results) == 2 * 99
     assert results[0]["zero1 fp32 0.weight"][1].shape == (6, 5)
 
 

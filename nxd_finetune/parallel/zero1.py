@@ -5,7 +5,11 @@ pair it lays the group's *trainable* parameters of that dtype end to end in one 
 space of ``numel`` elements, padded to ``padded_numel`` (a multiple of dp); dp rank ``r`` owns
 the contiguous shard ``[r * S, (r + 1) * S)`` with ``S = padded_numel / dp``, and keeps an fp32
 master of it. The wrapped optimizer runs over the master shards only, one inner param group
-per outer group, so per-group options (weight decay on / off, lr) are preserved.
+per outer group, so per-group options (weight decay on / off, lr) are preserved. It sees each
+master shard as views of at most ``inner_chunk_numel`` elements (one view when the shard is no
+larger), because its per-step temporaries are the size of a parameter (``torch.optim.AdamW`` on
+CPU: two, ``sqrt`` and the division) and a shard of a large model is one very large parameter.
+The wrapped optimizer must be elementwise (Adam, AdamW, SGD...), as for the flat shards anyway.
 
 Flat buffers (CPU and CUDA parameters; elsewhere, e.g. XLA, the copying path below is kept):
 
@@ -40,7 +44,8 @@ Flat buffers (CPU and CUDA parameters; elsewhere, e.g. XLA, the copying path bel
 
 Memory per rank, for ``N`` trainable fp32 elements: parameters ``4N`` and gradients ``4N`` bytes
 (the buffers; as without ZeRO-1), optimizer states ``k * 4N / dp`` (Adam: k = 2), no master and,
-on gloo, no transient buffer. Without ZeRO-1 the states take ``k * 4N`` on every rank. With bf16
+on gloo, no transient buffer beyond the wrapped optimizer's over one chunk. Without ZeRO-1 the
+states take ``k * 4N`` on every rank. With bf16
 parameters the fp32 master shards add ``4N / dp`` and a step has transient flat buffers of ``N``
 elements in ``reduce_dtype`` and in the parameter dtype.
 
@@ -98,6 +103,7 @@ class _FlatShard:
     master: torch.Tensor  # fp32 [shard_size]; a view into param_buffer when there is one
     param_buffer: torch.Tensor | None = None  # fp32 [padded_numel]: the parameters are views into it
     grad_buffer: torch.Tensor | None = None  # reduce dtype [padded_numel]: the .grad are views into it
+    chunks: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the wrapped optimizer's params
 
     def param_ranges(self) -> list[tuple[int, int, int]]:
         """``(param index, start, end)`` for the parameters overlapping this rank's shard, with
@@ -130,6 +136,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     ``defaults``: the wrapped optimizer's options (``lr``, ``betas``, ``weight_decay``, ...).
     ``average``: divide the reduced gradients by dp (default: sum, see :mod:`.data_parallel`).
     ``reduce_dtype``: dtype of the gradient reduce-scatter (None: the parameter dtype).
+    ``inner_chunk_numel``: the largest view of a master shard the wrapped optimizer steps at once
+    (its temporaries scale with it; results do not depend on it).
 
     ``param_groups`` are the model parameters' groups (LR schedulers edit them; their options are
     copied to the inner optimizer before each step). Construction is local (no collective);
@@ -144,9 +152,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         *,
         average: bool = False,
         reduce_dtype: torch.dtype | None = torch.float32,
+        inner_chunk_numel: int = 1 << 22,
         **defaults: Any,
     ) -> None:
         super().__init__(params, defaults)
+        self.inner_chunk_numel = inner_chunk_numel
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = M.group_size(dp_group), M.group_rank(dp_group)
         self.average, self.reduce_dtype = average, reduce_dtype
@@ -160,7 +170,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for dtype in dict.fromkeys(p.dtype for p in trainable):
                 flat = self._make_flat(gi, dtype, [p for p in trainable if p.dtype == dtype])
                 self.flats.append(flat)
-                masters.append(flat.master)
+                masters.extend(flat.chunks)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         if not self.flats:
             raise NxdError("Zero1Optimizer: no trainable parameters (all have requires_grad=False)")
@@ -188,8 +198,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             master = torch.zeros(shard, dtype=torch.float32, device=device)
         if buffers and (self.reduce_dtype or dtype) == dtype:
             grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        chunks = [master] if shard <= self.inner_chunk_numel else list(master.split(self.inner_chunk_numel))
         flat = _FlatShard(group_index, dtype, params, offsets, total, padded, start, shard, master,
-                          param_buffer, grad_buffer)
+                          param_buffer, grad_buffer, chunks)
         self._copy_params_to_master(flat)
         if grad_buffer is not None:
             for p, off in zip(params, offsets, strict=True):
@@ -320,9 +331,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
             for key, value in outer.items():
                 if key != "params":
                     inner[key] = value
+        for flat in self.flats:
+            if len(flat.chunks) > 1:  # the (possibly clipped) shard gradient, seen chunk by chunk
+                for chunk, grad in zip(flat.chunks, flat.master.grad.split(self.inner_chunk_numel), strict=True):
+                    chunk.grad = grad
         self.inner.step()
         self._gather_params()
         for flat in self.flats:
+            for chunk in flat.chunks:
+                chunk.grad = None
             flat.master.grad = None
         self._reduced = False
         return loss
@@ -371,7 +388,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
             "inner": self.inner.state_dict(),
             "master": [f.master if f.param_buffer is None else f.master.clone() for f in self.flats],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "zero1": {"dp_size": self.dp_size, "dp_rank": self.dp_rank, "flats": [f.layout() for f in self.flats]},
+            "zero1": {"dp_size": self.dp_size, "dp_rank": self.dp_rank, "flats": [f.layout() for f in self.flats],
+                      "inner_chunks": [len(f.chunks) for f in self.flats]},
         }
 
     @torch.no_grad()
@@ -398,6 +416,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 f"{[(f['group'], f['dtype'], f['numel']) for f in saved['flats']]}, "
                 f"expected {[(f['group'], f['dtype'], f['numel']) for f in mine]} (group, dtype, numel)"
             )
+        chunks = [len(f.chunks) for f in self.flats]
+        saved_chunks = saved.get("inner_chunks", [1] * len(chunks))  # states saved before chunking: one each
+        if saved_chunks != chunks:
+            raise NxdError(
+                f"ZeRO-1 state has its shards in {saved_chunks} optimizer chunks, this optimizer in "
+                f"{chunks} (inner_chunk_numel={self.inner_chunk_numel}): use the same inner_chunk_numel, or the "
+                "checkpoint manager's per-parameter format"
+            )
         for flat, master in zip(self.flats, state_dict["master"], strict=True):
             flat.master.copy_(master)
         self.inner.load_state_dict(state_dict["inner"])
@@ -422,7 +448,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """
         out: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         for flat in self.flats:
-            state = self.inner.state.get(flat.master, {})
+            state = self._shard_state(flat)
             full: dict[str, torch.Tensor] = {"master": self._gather_flat(flat, flat.master)}
             shared: dict[str, Any] = {}
             for key in sorted(state):
@@ -486,9 +512,29 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     self._check_state_shape(key, value, p)
                     buf = elementwise.setdefault(key, torch.zeros_like(flat.master))
                     buf[a:b].copy_(value.reshape(-1)[a - off : b - off])
-            self.inner.state.pop(flat.master, None)
+            self._set_shard_state(flat, scalars, elementwise)
+
+    def _shard_state(self, flat: _FlatShard) -> dict[str, Any]:
+        """The wrapped optimizer's state of ``flat``'s master shard: per-element states of its
+        chunks joined (a new tensor when there are several), scalar states of the first chunk."""
+        states = [self.inner.state.get(c, {}) for c in flat.chunks]
+        if len(states) == 1 or not states[0]:
+            return states[0]
+        return {key: torch.cat([st[key] for st in states])
+                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.chunks[0].numel() else value
+                for key, value in states[0].items()}
+
+    def _set_shard_state(self, flat: _FlatShard, scalars: dict[str, torch.Tensor],
+                         elementwise: dict[str, torch.Tensor]) -> None:
+        """Give each chunk of ``flat``'s master shard its part of ``elementwise`` (views of the
+        shard-long tensors) and its own copy of ``scalars`` (Adam counts ``step`` per chunk)."""
+        start = 0
+        for chunk in flat.chunks:
+            self.inner.state.pop(chunk, None)
             if elementwise or scalars:
-                self.inner.state[flat.master] = {**scalars, **elementwise}
+                self.inner.state[chunk] = {**{k: v.clone() for k, v in scalars.items()},
+                                           **{k: v[start : start + chunk.numel()] for k, v in elementwise.items()}}
+            start += chunk.numel()
 
     @staticmethod
     def _check_state_shape(key: str, value: torch.Tensor, param: torch.Tensor) -> None:
