@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import glob
+import json
 import os
 import socket
 import tempfile
@@ -160,19 +162,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _failure_line(err: Any) -> str:
-    """One line for the root-cause (earliest) failure of a ``ChildFailedError``."""
-    rank, failure = err.get_first_failure()
-    message = failure.message
-    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
-        message = message.get("message", "")
-    text = str(message).strip().splitlines()[0] if str(message).strip() else ""
-    if failure.exitcode < 0:
-        text = f"killed by signal {failure.signal_name()}"
-    elif not os.path.isfile(failure.error_file) or not text:  # died without raising (os._exit, crash)
-        text = f"exited with code {failure.exitcode}"
-    more = len(err.failures) - 1
-    return f"worker rank {rank} failed: {text}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
+def _failure_line(err: Any, log_dir: str | None = None) -> str:
+    """One line for the root-cause (earliest) failure of a ``ChildFailedError``.
+
+    Failures are ordered by their error file's modification time: the elastic timestamps count
+    whole seconds, and a rank that raised and the peer whose collective then lost its connection
+    often share one (the error file is written before the raising process exits, so before its
+    peers fail). Error files under ``log_dir`` count too: a rank that raised but had not exited
+    when the agent stopped the others is not among ``err.failures``."""
+    found: dict[int, tuple[float, str]] = {}  # rank -> (when, text)
+    for rank, failure in err.failures.items():
+        path = failure.error_file
+        when = os.path.getmtime(path) if path and os.path.isfile(path) else float(failure.timestamp)
+        message = failure.message
+        if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
+            message = message.get("message", "")
+        text = str(message).strip().splitlines()[0] if str(message).strip() else ""
+        if failure.exitcode < 0:
+            text = f"killed by signal {failure.signal_name()}"
+        elif not (path and os.path.isfile(path)) or not text:  # died without raising (os._exit, crash)
+            text = f"exited with code {failure.exitcode}"
+        found[rank] = (when, text)
+    for path in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json")) if log_dir else []:
+        rank = int(os.path.basename(os.path.dirname(path)))
+        if rank in found:
+            continue
+        try:
+            with open(path) as f:
+                message = json.load(f).get("message", {})
+        except (OSError, ValueError):
+            continue
+        message = message.get("message", "") if isinstance(message, dict) else str(message)
+        if message.strip():
+            found[rank] = (os.path.getmtime(path), message.strip().splitlines()[0])
+    rank = min(found, key=lambda r: (found[r][0], r))
+    more = len(found) - 1
+    return f"worker rank {rank} failed: {found[rank][1]}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "spawn",
@@ -210,5 +235,5 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "
         try:
             results = elastic_launch(config, fn)(*args)
         except ChildFailedError as e:
-            raise NxdError(_failure_line(e)) from None
+            raise NxdError(_failure_line(e, log_dir)) from None
     return [results[r] for r in range(nproc)]
