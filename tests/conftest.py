@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,13 @@ def quickstart_cache(tmp_path_factory):
         os.environ.pop("NXD_FINETUNE_CACHE", None)
     else:
         os.environ["NXD_FINETUNE_CACHE"] = old
+
+
+@pytest.fixture
+def workers_tmpdir(tmp_path, monkeypatch):
+    """Temporary files of this test and of the workers it starts (torch leaves files in the
+    temporary directory) go under ``tmp_path``: ``TMPDIR`` for the workers, ``tempfile.tempdir``
+    here. Use with ``pytestmark = pytest.mark.usefixtures("workers_tmpdir")``."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path

@@ -1,8 +1,8 @@
-"""Data parallel, ZeRO-1, grad-norm clipping, the launcher and the NxD-style API, on real gloo groups.
+"""Data parallel, ZeRO-1, grad-norm clipping and the NxD-style API over them, on real gloo groups.
 
 Multi-rank tests start their workers with :func:`nxd_finetune.parallel.launch.launch` (the torch
-elastic agent; ``fork`` for speed, one test uses the default ``spawn``), so the launcher is under
-test everywhere. A worker returns ``{check: (kind, got, expected, atol)}``; the parent asserts,
+elastic agent; ``fork`` for speed; the launcher's own test is in ``test_parallel_api.py``), so the
+launcher is under test everywhere. A worker returns ``{check: (kind, got, expected, atol)}``; the parent asserts,
 so a failure names the rank and the check. ``close``: within ``atol``; ``equal``: exactly (ints
 or tensors); ``differ``: differs by 5% of the expected magnitude (proves a check has teeth).
 Oracles are single-process torch runs on the whole batch (``torch.optim.AdamW``,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import io
-import tempfile
 
 import pytest
 import torch
@@ -33,14 +32,13 @@ from nxd_finetune.parallel import (
     vocab_parallel_cross_entropy,
 )
 from nxd_finetune.parallel.api import (
-    apply_activation_checkpointing,
     initialize_parallel_model,
     initialize_parallel_optimizer,
     neuronx_distributed_config,
 )
 from nxd_finetune.parallel.clip import clip_grad_norm, clip_grad_norm_zero1
 from nxd_finetune.parallel.data_parallel import allreduce_gradients, allreduce_scalar_sum
-from nxd_finetune.parallel.launch import device_backend, init_distributed, launch, smoke_test
+from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
 from nxd_finetune.sft.loss import causal_lm_loss
 
@@ -52,10 +50,7 @@ TINY = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, 
                      num_key_value_heads=2, vocab_size=64)
 
 
-@pytest.fixture(autouse=True)
-def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
 
 def assert_checks(results: list[dict]) -> int:
@@ -560,29 +555,6 @@ def test_clipping_and_tp_dp_zero1_match_unsharded_world4(tmp_path):
     assert assert_checks(results) == 4 * 70
 
 
-# ----------------------------------------------------------------------------- launcher
-
-
-def _failing(bad_rank: int) -> None:
-    init_distributed()
-    if dist.get_rank() == bad_rank:
-        raise ValueError(f"bad value on rank {bad_rank}\nsecond line")
-    dist.barrier()  # the other rank blocks here until the launcher stops it
-
-
-def test_launch_returns_results_and_reports_failing_rank(tmp_path):
-    results = launch(smoke_test, 2, 10.0)  # the default spawn start method
-    assert results == [{"rank": r, "world_size": 2, "sum": 21.0, "backend": "gloo", "tmpdir": str(tmp_path)}
-                       for r in range(2)]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("nxd-launch-")]  # log dir removed
-    with pytest.raises(NxdError) as e:
-        launch(_failing, 2, 1, start_method="fork")
-    assert str(e.value).startswith("worker rank 1 failed: ValueError: bad value on rank 1")
-    assert "\n" not in str(e.value)
-    with pytest.raises(NxdError, match="nproc must be a positive integer, got 0"):
-        launch(smoke_test, 0)
-
-
 # ----------------------------------------------------------------------------- single process
 
 
@@ -605,45 +577,3 @@ def test_single_process_paths_need_no_process_group():
         torch.testing.assert_close(p, r, atol=1e-6, rtol=0)
     with pytest.raises(NxdError, match="no trainable parameters"):
         Zero1Optimizer(_mlp()[3].parameters(), torch.optim.AdamW, None)
-
-
-def test_config_validation_and_backends():
-    with pytest.raises(NxdError, match="optimizer_config key 'zero1_enabled' \\(did you mean 'zero_one_enabled'"):
-        neuronx_distributed_config(optimizer_config={"zero1_enabled": True})
-    with pytest.raises(NxdError, match="grad_reduction must be 'mean' or 'sum', got 'avg'"):
-        neuronx_distributed_config(optimizer_config={"grad_reduction": "avg"})
-    with pytest.raises(NxdError, match="world size 1 is not divisible by tp\\*pp = 2\\*1 = 2"):
-        neuronx_distributed_config(tensor_parallel_size=2)
-    with pytest.raises(NxdError, match="pad_model=True is not supported"):
-        neuronx_distributed_config(pad_model=True)
-    config = neuronx_distributed_config(pipeline_parallel_size=1)
-    assert config["optimizer_config"]["grad_clipping"] is True and config.state.dp_size == 1
-    with pytest.raises(NxdError, match="set model_init_config 'checkpoint' or 'param_init_fn'"):
-        initialize_parallel_model(neuronx_distributed_config(model_init_config={"meta_device_init": True}),
-                                  build_model, TINY)
-    with pytest.raises(NxdError, match="device xla \\(Trainium\\) is not available"):
-        device_backend("xla")
-    cpu = device_backend("cpu")
-    assert (cpu.name, cpu.dist_backend, cpu.device.type) == ("cpu", "gloo", "cpu")
-
-
-def test_meta_init_and_activation_checkpointing_keep_gradients():
-    def init_fn(module: nn.Module) -> None:
-        with torch.no_grad():
-            for p in module.parameters(recurse=False):
-                p.copy_(torch.linspace(-0.5, 0.5, p.numel()).view_as(p))
-
-    config = neuronx_distributed_config(model_init_config={"meta_device_init": True, "param_init_fn": init_fn},
-                                        activation_checkpoint_config="full")
-    model = initialize_parallel_model(config, build_model, TINY)
-    ref = build_model(TINY, device="cpu")
-    for m in ref.modules():
-        init_fn(m)
-    ids = torch.randint(0, TINY.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
-    F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten()).backward()
-    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0, msg=name)
-    assert apply_activation_checkpointing(ref, nn.Linear) == 7 * TINY.num_hidden_layers + 1
-    with pytest.raises(NxdError, match="must be None, 'full' or a module class"):
-        apply_activation_checkpointing(ref, "selective")

@@ -109,9 +109,7 @@ def assert_checks(results: list[dict], atol: float = 1e-5) -> int:
     return n
 
 
-@pytest.fixture(autouse=True)
-def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
 
 # ----------------------------------------------------------------------------- workers

@@ -63,9 +63,7 @@ LABELS = torch.where(torch.arange(8) < 3, -100, IDS)
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-@pytest.fixture(autouse=True)
-def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
 
 def hf_load(path):

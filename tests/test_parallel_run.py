@@ -23,7 +23,6 @@ single-process run moves a few weights by ~1e-6 after 10 steps).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -58,10 +57,7 @@ LAYOUTS_4 = {
 MODES = {"lora": [], "sft": ["lora=null", "training.lr=5e-4"]}
 
 
-@pytest.fixture(autouse=True)
-def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
 
 def recipe(out: Path, nproc: int, *overrides: str):

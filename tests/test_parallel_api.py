@@ -1,38 +1,40 @@
-"""The NxD-style API with pipeline parallel (real gloo groups, 4 forked processes): tp=2 x pp=2
-full SFT of a tiny Llama with tied embeddings, initialised from per-rank slices of a checkpoint and
-trained with ``model.run_train(micro_batches)``, equals one process training the whole model on
-the whole batch (losses, gradient norms, every final weight); ``param_init_fn`` initialisation
-gives the two copies of a tied embedding the same values."""
+"""The NxD-style API and the launcher: config validation, meta init and activation checkpointing
+in one process; the launcher's results and its one error line; and pipeline parallel (real gloo
+groups, 4 forked processes): tp=2 x pp=2 full SFT of a tiny Llama with tied embeddings,
+initialised from per-rank slices of a checkpoint and trained with
+``model.run_train(micro_batches)``, equals one process training the whole model on the whole batch
+(losses, gradient norms, every final weight); ``param_init_fn`` initialisation gives the two
+copies of a tied embedding the same values."""
 
 from __future__ import annotations
-
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
 from nxd_finetune.parallel import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.api import (
     PipelineModel,
+    apply_activation_checkpointing,
     initialize_parallel_model,
     initialize_parallel_optimizer,
     neuronx_distributed_config,
 )
-from nxd_finetune.parallel.launch import init_distributed, launch
+from nxd_finetune.parallel.launch import device_backend, init_distributed, launch, smoke_test
 from nxd_finetune.sft.loss import causal_lm_loss
 
 TINY = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True)
 STEPS = 3
+SMALL = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
 
 
-@pytest.fixture(autouse=True)
-def _tmpdir_under_tmp_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
 
 def _batches():
@@ -121,3 +123,71 @@ def test_tp2_pp2_api_training_matches_one_process(tmp_path):
         assert torch.equal(copies[0], copies[2]) and torch.equal(copies[1], copies[3])
         assert not torch.equal(copies[0], copies[1])  # tp shards of different rows
     assert seen == set(ref_weights) | {"lm_head.weight"}  # every weight checked, the tied head on pp rank 1
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _failing(bad_rank: int) -> None:
+    init_distributed()
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"bad value on rank {bad_rank}\nsecond line")
+    dist.barrier()  # the other rank blocks here until the launcher stops it
+
+
+def test_launch_returns_results_and_reports_failing_rank(tmp_path):
+    results = launch(smoke_test, 2, 10.0)  # the default spawn start method
+    assert results == [{"rank": r, "world_size": 2, "sum": 21.0, "backend": "gloo", "tmpdir": str(tmp_path)}
+                       for r in range(2)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("nxd-launch-")]  # log dir removed
+    with pytest.raises(NxdError) as e:
+        launch(_failing, 2, 1, start_method="fork")
+    assert str(e.value).startswith("worker rank 1 failed: ValueError: bad value on rank 1")
+    assert "\n" not in str(e.value)
+    with pytest.raises(NxdError, match="nproc must be a positive integer, got 0"):
+        launch(smoke_test, 0)
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_config_validation_and_backends():
+    with pytest.raises(NxdError, match="optimizer_config key 'zero1_enabled' \\(did you mean 'zero_one_enabled'"):
+        neuronx_distributed_config(optimizer_config={"zero1_enabled": True})
+    with pytest.raises(NxdError, match="grad_reduction must be 'mean' or 'sum', got 'avg'"):
+        neuronx_distributed_config(optimizer_config={"grad_reduction": "avg"})
+    with pytest.raises(NxdError, match="world size 1 is not divisible by tp\\*pp = 2\\*1 = 2"):
+        neuronx_distributed_config(tensor_parallel_size=2)
+    with pytest.raises(NxdError, match="pad_model=True is not supported"):
+        neuronx_distributed_config(pad_model=True)
+    config = neuronx_distributed_config(pipeline_parallel_size=1)
+    assert config["optimizer_config"]["grad_clipping"] is True and config.state.dp_size == 1
+    with pytest.raises(NxdError, match="set model_init_config 'checkpoint' or 'param_init_fn'"):
+        initialize_parallel_model(neuronx_distributed_config(model_init_config={"meta_device_init": True}),
+                                  build_model, SMALL)
+    with pytest.raises(NxdError, match="device xla \\(Trainium\\) is not available"):
+        device_backend("xla")
+    cpu = device_backend("cpu")
+    assert (cpu.name, cpu.dist_backend, cpu.device.type) == ("cpu", "gloo", "cpu")
+
+
+def test_meta_init_and_activation_checkpointing_keep_gradients():
+    def init_fn(module: nn.Module) -> None:
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.copy_(torch.linspace(-0.5, 0.5, p.numel()).view_as(p))
+
+    config = neuronx_distributed_config(model_init_config={"meta_device_init": True, "param_init_fn": init_fn},
+                                        activation_checkpoint_config="full")
+    model = initialize_parallel_model(config, build_model, SMALL)
+    ref = build_model(SMALL, device="cpu")
+    for m in ref.modules():
+        init_fn(m)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten()).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0, msg=name)
+    assert apply_activation_checkpointing(ref, nn.Linear) == 7 * SMALL.num_hidden_layers + 1
+    with pytest.raises(NxdError, match="must be None, 'full' or a module class"):
+        apply_activation_checkpointing(ref, "selective")
