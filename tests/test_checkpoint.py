@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from nxd_finetune.checkpoint import CheckpointError, CheckpointManager, CheckpointWarning, list_checkpoints
 from nxd_finetune.lora import LoraConfig, inject_lora
+from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM
-from nxd_finetune.sft.loss import causal_lm_loss
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)

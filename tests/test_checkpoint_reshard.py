@@ -24,19 +24,19 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
 
-from nxd_finetune.checkpoint import CheckpointManager
-from nxd_finetune.lora import LoraConfig, inject_lora
-from nxd_finetune.models import DecoderConfig, DecoderForCausalLM
-from nxd_finetune.parallel import ParallelDims, ParallelState, gather_shards, iter_shard_specs
-from nxd_finetune.parallel import vocab_parallel_cross_entropy as vp_cross_entropy
-from nxd_finetune.parallel.api import (
+from nxd_finetune.api import (
     initialize_parallel_model,
     initialize_parallel_optimizer,
     neuronx_distributed_config,
 )
+from nxd_finetune.checkpoint import CheckpointManager
+from nxd_finetune.lora import LoraConfig, inject_lora
+from nxd_finetune.loss import causal_lm_loss
+from nxd_finetune.loss import vocab_parallel_cross_entropy as vp_cross_entropy
+from nxd_finetune.models import DecoderConfig, DecoderForCausalLM
+from nxd_finetune.parallel import ParallelDims, ParallelState, gather_shards, iter_shard_specs
 from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
-from nxd_finetune.sft.loss import causal_lm_loss
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)

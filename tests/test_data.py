@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from nxd_finetune.errors import DataError
+from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import data as data_mod
 from nxd_finetune.sft.data import DataSpec, TokenizedDataset, load_rows, prepare_datasets, tokenize_rows
-from nxd_finetune.sft.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, IGNORE_INDEX
+from nxd_finetune.sft.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 from nxd_finetune.sft.loader import build_dataloaders
 from nxd_finetune.sft.packing import collate, make_rows, pack_bins
 from nxd_finetune.sft.sampler import ResumableSampler

@@ -21,7 +21,8 @@ from nxd_finetune.recipe import load_recipe
 from nxd_finetune.registry import pull, show
 from nxd_finetune.registry.publish import publish_run
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.build import build_training_model, resolve_model_dir
+from nxd_finetune.sft.build import resolve_model_dir
+from nxd_finetune.sft.engine import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -78,15 +79,17 @@ def test_publish_run_manifest(trained):
     assert set(m["files"]) == set(ADAPTER_FILES) | {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
     assert m["lineage"] is None and m["metrics"]["nan"] is None and m["metrics"]["final_loss"] > 0
     assert m["recipe"]["lora"]["rank"] == 16 and m["parallel"]["nproc"] == 1
-    assert m["base_model"] == {"name_or_path": "builtin:tiny-llama", "revision": None,
-                               "config_hash": adapter_config_hash(final)}
+    # a builtin base is named by the directory it is materialised in (peft and vLLM load it)
+    base_dir = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (Path(base_dir) / "config.json").is_file()
+    assert m["base_model"] == {"name_or_path": base_dir, "revision": None, "config_hash": adapter_config_hash(final)}
     assert len(m["base_model"]["config_hash"]) == 16
 
 
 def test_start_values_equal_the_adapter_and_lineage_is_recorded(trained, tmp_path):
     final, v = trained
     rec = recipe(tmp_path, f"lora.init_from={REGISTRY}/qs-bot")  # latest -> pinned to :1
-    built = build_training_model(rec, resolve_model_dir(rec.model.path), torch.device("cpu"))
+    built = build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 1)
     assert built.lineage == v.ref
     _, tensors = read_adapter(final)
     values = lora_values(built.model)
@@ -129,8 +132,8 @@ def test_peft_adapter_as_init_from(cache, tmp_path):
         expected = pm.eval()(ids).logits
         with pm.disable_adapter():
             plain = pm(ids).logits
-    built = build_training_model(recipe(tmp_path, f"lora.init_from={tmp_path / 'peft'}"), model_dir,
-                                 torch.device("cpu"))
+    built = build_engine(recipe(tmp_path, f"lora.init_from={tmp_path / 'peft'}"), model_dir,
+                         torch.device("cpu"), 1)
     assert built.lineage is None
     with torch.no_grad():
         got = built.model.eval()(ids)
@@ -161,7 +164,7 @@ def test_a_different_base_warns(trained, tmp_path, caplog):
     weights = edited / "adapter_model.safetensors"
     save_file(load_file(weights), weights, metadata={"format": "pt", "nxd_config_hash": "f" * 16})
     rec = recipe(tmp_path, f"lora.init_from={edited}")
-    build_training_model(rec, resolve_model_dir(rec.model.path), torch.device("cpu"))
+    build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 1)
     assert any("config hash ffffffffffffffff" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 

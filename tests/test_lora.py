@@ -26,7 +26,6 @@ from nxd_finetune.lora import (
     merge_lora,
     read_adapter,
     save_adapter,
-    save_model,
     saved_modules,
     trainable_parameters,
 )
@@ -58,6 +57,16 @@ def randomize(model, seed=1):
 
 def peft_config(**kw):
     return peft.LoraConfig(task_type="CAUSAL_LM", **kw)
+
+
+def export(model, cfg, out, mode, base, tokenizer=None, dtype=torch.float32):
+    """The run's exporter (nxd_finetune.export) on a one-process model."""
+    from nxd_finetune.export import ExportSpec, export_model
+    from nxd_finetune.parallel.parallelize import RankModel
+
+    targets = [name for name, _ in lora_modules(model)]
+    return export_model(RankModel.single(model), out, ExportSpec(mode, base, str(base), dtype, tokenizer=tokenizer),
+                        config=model.config, lora=cfg, lora_targets=targets)
 
 
 def our_model(path, cfg, seed=1):
@@ -191,7 +200,7 @@ def test_merged_checkpoint_equals_peft_merge_and_unload(make_tiny_hf, tmp_path):
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", bias="lora_only", modules_to_save=["embed_tokens"])
     ours = our_model(base, cfg)
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    save_model(ours, cfg, tmp_path / "merged", "merged", base_model_name_or_path=str(base))
+    export(ours, cfg, tmp_path / "merged", "merged", base)
     assert all(torch.equal(before[k], v) for k, v in ours.state_dict().items())  # training model untouched
     assert not any(m.merged for _, m in lora_modules(ours))
 
@@ -207,7 +216,7 @@ def test_merged_checkpoint_unties_a_changed_lm_head(make_tiny_hf, tmp_path):
     _, base = make_tiny_hf("llama", tie_word_embeddings=True)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
     ours = our_model(base, cfg)
-    save_model(ours, cfg, tmp_path / "merged", "merged", base_model_name_or_path=str(base))
+    export(ours, cfg, tmp_path / "merged", "merged", base)
     save_adapter(ours, cfg, tmp_path / "adapter", base_model_name_or_path=str(base))
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
     oracle = peft.PeftModel.from_pretrained(hf_load(base), tmp_path / "adapter").eval()
@@ -224,7 +233,7 @@ def test_base_and_adapter_round_trip(make_tiny_hf, tmp_path):
     tok.mkdir()
     (tok / "tokenizer.json").write_text("{}")
     (tok / "tokenizer_config.json").write_text("{}")
-    out = save_model(ours, cfg, tmp_path / "out", "base_and_adapter", base_model_name_or_path=str(base), tokenizer=tok)
+    out = export(ours, cfg, tmp_path / "out", "base_and_adapter", base, tokenizer=tok)
     assert (out / "base" / "tokenizer.json").is_file() and (out / "adapter" / "tokenizer_config.json").is_file()
     assert (logits(hf_load(out / "base")) - logits(hf)).abs().max() <= TOL  # the base is the original
     fresh = load_pretrained(out / "base").eval()
@@ -288,7 +297,7 @@ def test_bf16_base_with_fp32_adapters(make_tiny_hf, tmp_path):
     assert out.dtype == torch.bfloat16
     out.float().pow(2).mean().backward()
     assert all(p.grad is not None for _, p in trainable_parameters(model))
-    save_model(model, cfg, tmp_path / "merged", "merged")
+    export(model, cfg, tmp_path / "merged", "merged", base, dtype=torch.bfloat16)
     assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.bfloat16}
 
 

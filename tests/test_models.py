@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.models import DecoderConfig, load_pretrained, save_pretrained
-from nxd_finetune.sft.loss import causal_lm_loss
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, vocab_size=128, max_position_embeddings=256)
@@ -186,8 +186,14 @@ def test_per_sample_attention_equals_the_segment_mask(tmp_path, monkeypatch):
 def test_loss_at_targets_equals_full_logits_loss(tmp_path, monkeypatch, layout):
     """Logits at target positions only (the last layer's o_proj/MLP on those rows only) give the
     full-logits loss and gradients, for packed rows (per-sample runs or the mask) and plain rows."""
+    from nxd_finetune.loss import ce_sum, target_index
     from nxd_finetune.models import llama
-    from nxd_finetune.sft.loss import causal_lm_loss_at_targets
+
+    def causal_lm_loss_at_targets(model, batch, reduction):  # what Engine.logits_and_targets + ce_sum do
+        index, targets = target_index(batch["labels"])
+        logits = model(batch["input_ids"], batch["position_ids"], batch["segment_ids"], logits_index=index)
+        loss = ce_sum(logits, targets)
+        return loss if reduction == "sum" else loss / max(1, targets.numel())
 
     make_hf(CONFIGS["llama2"](), tmp_path)
     model = load_pretrained(tmp_path)

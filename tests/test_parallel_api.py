@@ -14,18 +14,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nxd_finetune.errors import NxdError
-from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
-from nxd_finetune.parallel import gather_shards, iter_shard_specs
-from nxd_finetune.parallel.api import (
+from nxd_finetune.api import (
     PipelineModel,
     apply_activation_checkpointing,
     initialize_parallel_model,
     initialize_parallel_optimizer,
     neuronx_distributed_config,
 )
+from nxd_finetune.errors import NxdError
+from nxd_finetune.loss import causal_lm_loss
+from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
+from nxd_finetune.parallel import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.launch import device_backend, init_distributed, launch, smoke_test
-from nxd_finetune.sft.loss import causal_lm_loss
 
 TINY = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True)

@@ -20,7 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nxd_finetune.api import (
+    initialize_parallel_model,
+    initialize_parallel_optimizer,
+    neuronx_distributed_config,
+)
 from nxd_finetune.errors import NxdError
+from nxd_finetune.loss import causal_lm_loss, vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
@@ -29,18 +35,11 @@ from nxd_finetune.parallel import (
     RowParallelLinear,
     gather_shards,
     iter_shard_specs,
-    vocab_parallel_cross_entropy,
-)
-from nxd_finetune.parallel.api import (
-    initialize_parallel_model,
-    initialize_parallel_optimizer,
-    neuronx_distributed_config,
 )
 from nxd_finetune.parallel.clip import clip_grad_norm, clip_grad_norm_zero1
 from nxd_finetune.parallel.data_parallel import allreduce_gradients, allreduce_scalar_sum
 from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
-from nxd_finetune.sft.loss import causal_lm_loss
 
 # The first optimizer built in a process imports torch._dynamo (seconds); do it once here, before
 # the forked workers, instead of once per worker.

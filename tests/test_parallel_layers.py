@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.loss import vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
@@ -42,7 +43,6 @@ from nxd_finetune.parallel import (
     make_slice_reader,
     shard_slice,
     tp_plan_for,
-    vocab_parallel_cross_entropy,
 )
 from nxd_finetune.parallel import mappings as M
 

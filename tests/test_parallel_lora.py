@@ -39,9 +39,9 @@ from nxd_finetune.lora import (
     lora_modules,
     read_adapter,
     save_adapter,
-    save_model,
     trainable_parameters,
 )
+from nxd_finetune.loss import vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
@@ -54,7 +54,6 @@ from nxd_finetune.parallel import (
     iter_shard_specs,
     make_slice_reader,
     tp_plan_for,
-    vocab_parallel_cross_entropy,
 )
 from nxd_finetune.parallel import mappings as M
 
@@ -171,7 +170,7 @@ def _lora_worker(rank: int, world: int, tp: int, variants: list, save_dir: str) 
             _merge_checks(tag, model, ref_logits, state, out)
             if not sp:  # the files: tp run (written by TP rank 0) and tp=1 run
                 tp_dir = Path(save_dir, f"{label}-tp")
-                save_model(model, cfg, tp_dir, "adapter", base_model_name_or_path=base, state=state)
+                save_adapter(model, cfg, tp_dir, base_model_name_or_path=base, state=state)
                 if rank == 0:
                     save_adapter(ref, cfg, Path(save_dir, f"{label}-tp1"), base_model_name_or_path=base)
         if with_dropout:  # same RNG state -> the unsharded layer's masks, sharded inputs too
@@ -287,7 +286,4 @@ def test_load_errors_name_full_shapes_and_tp_save_refusals(make_tiny_hf, tmp_pat
     pp = types.SimpleNamespace(pp_size=2, tp_size=1, tp_rank=0, dp_rank=0)
     with pytest.raises(AdapterError, match="pipeline parallel: union the stages"):
         save_adapter(model, cfg, tmp_path / "pp", None, state=pp)
-    tp = types.SimpleNamespace(pp_size=1, tp_size=2, tp_rank=0, dp_rank=0)
-    with pytest.raises(AdapterError, match="save mode 'merged' is not supported at tp=2"):
-        save_model(model, cfg, tmp_path / "m", "merged", state=tp)
     assert not (tmp_path / "pp").exists()

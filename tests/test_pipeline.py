@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, inject_lora
+from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.models import DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel import ParallelDims, ParallelState
@@ -34,7 +35,6 @@ from nxd_finetune.parallel.pipeline import (
     split_layers,
     stage_ids_of_rank,
 )
-from nxd_finetune.sft.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.sft.trainer import micro_step
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -386,6 +386,7 @@ def test_eager_runtime_reads_values_at_once_and_keeps_cpu_tensors():
 def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
     """``Engine.full_logits`` (set by ``XlaRuntime.prepare``): logits at every position, the same
     loss as the default gather of target positions; ``sequence_parallel`` keeps its own meaning."""
+    from nxd_finetune.loss import ce_sum
     from nxd_finetune.sft.build import resolve_model_dir
     from nxd_finetune.sft.engine import build_engine
 
@@ -402,8 +403,8 @@ def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
     for full in (False, True):
         engine.full_logits = full
         with torch.no_grad():
-            logits, targets = engine._logits_and_targets(batch)
-        losses.append(engine._ce_sum(logits, targets))
+            logits, targets = engine.logits_and_targets(batch)
+        losses.append(ce_sum(logits, targets))
         shapes.append(tuple(logits.shape))
     assert shapes == [(11 + 7, engine.config.vocab_size), (2, 16, engine.config.vocab_size)]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
@@ -417,12 +418,14 @@ def _host_groups_worker(out_dir: str) -> dict:
 
     import torch.distributed as dist
 
+    from nxd_finetune import export
     from nxd_finetune.checkpoint.manager import CheckpointManager
     from nxd_finetune.checkpoint.training import StopSignals, TrainingCheckpoints, rng_state
+    from nxd_finetune.parallel.host import HostGroups
     from nxd_finetune.parallel.launch import init_distributed
+    from nxd_finetune.parallel.parallelize import RankModel
     from nxd_finetune.parallel.state import ParallelDims, ParallelState
-    from nxd_finetune.sft import export, trainer
-    from nxd_finetune.sft.engine import HostGroups
+    from nxd_finetune.sft import trainer
 
     backend = init_distributed("gloo")
     rank = backend.rank
@@ -459,7 +462,7 @@ def _host_groups_worker(out_dir: str) -> dict:
     out["rng_rows_are_each_ranks"] = rows.shape[0] == 2 and torch.equal(rows[rank], torch.get_rng_state())
     engine = SimpleNamespace(state=state, modules=[], runner=None, host=host)
     out["count"] = trainer._count(engine, [torch.nn.Parameter(torch.ones(3 + rank))])
-    united = export._unite_stages(state, host.pp, {f"stage{rank}.w": torch.full((2,), float(rank))})
+    united = export._unite_stages(RankModel([], state), host.pp, {f"stage{rank}.w": torch.full((2,), float(rank))})
     out["united"] = None if united is None else {k: v.tolist() for k, v in sorted(united.items())}
     manager = CheckpointManager(out_dir, state=state, group=host.world)
     out["resolved"] = manager.resolve("latest")  # rank 0 looks, broadcasts -1: nothing saved

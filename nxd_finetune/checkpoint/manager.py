@@ -317,7 +317,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager in a world of {world} processes needs state=ParallelState")
         if world > 1 and group is None and dist.get_backend() != "gloo":
             raise CheckpointError(f"CheckpointManager on the {dist.get_backend()} backend needs group= a gloo group "
-                                  "for its collectives on CPU tensors (sft.engine.HostGroups.world)")
+                                  "for its collectives on CPU tensors (parallel.host.HostGroups.world)")
         self.group = group
         self.uri = os.fspath(uri).rstrip("/")
         self.storage = open_storage(self.uri, **storage_options)

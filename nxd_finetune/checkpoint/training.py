@@ -2,9 +2,8 @@
 
 ::
 
-    ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader=data.train)
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader)   # loader: the batches the loop draws
     resumed = ckpt.resume(state)          # before the metrics writer opens; None: a fresh start
-    ckpt.eval_before = ...                # the eval before training (resumed.eval_before on a resume)
     ...                                   # each step, after logging and eval: ckpt.after_step(state, history)
     ckpt.finish(state, history)           # the end-of-run checkpoint; waits for async saves
     ckpt.close()                          # in a finally: signal handlers back
@@ -12,7 +11,7 @@
 A checkpoint's ``extra`` holds everything besides tensors of parameters and optimizer state: the
 counters (:class:`TrainState` fields), the LR scheduler, the data sampler's position, the RNG
 states (torch's CPU and CUDA generators of *every* rank, Python's ``random`` of rank 0), the
-logged history, the eval before training, the size of ``metrics.jsonl`` at the save, and the
+logged history (with the eval before training), the size of ``metrics.jsonl`` at the save, and the
 recipe. Resuming restores all of them, truncates ``metrics.jsonl`` back to that size (so no step
 is logged twice) and hides TensorBoard events after the step (``purge_step``), so a run killed at
 any point and resumed logs and trains exactly as an uninterrupted one.
@@ -211,8 +210,8 @@ class TrainingCheckpoints:
     loader that reports the position of the batches handed out); ``out_dir``: the run's output
     directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``group``: the
     world's group for collectives on CPU tensors (``Engine.host.world``: gloo; None: the default
-    group, which must then be gloo). ``eval_before``: stored with each checkpoint for the summary.
-    Installs the stop-signal handlers.
+    group, which must then be gloo). The eval before training travels in the history (its
+    step-0 record). Installs the stop-signal handlers.
     """
 
     def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any, group: Any = None) -> None:
@@ -224,7 +223,6 @@ class TrainingCheckpoints:
         self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
                                          state=engine.state, group=group)
         self.last_saved: int | None = None
-        self.eval_before: dict[str, float] = {}
         self.signals = StopSignals()
 
     @property
@@ -261,7 +259,10 @@ class TrainingCheckpoints:
         self._barrier()
         if ref.uri == f"{self.manager.uri}/step-{ref.step:08d}":
             self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice
-        return Resumed(ref, extra["history"], extra["eval_before"])
+        history = extra["history"]
+        before = next((h for h in history if h.get("step") == 0 and "eval_loss" in h), None)
+        eval_before = {k: v for k, v in before.items() if k != "step"} if before else extra.get("eval_before", {})
+        return Resumed(ref, history, eval_before)
 
     def _remove_after(self, step: int, why: str) -> None:
         later = [s for s, _ in list_checkpoints(self.manager.storage) if s > step]
@@ -284,7 +285,6 @@ class TrainingCheckpoints:
             "data": self.loader.state_dict(),
             "rng": rng_state(e.state, self.group, e.device),
             "history": history,
-            "eval_before": self.eval_before,
             "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
             "recipe": self.recipe.to_yaml(),
         }

@@ -15,22 +15,20 @@ from nxd_finetune.lora.inject import (
     trainable_parameters,
 )
 from nxd_finetune.lora.io import (
-    SAVE_MODES,
     adapter_state_dict,
     gather_adapter_state_dict,
     load_adapter,
     lora_state_dict,
     read_adapter,
     save_adapter,
-    save_model,
     save_tokenizer,
+    write_adapter_files,
 )
 from nxd_finetune.lora.layers import LoraLinear, ModulesToSaveWrapper, lora_layer_for, register_lora_layer
 from nxd_finetune.lora.sharded import ColumnParallelLoraLinear, RowParallelLoraLinear
 
 __all__ = [
     "ALL_LINEAR",
-    "SAVE_MODES",
     "ColumnParallelLoraLinear",
     "LoraConfig",
     "LoraLinear",
@@ -50,7 +48,7 @@ __all__ = [
     "read_adapter",
     "register_lora_layer",
     "save_adapter",
-    "save_model",
+    "write_adapter_files",
     "save_tokenizer",
     "saved_modules",
     "trainable_parameters",

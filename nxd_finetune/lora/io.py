@@ -1,4 +1,4 @@
-"""Adapter files in PEFT's format, and the three ways to save a LoRA-trained model.
+"""Adapter files in PEFT's format (the save modes are written by :mod:`nxd_finetune.export`).
 
 An adapter directory is what ``peft.PeftModel.save_pretrained`` writes: ``adapter_config.json``
 and ``adapter_model.safetensors`` keyed ``base_model.model.<module>.lora_A.weight`` /
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,6 @@ from nxd_finetune.lora.inject import (
     inject_lora,
     lora_modules,
     saved_modules,
-    untied_config,
 )
 from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 
@@ -47,7 +46,6 @@ PEFT_PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_HASH_KEY = "nxd_config_hash"  # safetensors metadata: the hash of the base config
-SAVE_MODES = ("adapter", "base_and_adapter", "merged")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -128,10 +126,9 @@ def _peft_keys(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def _resolved_targets(model: nn.Module, cfg: LoraConfig, names: list[str] | None = None) -> list[str] | str:
+def _resolved_targets(cfg: LoraConfig, names: list[str]) -> list[str] | str:
     if cfg.target_modules != ALL_LINEAR:
         return cfg.target_modules
-    names = names if names is not None else [name for name, _ in lora_modules(model)]
     return sorted({name.rpartition(".")[2] for name in names})
 
 
@@ -182,25 +179,51 @@ def save_adapter(
         raise AdapterError(
             "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
         )
-    out = Path(out_dir)
     if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
         config_hash = model.config.config_hash()
-    d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
-    d["target_modules"] = _resolved_targets(model, cfg, target_names)
-    clash = sorted(set(extra_config or {}) & set(d))
-    if clash:
-        raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
-    d.update(extra_config or {})
     if tensors is not None:
         sd = tensors
     else:
         sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
+    names = target_names if target_names is not None else [name for name, _ in lora_modules(model)]
     if not _is_writer(state):
-        return out
-    tensors = {k: v.to("cpu").contiguous() for k, v in sd.items()}
+        _adapter_config(cfg, base_model_name_or_path, revision, names, extra_config)  # same errors on every rank
+        return Path(out_dir)
+    return write_adapter_files(out_dir, cfg, sd, names, base_model_name_or_path, revision=revision,
+                               config_hash=config_hash, extra_config=extra_config)
+
+
+def _adapter_config(cfg: LoraConfig, base_model_name_or_path: str | None, revision: str | None,
+                    target_names: list[str], extra_config: dict[str, Any] | None) -> dict[str, Any]:
+    d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
+    d["target_modules"] = _resolved_targets(cfg, target_names)
+    clash = sorted(set(extra_config or {}) & set(d))
+    if clash:
+        raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
+    d.update(extra_config or {})
+    return d
+
+
+def write_adapter_files(
+    out_dir: str | Path,
+    cfg: LoraConfig,
+    tensors: dict[str, torch.Tensor],
+    target_names: list[str],
+    base_model_name_or_path: str | None,
+    *,
+    revision: str | None = None,
+    config_hash: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` from full tensors under PEFT
+    file keys (no model needed): what :func:`save_adapter` and the run's exporter write.
+    ``target_names``: the wrapped modules of the whole model (resolves ``all-linear``)."""
+    out = Path(out_dir)
+    d = _adapter_config(cfg, base_model_name_or_path, revision, target_names, extra_config)
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", **({CONFIG_HASH_KEY: config_hash} if config_hash else {})}
-    _write_atomic(out / WEIGHTS_NAME, lambda p: p.write_bytes(_safetensors_bytes(tensors, metadata)))
+    _write_atomic(out / WEIGHTS_NAME, lambda p: p.write_bytes(_safetensors_bytes(cpu, metadata)))
     _write_atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(d, indent=2, sort_keys=True)))
     return out
 
@@ -349,41 +372,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
 # ----------------------------------------------------------------------------- save modes
 
 
-def _hf_tensors(model: nn.Module, merged: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model as HF checkpoint tensors, one at a time (nothing in ``model`` changes).
-
-    ``merged=False``: the original base (LoRA factors dropped, merged layers un-merged,
-    ``modules_to_save`` originals). ``merged=True``: LoRA folded in, ``modules_to_save`` copies.
-    """
-    loras = dict(lora_modules(model))
-    wrappers = dict(saved_modules(model))
-    owners: dict[str, nn.Module] = {**loras, **wrappers}
-    for key, t in model.state_dict().items():
-        owner = _owner(key, owners)
-        if owner is None:
-            yield key, t
-            continue
-        name, rest = owner
-        if name in wrappers:
-            keep = "modules_to_save." if merged else "original_module."
-            if rest.startswith(keep):
-                yield f"{name}.{rest.removeprefix(keep)}", t
-        elif rest == "base_layer.weight":
-            m = loras[name]
-            yield f"{name}.weight", m.merged_weight() if merged else m.unmerged_weight()
-        elif rest.startswith("base_layer."):
-            yield f"{name}.{rest.removeprefix('base_layer.')}", t
-
-
 def _needs_untie(model: nn.Module, config: Any) -> bool:
     changed = {n for n, _ in lora_modules(model)} | {n for n, _ in saved_modules(model)}
     return bool(config.tie_word_embeddings) and any(n == OUTPUT_LAYER or n.endswith(".embed_tokens") for n in changed)
-
-
-def _base_dtype(model: nn.Module) -> torch.dtype | None:
-    for _, m in lora_modules(model):
-        return m.base_layer.weight.dtype
-    return None
 
 
 def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
@@ -402,68 +393,3 @@ def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
         raise AdapterError(f"no tokenizer files in {src}")
     for f in files:
         shutil.copyfile(f, out / f.name)
-
-
-def save_model(
-    model: nn.Module,
-    cfg: LoraConfig,
-    out_dir: str | Path,
-    mode: str,
-    *,
-    base_model_name_or_path: str | None = None,
-    base_config: Any = None,
-    tokenizer: Any = None,
-    revision: str | None = None,
-    extra_config: dict[str, Any] | None = None,
-    dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 2 * 1024**3,
-    state: ParallelState | None = None,
-) -> Path:
-    """Save a LoRA-trained model in one of three modes, without changing ``model``.
-
-    - ``adapter``: ``out_dir`` = PEFT adapter (+ tokenizer files).
-    - ``base_and_adapter``: ``out_dir/base`` = HF checkpoint of the original base weights
-      (+ tokenizer), ``out_dir/adapter`` = PEFT adapter (+ tokenizer). With ``bias`` other than
-      ``none`` the base holds the trained biases (they are trained in place, as in PEFT); the
-      adapter carries them too, so base + adapter is exact.
-    - ``merged``: ``out_dir`` = HF checkpoint with LoRA folded in, loadable by
-      ``transformers.AutoModelForCausalLM`` alone. Merged tensors are computed one at a time and
-      streamed to disk. A tied ``lm_head`` whose LoRA or copy changed it is written untied.
-
-    ``base_config``: the ``models.DecoderConfig`` (default ``model.config``), needed for the HF
-    modes. ``tokenizer``: a directory or an object with ``save_pretrained``. ``dtype``: dtype of the
-    HF checkpoint tensors (default: the dtype of the LoRA layers' base weights). Returns ``out_dir``.
-
-    ``state`` (tensor-parallel model): ``adapter`` mode gathers and writes on one rank as
-    :func:`save_adapter` does; the HF modes would need the base weights gathered and raise
-    AdapterError at tp > 1 (save the adapter, then merge it offline).
-    """
-    from nxd_finetune.models import save_pretrained
-
-    if mode not in SAVE_MODES:
-        raise AdapterError(f"unknown save mode {mode!r}; use one of {', '.join(SAVE_MODES)}")
-    out = Path(out_dir)
-    config = base_config if base_config is not None else getattr(model, "config", None)
-    config_hash = config.config_hash() if hasattr(config, "config_hash") else None
-    if mode == "adapter":
-        save_adapter(model, cfg, out, base_model_name_or_path, extra_config, revision, config_hash, state=state)
-        if _is_writer(state):
-            save_tokenizer(tokenizer, out)
-        return out
-    if state is not None and state.tp_size > 1:
-        raise AdapterError(f"save mode {mode!r} is not supported at tp={state.tp_size}; use mode 'adapter'")
-    if config is None:
-        raise AdapterError(f"save mode {mode!r} needs the base model's config")
-    if dtype is None:  # one dtype for the checkpoint: the base's, not that of fp32-trained copies/biases
-        dtype = _base_dtype(model)
-    if mode == "base_and_adapter":
-        save_pretrained(config, _hf_tensors(model, merged=False), out / "base", dtype, max_shard_bytes)
-        save_tokenizer(tokenizer, out / "base")
-        save_adapter(model, cfg, out / "adapter", base_model_name_or_path, extra_config, revision, config_hash)
-        save_tokenizer(tokenizer, out / "adapter")
-        return out
-    if _needs_untie(model, config):
-        config = untied_config(config)
-    save_pretrained(config, _hf_tensors(model, merged=True), out, dtype, max_shard_bytes)
-    save_tokenizer(tokenizer, out)
-    return out

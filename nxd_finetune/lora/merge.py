@@ -44,7 +44,7 @@ from nxd_finetune.lora.io import (
     read_adapter,
     save_tokenizer,
 )
-from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index, save_pretrained
+from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index, copy_generation_config, save_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,9 @@ def merge_adapter(
     """Write ``base_dir`` + the adapter in ``adapter_dir`` as a merged HF checkpoint in ``out_dir``.
 
     ``out_dir`` must not exist or be empty; the checkpoint is written to a temporary sibling and
-    renamed, so ``out_dir`` is complete or absent. Output: ``config.json``, ``model.safetensors``
-    or shards of at most ``max_shard_bytes`` (one larger tensor gets a shard alone) with
+    renamed, so ``out_dir`` is complete or absent. Output: the base's ``config.json`` (untied when
+    needed, its dtype key set to ``dtype``) and ``generation_config.json``, ``model.safetensors`` or
+    shards of at most ``max_shard_bytes`` (one larger tensor gets a shard alone) with
     ``model.safetensors.index.json``, and the base's tokenizer files when present. ``dtype``
     (``fp32|bf16|fp16`` or a torch dtype): of every tensor (default: each base tensor's own).
     Differences between the base and what the adapter records (config hash, ``base_revision``)
@@ -241,6 +242,7 @@ def merge_adapter(
     try:
         stream = _with_progress(_merged_tensors(plan, index, dtypes, out_dtype), len(plan.sources), progress)
         save_pretrained(plan.config, stream, tmp, out_dtype, max_shard_bytes)
+        copy_generation_config(base_dir, tmp)
         if any((base_dir / f).is_file() for f in TOKENIZER_FILES):
             save_tokenizer(base_dir, tmp)
         os.chmod(tmp, 0o755)

@@ -5,6 +5,7 @@ from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.models.loading import (
     build_model,
     checkpoint_index,
+    copy_generation_config,
     load_pretrained,
     materialize,
     resolve_dtype,
@@ -15,6 +16,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DecoderConfig",
     "DecoderForCausalLM",
+    "copy_generation_config",
     "build_model",
     "checkpoint_index",
     "load_pretrained",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -175,7 +176,19 @@ def save_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     cfg = config.to_hf()
-    if dtype is not None:
-        cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        cfg.pop("dtype", None)
+    if dtype is not None:  # the source's key (transformers 5 writes "dtype", 4.x "torch_dtype")
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
+        cfg.update(dict.fromkeys(keys, name))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def copy_generation_config(source_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy the source checkpoint's ``generation_config.json`` (eos ids, sampling defaults) into an
+    HF checkpoint written from it, byte for byte; nothing when the source has none."""
+    src = Path(source_dir) / GENERATION_CONFIG
+    if src.is_file():
+        shutil.copyfile(src, Path(out_dir) / GENERATION_CONFIG)

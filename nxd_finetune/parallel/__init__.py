@@ -3,7 +3,8 @@
 - :mod:`.state`: ``ParallelDims`` (tp, pp, dp) and ``ParallelState`` (the groups; rank layout tp
   fastest, then dp, then pp).
 - :mod:`.mappings`: collectives as autograd functions with one-line contracts.
-- :mod:`.layers`: Column/Row-parallel linears, vocab-parallel embedding and cross entropy,
+- :mod:`.layers`: Column/Row-parallel linears, vocab-parallel embedding (the vocab-parallel cross
+  entropy is in :mod:`nxd_finetune.loss`),
   ``ShardSpec`` metadata and slice helpers.
 - :mod:`.plan`: per-family TP plans, ``apply_tp_plan``, the checkpoint slice reader and the
   gradient sync of replicated parameters.
@@ -20,7 +21,6 @@ from nxd_finetune.parallel.layers import (
     iter_shard_specs,
     shard_slice,
     shard_tensor,
-    vocab_parallel_cross_entropy,
 )
 from nxd_finetune.parallel.plan import (
     LLAMA_TP_PLAN,
@@ -53,5 +53,4 @@ __all__ = [
     "shard_slice",
     "shard_tensor",
     "tp_plan_for",
-    "vocab_parallel_cross_entropy",
 ]

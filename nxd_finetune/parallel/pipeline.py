@@ -56,8 +56,8 @@ from torch.distributed.pipelining import (
 )
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.loss import IGNORE_INDEX, count_targets, eval_stats, shift_labels, step_loss
 from nxd_finetune.parallel.state import ParallelState
-from nxd_finetune.sft.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 
 SCHEDULES: dict[str, type] = {
     "1f1b": Schedule1F1B,
@@ -158,25 +158,6 @@ def build_stages(model: nn.Module, state: ParallelState, virtual_stages: int = 1
             for s in stage_ids_of_rank(state.pp_rank, pp, virtual_stages)]
 
 
-def step_normalised_loss(logits: torch.Tensor, labels: torch.Tensor, n_targets: Any) -> torch.Tensor:
-    """The trainer's micro-batch loss: cross entropy summed over the micro-batch's targets, divided
-    by ``n_targets``, the target tokens of the whole optimizer step (all micro-batches, all dp ranks)."""
-    return causal_lm_loss(logits, labels, reduction="sum") / n_targets
-
-
-def _full_vocab_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``[loss sum, correct, targets]`` from full-vocabulary logits ``[B, T, V]`` and shifted targets."""
-    mask = targets != IGNORE_INDEX
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
-    return torch.stack([loss, ((logits.argmax(-1) == targets) & mask).sum().float(), mask.sum().float()])
-
-
-def count_targets(micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Loss-bearing tokens (shifted labels != -100) over ``micro_batches``, at least 1."""
-    return sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
-
-
 def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, torch.Tensor]:
     """Pad a micro-batch to ``[rows, cols]`` with tokens that carry no loss and see nothing else:
     label -100, position 0, segment -1 (attends only to earlier padding)."""
@@ -195,7 +176,7 @@ class PipelineRunner:
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
     (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). ``loss_fn(logits, labels,
-    n_targets)``, default :func:`step_normalised_loss`. ``stats_fn(logits, targets)`` -> ``[loss
+    n_targets)``, default :func:`nxd_finetune.loss.step_loss`. ``stats_fn(logits, targets)`` -> ``[loss
     sum, correct, targets]`` for :meth:`eval_step`, default full-vocabulary logits (tensor-parallel
     stages pass one that knows the vocab shards). Construction is collective over the
     world when the model has tied embeddings (it creates the [first, last] stage groups).
@@ -224,8 +205,8 @@ class PipelineRunner:
         self.stage_modules = list(stage_modules)
         self.num_stages = state.pp_size * chunks
         self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
-        self.loss_fn = loss_fn or step_normalised_loss
-        self.stats_fn = stats_fn or _full_vocab_stats
+        self.loss_fn = loss_fn or step_loss
+        self.stats_fn = stats_fn or eval_stats
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._tied_group = self._make_tied_group()
@@ -318,7 +299,7 @@ class PipelineRunner:
             raise NxdError(f"pipeline step got {len(micro_batches)} micro-batches, expected {self.n_microbatches}")
         mbs = self._uniform(micro_batches)
         if n_targets is None:
-            n_targets = count_targets(mbs)
+            n_targets = count_targets([m["labels"] for m in mbs])
         schedule = self._schedule_for(tuple(mbs[0]["input_ids"].shape))
         args, kwargs = self._inputs(mbs)
         last = self.state.is_last_stage

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nxd_finetune.errors import DataError
+from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import formats
-from nxd_finetune.sft.formats import IGNORE_INDEX
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}

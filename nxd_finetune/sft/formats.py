@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from nxd_finetune.errors import DataError
+from nxd_finetune.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 FORMATS = ("messages", "alpaca", "prompt_completion", "text")
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from nxd_finetune.errors import DataError
-from nxd_finetune.sft.formats import IGNORE_INDEX
+from nxd_finetune.loss import IGNORE_INDEX
 
 
 def pack_bins(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:

@@ -22,16 +22,24 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.sft.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.sft.metrics import MetricsWriter, Progress
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.training import TrainingCheckpoints
+    from nxd_finetune.export import ExportSpec
+    from nxd_finetune.recipe import Recipe
+    from nxd_finetune.sft.engine import Engine
+    from nxd_finetune.sft.loader import TrainLoader
+    from nxd_finetune.xla import StepRuntime
 
 
 @dataclasses.dataclass
@@ -64,8 +72,8 @@ def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets
     return loss.detach()
 
 
-def evaluate(engine: Any, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
-             runtime: Any = None) -> dict[str, float]:
+def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
+             runtime: StepRuntime | None = None) -> dict[str, float]:
     """Token-mean eval loss, perplexity and next-token accuracy over target tokens of every dp
     rank's eval share. Collective (every rank calls it; eval loaders give each rank as many batches).
     One host read at the end; on XLA one graph per batch (``runtime.sync()``)."""
@@ -86,16 +94,16 @@ def evaluate(engine: Any, batches: Iterator[dict[str, torch.Tensor]], max_batche
 
 
 def train(
-    engine: Any,
+    engine: Engine,
     steps: Iterator[tuple[list[dict[str, torch.Tensor]], int]],
     total_steps: int,
-    recipe: Any,
+    recipe: Recipe,
     metrics: MetricsWriter,
-    eval_fn: Any,
+    eval_fn: Callable[[], dict[str, float]] | None,
     state: TrainState,
     show_progress: bool,
-    runtime: Any = None,
-    ckpt: Any = None,
+    runtime: StepRuntime | None = None,
+    ckpt: TrainingCheckpoints | None = None,
     history: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
@@ -167,7 +175,7 @@ def save_summary(out_dir: Path, summary: dict[str, Any]) -> None:
 
 
 def _step_batches(
-    train_loader: Any, grad_accum: int, packing: bool
+    train_loader: TrainLoader, grad_accum: int, packing: bool
 ) -> Iterator[tuple[list[dict[str, torch.Tensor]], int]]:
     """Group the endless micro-batch stream into optimizer steps. Unpacked rows hold one sample
     each and are right-padded, so causal attention alone already keeps tokens off the padding:
@@ -187,7 +195,7 @@ def _step_batches(
 # ---------------------------------------------------------------------- processes
 
 
-def run(recipe: Any) -> dict[str, Any]:
+def run(recipe: Recipe) -> dict[str, Any] | None:
     """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``).
 
     ``parallel.nproc > 1`` outside a launched environment: the model and the tokenized data are
@@ -208,13 +216,28 @@ def run(recipe: Any) -> dict[str, Any]:
     return results[0]
 
 
+def export_spec(recipe: Recipe, model_dir: Path, tokenizer: Any) -> ExportSpec:
+    """What the run's final artefact is (:mod:`nxd_finetune.export`): the recipe's save mode (full
+    SFT: ``full``), the tensors of merged / full-SFT outputs in the training dtype, and as the
+    adapter's base the model path, or for a ``builtin:`` model the local directory it is
+    materialised in (which peft and vLLM can load)."""
+    from nxd_finetune.export import ExportSpec
+    from nxd_finetune.models import resolve_dtype
+
+    path = recipe.model.path
+    dtype = torch.bfloat16 if recipe.training.precision == "bf16" else resolve_dtype(recipe.model.dtype)
+    return ExportSpec(mode="full" if recipe.lora is None else recipe.checkpoint.save_mode, source_dir=model_dir,
+                      base_name=str(model_dir) if path.startswith("builtin:") else path, dtype=dtype,
+                      revision=recipe.model.revision, tokenizer=tokenizer)
+
+
 def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
     from nxd_finetune.recipe import recipe_from_dict
 
     return run_rank(recipe_from_dict(recipe_dict))
 
 
-def _recipe_for_world(recipe: Any, world: int) -> Any:
+def _recipe_for_world(recipe: Recipe, world: int) -> Recipe:
     if recipe.parallel.nproc == world:
         return recipe
     if recipe.parallel.nproc != 1:
@@ -226,11 +249,8 @@ def _recipe_for_world(recipe: Any, world: int) -> Any:
     return recipe_from_dict(data, "launched world")
 
 
-def _preflight(recipe: Any) -> None:
+def _preflight(recipe: Recipe) -> None:
     """Checks that need no model, before any worker starts."""
-    from nxd_finetune.sft.export import check_save_mode
-
-    check_save_mode(recipe)
     from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import check_against_model
     from nxd_finetune.sft.build import resolve_model_dir
@@ -242,7 +262,7 @@ def _preflight(recipe: Any) -> None:
         check_publish_target(recipe.output.registry, None if recipe.lora is None else recipe.checkpoint.save_mode)
 
 
-def _prepare_shared(recipe: Any) -> None:
+def _prepare_shared(recipe: Recipe) -> None:
     """Build what workers would race to create: the builtin model and the tokenized-data cache."""
     from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
     from nxd_finetune.sft.data import DataSpec, prepare_datasets
@@ -252,7 +272,7 @@ def _prepare_shared(recipe: Any) -> None:
 
 
 @contextlib.contextmanager
-def _rank0_first(rank: int, group: Any) -> Iterator[None]:
+def _rank0_first(rank: int, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Rank 0 runs the block first (filling caches), the others after it. ``group``: the world's
     host group (gloo; the xla backend's own barrier returns at once)."""
     initialised = dist.is_available() and dist.is_initialized()
@@ -263,7 +283,7 @@ def _rank0_first(rank: int, group: Any) -> Iterator[None]:
         dist.barrier(group=group)
 
 
-def run_rank(recipe: Any) -> dict[str, Any] | None:
+def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
     from nxd_finetune.neuron import apply_neuron_env
     from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
@@ -311,20 +331,23 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     n_trainable = _count(engine, engine.trainable())
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
 
+    # lazy: nothing is drawn before a resume restores the data position through it
+    steps = runtime.batches(_step_batches(data.train, grad_accum, recipe.data.packing),
+                            snapshot=data.train.state_dict, restore=data.train.load_state_dict)
     state = TrainState()
-    ckpt = TrainingCheckpoints(recipe, engine, out_dir, data.train, group=host.world)
+    # checkpoints record the position of the batches handed out, not of those prefetched
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, steps, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
     metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
+    history = resumed.history if resumed else []
     before = resumed.eval_before if resumed else eval_fn()
     if before and not resumed:
         metrics.log(0, before)
+        history.append({"step": 0, **before})  # checkpoints carry it with the history
     t_first = time.perf_counter() - t0
-    steps = runtime.batches(_step_batches(data.train, grad_accum, recipe.data.packing),
-                            snapshot=data.train.state_dict, restore=data.train.load_state_dict)
-    ckpt.loader, ckpt.eval_before = steps, before  # checkpoints record the position of batches handed out
     try:
         history = train(engine, steps, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
-                        state, recipe.logging.progress, runtime, ckpt, resumed.history if resumed else None)
+                        state, recipe.logging.progress, runtime, ckpt, history)
         ckpt.finish(state, history)
     finally:
         ckpt.close()
@@ -339,10 +362,11 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
         write_loss_curve(metrics.path, out_dir / "loss_curve.svg", f"{recipe.model.path}: loss")
     train_time = time.perf_counter() - t0 - t_first
     final_dir = out_dir / "final"
-    from nxd_finetune.sft.export import save_final
+    from nxd_finetune.export import export_model
 
     runtime.wait()
-    save_final(engine, recipe, tokenizer, model_dir, final_dir)
+    export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer), config=engine.config,
+                 lora=engine.lora_config, lora_targets=engine.lora_targets, pp_group=engine.host.pp)
     if not engine.is_logger:
         return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
@@ -368,7 +392,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     return summary
 
 
-def _count(engine: Any, params: list[torch.nn.Parameter]) -> int:
+def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     """Elements of the unsharded model among ``params`` (shards counted at their full size, once
     per pipeline stage). Collective over tp and pp (the engine's host groups: a CPU tensor)."""
     from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
@@ -387,7 +411,7 @@ def _count(engine: Any, params: list[torch.nn.Parameter]) -> int:
     return int(total)
 
 
-def _publish(recipe: Any, engine: Any, final_dir: Path, summary: dict[str, Any]) -> int:
+def _publish(recipe: Recipe, engine: Engine, final_dir: Path, summary: dict[str, Any]) -> int:
     from nxd_finetune.registry.publish import publish_run
 
     keys = ("steps", "tokens", "first_loss", "final_loss", "eval_after")

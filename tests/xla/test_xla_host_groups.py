@@ -22,9 +22,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from nxd_finetune.errors import NxdError  # noqa: E402
+from nxd_finetune.parallel.host import HostGroups  # noqa: E402
 from nxd_finetune.parallel.launch import init_distributed, launch  # noqa: E402
 from nxd_finetune.parallel.state import ParallelDims, ParallelState  # noqa: E402
-from nxd_finetune.sft.engine import HostGroups  # noqa: E402
 
 CALLS = {
     "all_reduce": lambda g: dist.all_reduce(torch.ones(1), group=g),

@@ -1,0 +1,162 @@
+"""The one exporter: a run's final artefact, the same files whatever the parallel layout.
+
+Two steps, for every world size:
+
+1. :func:`gather_to_writer` -- the full tensors on global rank 0 (a no-op at world size 1): the
+   adapter under PEFT file keys (LoRA), or every model tensor under HF keys (full SFT), gathered
+   over tensor parallel and united over the pipeline stages;
+2. :func:`write_final` -- rank 0 writes the save mode into a temporary sibling of the output
+   directory and renames it into place (complete or absent):
+
+   - ``adapter``: a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and the
+     tokenizer files;
+   - ``base_and_adapter``: ``base/`` = the source checkpoint as it is (its ``config.json``,
+     ``generation_config.json``, safetensors and index, byte for byte) + tokenizer, ``adapter/``
+     as above. Trained biases (``lora.bias``) travel in the adapter, which PEFT loads over the base;
+   - ``merged``: the adapter folded into the source checkpoint tensor by tensor
+     (:func:`nxd_finetune.lora.merge.merge_adapter`, as ``nxd-finetune merge``) in ``dtype``;
+   - ``full`` (full SFT): the trained tensors in ``dtype`` as an HF checkpoint.
+
+   Written HF checkpoints keep the source's ``config.json`` (only its dtype key set to the written
+   dtype; ``tie_word_embeddings`` false when a merge unties the head) and its
+   ``generation_config.json``.
+
+Every rank calls :func:`export_model` (collective); only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from nxd_finetune.lora import LoraConfig, adapter_state_dict, gather_adapter_state_dict, write_adapter_files
+from nxd_finetune.models import DecoderConfig, copy_generation_config, save_pretrained
+from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
+from nxd_finetune.parallel.parallelize import RankModel
+
+SaveMode = Literal["adapter", "base_and_adapter", "merged", "full"]
+SAVE_MODES: tuple[str, ...] = ("adapter", "base_and_adapter", "merged")  # LoRA's; full SFT writes "full"
+BASE_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSpec:
+    """What to write. ``source_dir``: the HF checkpoint the run started from; ``base_name``: the
+    adapter's ``base_model_name_or_path`` (a directory or hub id peft / vLLM can resolve);
+    ``dtype``: of merged / full-SFT tensors; ``tokenizer``: an object with ``save_pretrained`` or a
+    directory of tokenizer files (None: none written)."""
+
+    mode: SaveMode
+    source_dir: Path
+    base_name: str
+    dtype: torch.dtype = torch.float32
+    revision: str | None = None
+    tokenizer: Any = None
+
+
+def _unite_stages(rank_model: RankModel, pp_group: dist.ProcessGroup | None, local: Tensors) -> Tensors | None:
+    """``local`` (this rank's stages, already gathered over TP) united over the pipeline ranks on
+    global rank 0; None elsewhere. Only the (dp 0, tp 0) rank of every stage sends, as pickled CPU
+    tensors over ``pp_group`` (a gloo group: the host groups' ``pp``)."""
+    state = rank_model.state
+    if state.pp_size == 1:
+        return local if state.rank == 0 else None
+    if state.dp_rank != 0 or state.tp_rank != 0:
+        return None
+    parts: list[Any] | None = [None] * state.pp_size if state.pp_rank == 0 else None
+    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.pp_ranks[0], group=pp_group)
+    if parts is None:
+        return None
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def gather_to_writer(rank_model: RankModel, lora: LoraConfig | None,
+                     pp_group: dist.ProcessGroup | None = None) -> Tensors | None:
+    """The full tensors on global rank 0 (None on other ranks): the adapter under PEFT file keys
+    with ``lora``, else every model tensor under HF keys. Collective over tp and pp."""
+    state = rank_model.state
+    local: Tensors = {}
+    for m in rank_model.modules:
+        if lora is not None:
+            local.update(adapter_state_dict(m, lora.bias) if state.tp_size == 1
+                         else gather_adapter_state_dict(m, state, lora.bias))
+        else:
+            specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
+            for name, t in m.state_dict().items():
+                local[name] = gather_shards(t, specs[name], state.tp_group) if name in specs else t.detach()
+    return _unite_stages(rank_model, pp_group, local)
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    from nxd_finetune.lora import save_tokenizer
+
+    save_tokenizer(tokenizer, out)
+
+
+def _copy_base(source: Path, out: Path) -> None:
+    """The source checkpoint's model files, byte for byte."""
+    out.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and (f.suffix == ".safetensors" or f.name in BASE_FILES):
+            shutil.copyfile(f, out / f.name)
+
+
+def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,
+                lora: LoraConfig | None, lora_targets: list[str] | None = None) -> Path:
+    """Write the save mode into ``out_dir`` (replaced if it exists) from the full ``tensors``
+    (:func:`gather_to_writer`); the directory appears complete or not at all. One process."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+
+    def adapter(out: Path) -> None:
+        assert lora is not None
+        write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
+                            revision=spec.revision, config_hash=config.config_hash())
+
+    try:
+        if lora is None:
+            save_pretrained(config, tensors.items(), tmp, spec.dtype)
+            copy_generation_config(spec.source_dir, tmp)
+        elif spec.mode == "adapter":
+            adapter(tmp)
+        elif spec.mode == "base_and_adapter":
+            adapter(tmp / "adapter")
+            _save_tokenizer(spec.tokenizer, tmp / "adapter")
+            _copy_base(spec.source_dir, tmp / "base")
+        elif spec.mode == "merged":  # from the files, as `nxd-finetune merge` does
+            from nxd_finetune.lora.merge import merge_adapter
+
+            with tempfile.TemporaryDirectory(prefix=".nxd-adapter-", dir=out_dir.parent) as files:
+                adapter(Path(files))
+                merge_adapter(files, spec.source_dir, tmp, dtype=spec.dtype, base_revision=spec.revision)
+        else:
+            raise ValueError(f"unknown save mode {spec.mode!r}; use one of {', '.join(SAVE_MODES)}")
+        _save_tokenizer(spec.tokenizer, tmp / "base" if lora is not None and spec.mode == "base_and_adapter" else tmp)
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_model(rank_model: RankModel, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,
+                 lora: LoraConfig | None, lora_targets: list[str] | None = None,
+                 pp_group: dist.ProcessGroup | None = None) -> Path | None:
+    """Gather to global rank 0, which writes ``out_dir`` (see the module docstring); returns it
+    there, None on other ranks. Collective: every rank calls it."""
+    tensors = gather_to_writer(rank_model, lora, pp_group)
+    if tensors is None:
+        return None
+    return write_final(tensors, out_dir, spec, config=config, lora=lora, lora_targets=lora_targets)

@@ -1,0 +1,188 @@
+"""The one loss module: ignore index, label shift, token-sum cross entropy and eval statistics.
+
+Every loss in the project is computed here, for every layout: the trainer's micro-batch loss
+(:func:`ce_sum` at target positions), the pipeline's last-stage loss (:func:`step_loss`), eval
+statistics (:func:`eval_stats`) and the reference :func:`causal_lm_loss` the tests compare with.
+
+Labels are HF-style: aligned with ``input_ids``, ``-100`` (:data:`IGNORE_INDEX`) where no loss is
+taken; position ``t`` predicts ``labels[t + 1]`` (:func:`shift_labels`).
+
+Tensor parallel: with ``tp_group`` (more than one rank) the logits are this rank's vocabulary shard
+``[*, V/tp]`` (a column-parallel ``lm_head`` without ``gather_output``) and the cross entropy is
+the vocab-parallel one (:func:`vocab_parallel_cross_entropy`, Megatron's): no rank ever holds the
+full-vocabulary logits. ``tp_group=None`` or a group of one: plain ``F.cross_entropy``.
+
+This module sits below ``parallel/`` and ``sft/``: it imports only torch (its few collectives are
+written here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+Group = dist.ProcessGroup | None
+
+
+def _size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+@torch.no_grad()
+def _all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    out = x.detach().contiguous().clone()
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------- labels
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets for each position: ``labels[:, 1:]`` with -100 appended, shape ``[B, T]``."""
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def target_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into the ``B*T`` positions that predict a target, and those targets (``[N]``
+    each). In SFT most positions are prompt or padding: computing logits only at these positions
+    (the model's ``logits_index``) skips most of the vocabulary projection and its fp32 softmax."""
+    targets = shift_labels(labels).reshape(-1)
+    index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return index, targets.index_select(0, index)
+
+
+def count_targets(labels: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Loss-bearing tokens (shifted labels != -100) over the micro-batches' ``labels``, at least 1."""
+    total = sum((shift_labels(lab) != IGNORE_INDEX).sum() for lab in labels)
+    return torch.as_tensor(total).clamp(min=1)
+
+
+# ---------------------------------------------------------------------- cross entropy
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy over vocab-sharded logits (Megatron's ``_VocabParallelCrossEntropy``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index):  # type: ignore[no-untyped-def,override]
+        tp = _size(group)
+        rank = dist.get_rank(group) if tp > 1 else 0
+        vocab_local = logits.shape[-1]
+        start = rank * vocab_local
+        x = logits.float()
+        # stable log-sum-exp over the full vocabulary: global max, then global sum of exp
+        row_max = x.max(dim=-1).values
+        if tp > 1:
+            row_max = _all_reduce(row_max, group, dist.ReduceOp.MAX)
+        x = x - row_max.unsqueeze(-1)
+        ignored = targets == ignore_index
+        outside = (targets < start) | (targets >= start + vocab_local) | ignored
+        local_t = (targets - start).masked_fill(outside, 0)
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = x.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if tp > 1:  # one collective for both sums
+            both = _all_reduce(torch.stack([target_logit, sum_exp]), group)
+            target_logit, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        ctx.logits_dtype = logits.dtype
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[no-untyped-def,override]
+        if ctx.used:  # the saved softmax is turned into the gradient in place (saves a copy)
+            raise RuntimeError("vocab_parallel_cross_entropy supports one backward per forward")
+        ctx.used = True
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        grad = softmax
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tensor, group: Group,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token cross entropy from this rank's vocab shard of the logits.
+
+    ``logits_shard``: ``[*, V/tp]``, rank ``r`` holding vocab entries ``[r*V/tp, (r+1)*V/tp)``.
+    ``targets``: ``[*]`` long, the same on every TP rank. Returns float32 losses ``[*]`` equal to
+    ``F.cross_entropy(full_logits, targets, reduction="none", ignore_index=ignore_index)`` on
+    every TP rank (0 where ignored); the backward yields the matching logit-shard gradient.
+    Computed in float32 with a global max shift (two all-reduces: max, then one stacked sum).
+    """
+    if targets.shape != logits_shard.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits_shard.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)
+
+
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
+    """Cross entropy summed over ``targets != -100`` (fp32 scalar). ``logits``: ``[*, V]``, or
+    ``[*, V/tp]`` with a ``tp_group`` of more than one rank; ``targets``: ``[*]``."""
+    if _size(tp_group) > 1:
+        return vocab_parallel_cross_entropy(logits, targets, tp_group).sum()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def step_loss(logits: torch.Tensor, labels: torch.Tensor, n_targets: torch.Tensor | float,
+              tp_group: Group = None) -> torch.Tensor:
+    """A micro-batch's share of the optimizer step's token-mean loss: :func:`ce_sum` of ``logits``
+    ``[B, T, V(/tp)]`` against ``shift_labels(labels)``, divided by ``n_targets``, the target tokens
+    of the whole step (all micro-batches, all data-parallel ranks). Summing these over the step's
+    micro-batches and the dp ranks gives the step loss; the gradients need a dp *sum*."""
+    return ce_sum(logits, shift_labels(labels), tp_group) / n_targets
+
+
+@torch.no_grad()
+def _argmax(logits: torch.Tensor, tp_group: Group) -> torch.Tensor:
+    """Index of the largest logit over the full vocabulary (first one on ties, as ``argmax`` of the
+    gathered logits): every rank's shard maximum and its index are gathered, not the logits."""
+    tp = _size(tp_group)
+    local = logits.argmax(-1)
+    if tp == 1:
+        return local
+    best = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).double()
+    mine = torch.stack([best, (local + dist.get_rank(tp_group) * logits.shape[-1]).double()])
+    parts = [torch.empty_like(mine) for _ in range(tp)]
+    dist.all_gather(parts, mine.contiguous(), group=tp_group)
+    values = torch.stack([p[0] for p in parts])  # [tp, *]
+    winner = values.argmax(0, keepdim=True)  # first rank holding the maximum
+    return torch.stack([p[1] for p in parts]).gather(0, winner).squeeze(0).long()
+
+
+@torch.no_grad()
+def eval_stats(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
+    """``[loss sum, correct next-token predictions, targets]`` (fp32, ``[3]``) of one batch:
+    ``logits`` ``[*, V(/tp)]`` against ``targets`` ``[*]`` (already shifted, -100 ignored). Sum these
+    over batches and dp ranks, then divide."""
+    mask = targets != IGNORE_INDEX
+    loss = ce_sum(logits, targets, tp_group).detach().float()
+    correct = ((_argmax(logits, tp_group) == targets) & mask).sum().float()
+    return torch.stack([loss, correct, mask.sum().float()])
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of full-vocabulary ``logits`` ``[B, T, V]`` against ``labels`` ``[B, T]``
+    shifted by one: ``mean`` over non-ignored targets, ``sum``, or ``none`` (per token ``[B, T]``, 0
+    where ignored). fp32 whatever the logits dtype. The reference the tests compare layouts with."""
+    targets = shift_labels(labels)
+    per_token = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none",
+    ).view_as(targets)
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
