@@ -339,7 +339,7 @@ class DecoderForCausalLM(nn.Module):
     into the B*T positions) only those rows of logits are computed: ``[N, V]``. SFT needs logits at
     the target positions only (prompts and padding carry label -100), so the vocabulary projection,
     its fp32 logits and the loss's softmax shrink to those rows, and so does the last layer's work
-    after attention (``DecoderModel``'s ``keep_index``; see ``sft.loss.causal_lm_loss_at_targets``).
+    after attention (``DecoderModel``'s ``keep_index``; see ``loss.target_index``).
     """
 
     def __init__(self, config: DecoderConfig) -> None:
