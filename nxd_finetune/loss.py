@@ -1,7 +1,8 @@
 """The one loss module: ignore index, label shift, token-sum cross entropy and eval statistics.
 
 Every loss in the project is computed here, for every layout: the trainer's micro-batch loss
-(:func:`ce_sum` at target positions), the pipeline's last-stage loss (:func:`step_loss`), eval
+(:func:`ce_sum` at target positions, or :func:`chunked_ce_sum`, which never holds the logits of
+more than a chunk of positions), the pipeline's last-stage loss (:func:`step_loss`), eval
 statistics (:func:`eval_stats`) and the reference :func:`causal_lm_loss` the tests compare with.
 
 Labels are HF-style: aligned with ``input_ids``, ``-100`` (:data:`IGNORE_INDEX`) where no loss is
@@ -18,11 +19,13 @@ written here).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 IGNORE_INDEX = -100
 
@@ -127,11 +130,12 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
 
 
 def ce_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
-    """Cross entropy summed over ``targets != -100`` (fp32 scalar). ``logits``: ``[*, V]``, or
+    """Cross entropy summed over ``targets != -100`` (fp32 scalar; fp64 for fp64 logits). ``logits``: ``[*, V]``, or
     ``[*, V/tp]`` with a ``tp_group`` of more than one rank; ``targets``: ``[*]``."""
     if _size(tp_group) > 1:
         return vocab_parallel_cross_entropy(logits, targets, tp_group).sum()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -186,3 +190,57 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
     if reduction == "sum":
         return per_token.sum()
     return per_token.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------- chunked (no [tokens, vocab] logits)
+
+LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk under "auto"
+
+
+def chunk_rows(vocab_local: int, chunk_tokens: int | str | None) -> int | None:
+    """Rows per chunk of :func:`chunked_ce_sum` / :func:`chunked_eval_stats`: ``chunk_tokens`` as
+    given, or under ``"auto"`` as many rows as fit :data:`LOGITS_CHUNK_BYTES` of fp32 logits over
+    this rank's ``vocab_local`` (at least 128); None: no chunking."""
+    if chunk_tokens is None:
+        return None
+    if chunk_tokens == "auto":
+        return max(128, LOGITS_CHUNK_BYTES // (4 * vocab_local))
+    return int(chunk_tokens)
+
+
+def _chunk_ce(head: Callable[[torch.Tensor], torch.Tensor], tp_group: Group,
+              hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return ce_sum(head(hidden), targets, tp_group)
+
+
+def chunked_ce_sum(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                   rows: int, tp_group: Group = None) -> torch.Tensor:
+    """:func:`ce_sum` of ``head(hidden)`` without ever holding the logits of more than ``rows``
+    positions: ``hidden`` ``[N, H]`` (the final hidden states at the target positions), ``head``
+    the output layer (``lm_head``: plain, LoRA-wrapped, or column-parallel giving ``[*, V/tp]``
+    with ``tp_group``), ``targets`` ``[N]``. Each chunk's head + cross entropy runs under
+    activation checkpointing: the forward keeps no logits, the backward recomputes one chunk's
+    logits at a time. Equal to ``ce_sum(head(hidden), targets)`` up to float summation order; at
+    ``N <= rows`` it is exactly that (no recomputation)."""
+    n = hidden.shape[0]
+    if n <= rows:
+        return ce_sum(head(hidden), targets, tp_group)
+    fn = functools.partial(_chunk_ce, head, tp_group)
+    parts = []
+    for start in range(0, n, rows):
+        h, t = hidden[start:start + rows], targets[start:start + rows]
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(fn, h, t, use_reentrant=False))
+        else:
+            parts.append(fn(h, t))
+    return torch.stack(parts).sum()
+
+
+@torch.no_grad()
+def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                       rows: int, tp_group: Group = None) -> torch.Tensor:
+    """:func:`eval_stats` of ``head(hidden)`` computed ``rows`` positions at a time."""
+    stats = torch.zeros(3, dtype=torch.float32, device=hidden.device)
+    for start in range(0, max(hidden.shape[0], 1), rows):
+        stats += eval_stats(head(hidden[start:start + rows]), targets[start:start + rows], tp_group)
+    return stats

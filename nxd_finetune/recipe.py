@@ -186,6 +186,8 @@ class TrainingSection(_Section):
     seed: NonNegInt = 42
     precision: Literal["fp32", "bf16", "bf16-mixed"] = "fp32"
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    # rows of logits computed at once by the chunked loss ("auto": 256 MB of fp32 logits; null: all)
+    loss_chunk_tokens: PosInt | Literal["auto"] | None = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
@@ -225,6 +227,7 @@ class TrainingSection(_Section):
 class EvalSection(_Section):
     every_n_steps: PosInt | None = None
     max_batches: PosInt | None = None
+    before: bool = True  # evaluate once before the first step (the summary's "eval before")
 
 
 class CheckpointSection(_Section):

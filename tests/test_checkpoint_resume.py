@@ -205,7 +205,7 @@ def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp
     def losses(s: dict) -> list[tuple]:
         return [(h["step"], h["train_loss"], h["lr"], h["tokens"]) for h in s["history"]]
 
-    assert losses(summary) == losses(ref_summary) and summary["tokens"] == ref_summary["tokens"]
+    assert losses(summary) == losses(ref_summary) and summary["loss_tokens"] == ref_summary["loss_tokens"]
     assert summary["eval_before"] == ref_summary["eval_before"] and summary["eval_after"] == ref_summary["eval_after"]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]  # keep_last=2
     svg = ET.parse(out / "loss_curve.svg").getroot()

@@ -73,7 +73,8 @@ class Engine:
     the same loss; sequence parallel needs every position, and XLA needs shapes that do not depend
     on the data (``XlaRuntime.prepare`` sets it). ``host``: the process groups for collectives on
     CPU tensors and Python objects (:class:`HostGroups`). ``lineage``: the pinned registry REF
-    ``lora.init_from`` pulled, None otherwise."""
+    ``lora.init_from`` pulled, None otherwise. ``loss_chunk_rows``: target positions whose logits
+    the loss computes at once (None: all of a micro-batch's)."""
 
     rank_model: RankModel
     device: torch.device
@@ -87,6 +88,7 @@ class Engine:
     lineage: str | None = None
     sequence_parallel: bool = False
     full_logits: bool = False
+    loss_chunk_rows: int | None = None
 
     # ------------------------------------------------------------------ layout facts
 
@@ -143,6 +145,23 @@ class Engine:
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), logits_index=index)
         return logits, targets
 
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Summed cross entropy of a micro-batch's targets on the whole model. With
+        :attr:`loss_chunk_rows` (and not :attr:`full_logits`) the output layer and the loss run a
+        chunk of target positions at a time (:func:`loss.chunked_ce_sum`): no ``[targets, vocab]``
+        logits are ever held."""
+        if self.full_logits or self.loss_chunk_rows is None:
+            return L.ce_sum(*self.logits_and_targets(batch), self.tp_group)
+        hidden, head, targets = self._hidden_and_targets(batch)
+        return L.chunked_ce_sum(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+
+    def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+        """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
+        model = self.modules[0]
+        index, targets = L.target_index(batch["labels"])
+        hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
+        return hidden, model.lm_head, targets
+
     def forward_backward(self, micro_batches: list[Batch], n_targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one optimizer step's micro-batches (on the device); gradients
         accumulate. Returns this dp rank's share of the step loss (detached; the same on every
@@ -152,8 +171,7 @@ class Engine:
                 return self.runner.step(micro_batches, n_targets)
             total = torch.zeros((), device=self.device)
             for batch in micro_batches:
-                logits, targets = self.logits_and_targets(batch)
-                loss = L.ce_sum(logits, targets, self.tp_group) / n_targets
+                loss = self.loss_sum(batch) / n_targets
                 loss.backward()
                 total += loss.detach()
             return total
@@ -173,7 +191,10 @@ class Engine:
         with autocast(self.device, self.precision):
             if self.runner is not None:
                 return self.runner.eval_step(batch)
-            return L.eval_stats(*self.logits_and_targets(batch), self.tp_group)
+            if self.full_logits or self.loss_chunk_rows is None:
+                return L.eval_stats(*self.logits_and_targets(batch), self.tp_group)
+            hidden, head, targets = self._hidden_and_targets(batch)
+            return L.chunked_eval_stats(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1)."""
@@ -284,5 +305,6 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     rank_model = parallelize_model(build_model(config), state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
+    rows = L.chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, host, lora_cfg, targets,
-                  lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel)
+                  lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.sft.metrics import MetricsWriter, Progress
+from nxd_finetune.sft.summary import print_summary, save_summary
 
 if TYPE_CHECKING:
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
@@ -168,10 +168,6 @@ def train(
     finally:
         progress.close()
     return history
-
-
-def save_summary(out_dir: Path, summary: dict[str, Any]) -> None:
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def _step_batches(
@@ -340,7 +336,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
     metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
     history = resumed.history if resumed else []
-    before = resumed.eval_before if resumed else eval_fn()
+    before = resumed.eval_before if resumed else eval_fn() if recipe.eval.before else {}
     if before and not resumed:
         metrics.log(0, before)
         history.append({"step": 0, **before})  # checkpoints carry it with the history
@@ -370,13 +366,15 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     if not engine.is_logger:
         return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
+    history_steps = [h["step"] for h in history if "train_loss" in h]
     summary = {
-        "steps": state.step, "tokens": state.tokens, "input_tokens": state.input_tokens,
+        "steps": state.step, "loss_tokens": state.tokens, "input_tokens": state.input_tokens,
         "parameters": n_params, "trainable_parameters": n_trainable,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "eval_before": before, "eval_after": after,
         "time_to_first_step_s": round(t_first, 2), "train_time_s": round(train_time, 2),
-        "tokens_per_s": round(state.input_tokens / max(train_time, 1e-9), 1),
+        "input_tokens_per_s": round(state.input_tokens / max(train_time, 1e-9), 1),
+        "first_loss_step": history_steps[0] if history_steps else None,
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
         "lora_targets": engine.lora_targets,
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
@@ -414,37 +412,9 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
 def _publish(recipe: Recipe, engine: Engine, final_dir: Path, summary: dict[str, Any]) -> int:
     from nxd_finetune.registry.publish import publish_run
 
-    keys = ("steps", "tokens", "first_loss", "final_loss", "eval_after")
+    keys = ("steps", "loss_tokens", "first_loss", "final_loss", "eval_after")
     version = publish_run(final_dir, recipe.output.registry, recipe_dict=recipe.to_dict(),
                           metrics={k: summary[k] for k in keys}, parallel=summary["parallel"],
                           lineage=engine.lineage,
                           base_model={"name_or_path": recipe.model.path, "revision": recipe.model.revision})
     return version.version
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="nxd-finetune run", show_header=False)
-    table.add_column("", style="bold")
-    table.add_column("")
-
-    def fmt(v: Any) -> str:
-        return f"{v:.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
-
-    for key in ("steps", "tokens", "parameters", "trainable_parameters", "first_loss", "final_loss",
-                "time_to_first_step_s", "train_time_s", "tokens_per_s"):
-        table.add_row(key.replace("_", " "), fmt(summary[key]))
-    p = summary["parallel"]
-    table.add_row("layout", f"{p['nproc']} process(es): tp {p['tp']} x pp {p['pp']} x dp {p['dp']}"
-                            + ("  zero1" if p["zero1"] else "") + ("  sp" if p["sequence_parallel"] else ""))
-    for when in ("before", "after"):
-        ev = summary[f"eval_{when}"]
-        if ev:
-            table.add_row(f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
-                                          f"token acc {ev['eval_accuracy']:.3f}")
-    table.add_row("saved", f"{summary['output']} ({summary['save_mode']})")
-    if "registry_version" in summary:
-        table.add_row("published", f"{summary['registry_version']}")
-    Console(stderr=True).print(table)

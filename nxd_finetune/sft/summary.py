@@ -1,0 +1,68 @@
+"""The end-of-run summary: ``summary.json`` and the table printed for people.
+
+Names say what they count: ``loss_tokens`` are the target tokens the loss was taken over (answers,
+end-of-turn), ``input_tokens`` every non-padding token fed to the model; ``input_tokens_per_s`` is
+the training throughput over input tokens. ``first_loss`` is the train loss logged at
+``first_loss_step``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def save_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:,.2f} s"
+
+
+def _loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The printed table's rows (label, value), numbers formatted for people."""
+    p = summary["parallel"]
+    rows = [
+        ("steps", _count(summary["steps"])),
+        ("loss tokens (trained)", _count(summary["loss_tokens"])),
+        ("input tokens", _count(summary["input_tokens"])),
+        ("parameters", f"{_count(summary['trainable_parameters'])} trainable of {_count(summary['parameters'])}"),
+        (f"first loss (step {summary.get('first_loss_step') or '-'})", _loss(summary["first_loss"])),
+        (f"final loss (step {summary['steps']})", _loss(summary["final_loss"])),
+        ("time to first step", _seconds(summary["time_to_first_step_s"])),
+        ("training time", _seconds(summary["train_time_s"])),
+        ("throughput", f"{summary['input_tokens_per_s']:,.0f} input tokens/s"),
+        ("layout", f"{p['nproc']} process(es): tp {p['tp']} x pp {p['pp']} x dp {p['dp']}"
+                   + ("  zero1" if p["zero1"] else "") + ("  sp" if p["sequence_parallel"] else "")),
+    ]
+    for when in ("before", "after"):
+        ev = summary[f"eval_{when}"]
+        if ev:
+            rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
+                                         f"token acc {ev['eval_accuracy']:.3f}"))
+    rows.append(("saved", f"{summary['output']} ({summary['save_mode']})"))
+    if "registry_version" in summary:
+        rows.append(("published", f"{summary['registry_version']}"))
+    return rows
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="nxd-finetune run", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    for label, value in summary_rows(summary):
+        table.add_row(label, value)
+    Console(stderr=True).print(table)

@@ -1,0 +1,159 @@
+"""The loss module: the chunked cross entropy equals the plain one (loss and gradients, plain and
+vocab-parallel on 2 gloo ranks), keeps no ``[tokens, vocab]`` logits for backward, and the
+engine's chunked path gives the default path's loss and gradients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxd_finetune.loss import (
+    IGNORE_INDEX,
+    ce_sum,
+    chunk_rows,
+    chunked_ce_sum,
+    chunked_eval_stats,
+    eval_stats,
+    vocab_parallel_cross_entropy,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+N, H, V = 300, 32, 1000
+
+
+def _inputs(seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, nn.Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    head = nn.Linear(H, V, bias=False, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * 0.3)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::7] = IGNORE_INDEX
+    return hidden, head, targets
+
+
+def _loss_and_grads(fn, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden, head, targets = _inputs(dtype=dtype)
+    loss = fn(hidden, head, targets)
+    loss.backward()
+    return loss.detach(), hidden.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 5e-6)])
+def test_chunked_equals_plain_cross_entropy_and_its_gradients(dtype, tol):
+    """Equal maths (float64: 1e-12); in fp32 the chunks change only the summation order of the
+    head's matmuls (gradients within 5e-6 of their largest element, the loss within 1e-6)."""
+    ref = _loss_and_grads(lambda h, head, t: F.cross_entropy(head(h), t, ignore_index=IGNORE_INDEX,
+                                                              reduction="sum"), dtype)
+    for rows in (1000, 64, 7):  # one chunk (the plain path), even chunks, a ragged last chunk
+        got = _loss_and_grads(lambda h, head, t, r=rows: chunked_ce_sum(h, head, t, r), dtype)
+        torch.testing.assert_close(got[0], ref[0], rtol=min(tol, 1e-6), atol=0)
+        for a, b in zip(got[1:], ref[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=tol * b.abs().max().item())
+    hidden, head, targets = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(chunked_eval_stats(hidden, head, targets, 64),
+                                   eval_stats(head(hidden), targets), rtol=1e-6, atol=0)
+
+
+def test_chunked_loss_saves_no_full_vocabulary_logits():
+    """What autograd keeps for backward: the plain loss holds ``[N, V]`` tensors, the chunked
+    loss nothing larger than the inputs and one chunk's row of statistics."""
+    def largest_saved(fn) -> int:
+        hidden, head, targets = _inputs()
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fn(hidden, head, targets)
+        loss.backward()
+        return max(sizes)
+
+    plain = largest_saved(lambda h, head, t: ce_sum(head(h), t))
+    chunked = largest_saved(lambda h, head, t: chunked_ce_sum(h, head, t, 50))
+    assert plain >= N * V
+    assert chunked <= max(V * H, N * H)  # the head's weight and the hidden states; no [N, V]
+
+
+def test_auto_chunk_rows():
+    assert chunk_rows(128256, "auto") == 523  # 256 MB of fp32 logits at Llama-3's vocabulary
+    assert chunk_rows(2048, "auto") == 32768 and chunk_rows(2048, 100) == 100 and chunk_rows(2048, None) is None
+
+
+def _vocab_parallel_worker() -> dict:
+    import torch.distributed as dist
+
+    from nxd_finetune.parallel.launch import init_distributed
+
+    torch.set_num_threads(1)  # a forked child must not use the parent's OpenMP pool
+    backend = init_distributed("gloo")
+    rank, group = backend.rank, dist.new_group([0, 1])
+    hidden, head, targets = _inputs()
+    shard = nn.Linear(H, V // 2, bias=False)
+    with torch.no_grad():
+        shard.weight.copy_(head.weight[rank * V // 2:(rank + 1) * V // 2])
+    loss = chunked_ce_sum(hidden, shard, targets, 64, group)
+    loss.backward()
+    plain = vocab_parallel_cross_entropy(shard(hidden.detach()), targets, group).sum()
+    with torch.no_grad():
+        stats = chunked_eval_stats(hidden, shard, targets, 64, group)
+    out = {"loss": loss.detach(), "plain": plain.detach(), "hidden_grad": hidden.grad, "stats": stats,
+           "weight_grad": shard.weight.grad}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.usefixtures("workers_tmpdir")
+def test_vocab_parallel_chunked_equals_the_full_vocabulary_loss():
+    from nxd_finetune.parallel.launch import launch
+
+    results = launch(_vocab_parallel_worker, 2, start_method="fork")
+    ref_loss, ref_hidden_grad, ref_weight_grad = _loss_and_grads(
+        lambda h, head, t: F.cross_entropy(head(h), t, ignore_index=IGNORE_INDEX, reduction="sum"))
+    hidden, head, targets = _inputs()
+    with torch.no_grad():
+        ref_stats = eval_stats(head(hidden), targets)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["loss"], ref_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["plain"], ref_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["stats"], ref_stats, rtol=1e-6, atol=0)
+        # the hidden states' gradient is partial per vocab shard (the head's backward reduces it over tp)
+        want = ref_weight_grad[rank * V // 2:(rank + 1) * V // 2]
+        torch.testing.assert_close(r["weight_grad"], want, rtol=0, atol=5e-6 * ref_weight_grad.abs().max().item())
+    torch.testing.assert_close(results[0]["hidden_grad"] + results[1]["hidden_grad"], ref_hidden_grad,
+                               rtol=0, atol=5e-6 * ref_hidden_grad.abs().max().item())
+
+
+def test_engine_chunked_path_equals_the_default(quickstart_cache):
+    """``training.loss_chunk_tokens`` on the quickstart model: the same loss and gradients as the
+    default (one chunk), through ``Engine.forward_backward`` and ``eval_stats``."""
+    from nxd_finetune.recipe import load_recipe
+    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.sft.engine import build_engine
+
+    rec = load_recipe(ROOT / "recipes" / "quickstart.yaml", ["training.max_steps=2", "training.warmup_steps=0"])
+    engine = build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 2)
+    assert engine.loss_chunk_rows == 32768  # "auto" at vocab 2048: the plain path
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, engine.config.vocab_size, (2, 64), generator=g)
+    labels = ids.clone()
+    labels[:, :20] = IGNORE_INDEX
+    batch = {"input_ids": ids, "labels": labels}
+    results = []
+    for rows in (None, 16):
+        engine.loss_chunk_rows = rows
+        engine.optimizer.zero_grad(set_to_none=True)
+        loss = engine.forward_backward([batch], torch.tensor(88.0))
+        grads = [p.grad.clone() for p in engine.trainable()]
+        results.append((loss, grads, engine.eval_stats(batch)))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
+    for a, b in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=0)
