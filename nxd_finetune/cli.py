@@ -7,6 +7,7 @@ into ``error: <message>`` on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     except NxdError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the machine's limits, not the user's input: one line, exit 1
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"error: no space left on device{where}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _load(recipe: Path, overrides: list[str] | None, nproc: int | None = None,

@@ -255,8 +255,14 @@ def test_load_rows_errors(tmp_path):
     with pytest.raises(DataError, match="only local paths"):
         load_rows("s3://bucket/train.jsonl")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(DataError, match="cannot load dataset"):
+    with pytest.raises(DataError, match="cannot load dataset .*bad.jsonl.*: line 1: "):
         load_rows(str(tmp_path / "bad.jsonl"), hf_cache=str(tmp_path / "hf"))
+    # one malformed line among 512: the error names its line
+    lines = [json.dumps({"text": f"row {i}"}) for i in range(512)]
+    lines[99] = '{"text": "row 99"'
+    (tmp_path / "one_bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match="one_bad.jsonl.*: line 100: Expecting ',' delimiter"):
+        load_rows(str(tmp_path / "one_bad.jsonl"), hf_cache=str(tmp_path / "hf"))
 
 
 def _qa_rows(n, offset=0):

@@ -118,7 +118,10 @@ def test_merge_bf16_output(make_tiny_hf, tmp_path):
     adapter = our_adapter(base, tmp_path / "adapter", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     out = merge_adapter(adapter, base, tmp_path / "bf16", dtype="bf16")
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    source = json.loads((base / "config.json").read_text())
+    written = json.loads((out / "config.json").read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in source] or ["torch_dtype"]  # the source's key is kept
+    assert all(written[k] == "bfloat16" for k in keys) and set(written) == set(source) | set(keys)
     fp32 = merge_adapter(adapter, base, tmp_path / "fp32")
     assert {t.dtype for t in load_file(fp32 / "model.safetensors").values()} == {torch.float32}
     a, b = load_file(out / "model.safetensors"), load_file(fp32 / "model.safetensors")
@@ -136,7 +139,7 @@ def test_merge_streams_tensor_by_tensor(make_tiny_hf, tmp_path, monkeypatch):
     reads: Counter[str] = Counter()
     pending: dict[str, int] = {}
     peak = [0]
-    real_open, real_save = merge_mod.safe_open, loading.save_file
+    real_open, real_save = loading.safe_open, loading.save_file
 
     class Reader:
         def __init__(self, f):
@@ -162,7 +165,7 @@ def test_merge_streams_tensor_by_tensor(make_tiny_hf, tmp_path, monkeypatch):
             pending.pop(key, None)
         return real_save(shard, path, metadata=metadata)
 
-    monkeypatch.setattr(merge_mod, "safe_open", counting_open)
+    monkeypatch.setattr(loading, "safe_open", counting_open)
     monkeypatch.setattr(loading, "save_file", recording_save)
     shard_bytes = 40_000
     out = merge_adapter(adapter, base, tmp_path / "merged", max_shard_bytes=shard_bytes)
@@ -219,6 +222,32 @@ def test_adapter_that_does_not_fit_exits_2(case, make_tiny_hf, tmp_path, capsys)
     else:
         assert "qkv_proj" in err and "matched no module" in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_truncated_base_checkpoint_is_one_line_at_merge_and_run(quickstart_cache, tmp_path, capsys):
+    """A base ``model.safetensors`` cut to 1,000 bytes: ``merge`` and ``run`` end with one
+    ``error:`` line naming the file, exit 2, no traceback, nothing written."""
+    import shutil
+
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model_dir("builtin:tiny-llama"), base)
+    adapter = our_adapter(base, tmp_path / "adapter", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    code, err = cli(capsys, "merge", "--adapter", adapter, "--base", base, "--out", tmp_path / "out")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"error: cannot read checkpoint file {weights}"), err
+    assert not (tmp_path / "out").exists()
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    code, err = cli(capsys, "run", recipe, f"model.path={base}", f"output.dir={tmp_path / 'run'}",
+                    "training.max_steps=1", "training.warmup_steps=0", "logging.progress=false")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"error: cannot read checkpoint file {weights}"), err
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_warns_when_base_config_differs(make_tiny_hf, tmp_path, caplog):

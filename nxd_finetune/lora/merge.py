@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdError
 from nxd_finetune.lora.config import LoraConfig
@@ -44,7 +43,14 @@ from nxd_finetune.lora.io import (
     read_adapter,
     save_tokenizer,
 )
-from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index, copy_generation_config, save_pretrained
+from nxd_finetune.models import (
+    DecoderConfig,
+    build_model,
+    checkpoint_index,
+    copy_generation_config,
+    save_pretrained,
+)
+from nxd_finetune.models.loading import open_checkpoint_file
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ def _base_shapes(index: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str
         by_file.setdefault(path, []).append(key)
     out = {}
     for path, keys in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with open_checkpoint_file(path) as f:
             for key in keys:
                 s = f.get_slice(key)
                 out[key] = (tuple(s.get_shape()), s.get_dtype())
@@ -162,7 +168,7 @@ def _merged_tensors(
     for out_key, src in plan.sources.items():
         by_file.setdefault(index[src], []).append(out_key)
     for path, keys in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with open_checkpoint_file(path) as f:
             for key in keys:
                 out_dtype = dtype or _ST_DTYPES.get(dtypes[plan.sources[key]])
                 if key in plan.replace:

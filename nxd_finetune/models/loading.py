@@ -8,14 +8,16 @@ tensors; the parallel code passes one that reads only this rank's slice through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -38,6 +40,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@contextlib.contextmanager
+def open_checkpoint_file(path: str | Path) -> Iterator[Any]:
+    """``safe_open(path)`` whose failure (a truncated or damaged file, not safetensors, missing) is
+    one ModelLoadError line naming the file instead of safetensors' own error."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(f"cannot read checkpoint file {path}: {reason} (truncated, damaged or not "
+                             "safetensors?)") from None
+    with handle as f:
+        yield f
+
+
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
     """Map every tensor name of an HF checkpoint directory to the safetensors file holding it."""
     model_dir = Path(model_dir)
@@ -47,7 +63,7 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_dir / fname for name, fname in weight_map.items()}
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with open_checkpoint_file(single) as f:
             return {name: single for name in f.keys()}
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pth")):
         raise ModelLoadError(f"{model_dir} holds only pickle checkpoints; convert them to safetensors")
@@ -89,7 +105,7 @@ def materialize(
         by_file.setdefault(index[key], []).append((full_name, key, module, attr))
     used: set[str] = set()
     for path, entries in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with open_checkpoint_file(path) as f:
             for _, key, module, attr in entries:
                 target = getattr(module, attr)
                 tensor = reader(key, f.get_slice(key), target)

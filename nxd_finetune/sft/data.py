@@ -122,9 +122,22 @@ def _offline() -> bool:
     )
 
 
+def _bad_json_line(path: Path) -> str | None:
+    """``line N: <JSON error>`` for the first line of a JSON-lines file that does not parse."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    return f"line {n}: {e}"
+    return None
+
+
 def _load_one(source: str, hf_cache: str | None):
     import datasets
 
+    datasets.disable_progress_bars()  # our own progress and summary only; no third-party bars
     path = Path(source)
     try:
         if path.is_dir():
@@ -145,6 +158,9 @@ def _load_one(source: str, hf_cache: str | None):
     except DataError:
         raise
     except Exception as e:  # parse errors, hub errors: one line naming the source
+        bad = _bad_json_line(path) if path.is_file() and path.suffix.lower() == ".jsonl" else None
+        if bad is not None:
+            raise DataError(f"cannot load dataset {source!r}: {bad}") from e
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise DataError(f"cannot load dataset {source!r}: {type(e).__name__}: {first}") from e
 
