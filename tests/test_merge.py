@@ -131,7 +131,6 @@ def test_merge_bf16_output(make_tiny_hf, tmp_path):
 def test_merge_streams_tensor_by_tensor(make_tiny_hf, tmp_path, monkeypatch):
     """Each base tensor is read once, and the bytes read but not yet written to a shard never
     exceed one shard plus one tensor: the merge never holds the model."""
-    import nxd_finetune.lora.merge as merge_mod
     import nxd_finetune.models.loading as loading
 
     base = sharded_base(make_tiny_hf, tmp_path, num_hidden_layers=4)
