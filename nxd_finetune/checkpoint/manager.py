@@ -10,7 +10,7 @@
     mgr.save(step, modules=stages, optimizer=opt, extra={"scheduler": sched.state_dict(), ...})
     mgr.wait()                             # before exit (also done by the next save and at exit)
 
-The root is a local directory or ``s3://bucket/prefix`` (through ``registry.storage``, the one
+The root is a local directory or ``s3://bucket/prefix`` (through :mod:`nxd_finetune.storage`, the one
 storage seam). The format is described in :mod:`nxd_finetune.checkpoint.format`.
 
 Save (collective: every rank calls it with the same step). Rank 0 removes a stale directory of
@@ -60,8 +60,7 @@ from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError, CheckpointWarning
 from nxd_finetune.checkpoint.state import collect, group_options, restore, trainable, unwrap
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
-from nxd_finetune.registry.errors import StorageError
-from nxd_finetune.registry.storage import LocalStorage, Storage, open_storage
+from nxd_finetune.storage import LocalStorage, Storage, StorageError, open_storage
 
 SIDECAR_TIMEOUT_S = 1800.0
 FAILPOINT_ENV = "NXD_FINETUNE_FAILPOINT"
