@@ -27,7 +27,6 @@ Every rank calls :func:`export_model` (collective); only global rank 0 writes.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from nxd_finetune.lora import LoraConfig, adapter_state_dict, gather_adapter_sta
 from nxd_finetune.models import DecoderConfig, copy_generation_config, save_pretrained
 from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.parallelize import RankModel
+from nxd_finetune.storage.atomic import publish_dir
 
 SaveMode = Literal["adapter", "base_and_adapter", "merged", "full"]
 SAVE_MODES: tuple[str, ...] = ("adapter", "base_and_adapter", "merged")  # LoRA's; full SFT writes "full"
@@ -114,15 +114,15 @@ def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: De
     """Write the save mode into ``out_dir`` (replaced if it exists) from the full ``tensors``
     (:func:`gather_to_writer`); the directory appears complete or not at all. One process."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
 
     def adapter(out: Path) -> None:
         assert lora is not None
         write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
                             revision=spec.revision, config_hash=config.config_hash())
 
-    try:
+    if out_dir.exists():  # a previous run's artefact in this output directory
+        shutil.rmtree(out_dir)
+    with publish_dir(out_dir) as tmp:
         if lora is None:
             save_pretrained(config, tensors.items(), tmp, spec.dtype)
             copy_generation_config(spec.source_dir, tmp)
@@ -141,13 +141,6 @@ def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: De
         else:
             raise ValueError(f"unknown save mode {spec.mode!r}; use one of {', '.join(SAVE_MODES)}")
         _save_tokenizer(spec.tokenizer, tmp / "base" if lora is not None and spec.mode == "base_and_adapter" else tmp)
-        os.chmod(tmp, 0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.storage.atomic import publish_dir
+from nxd_finetune.storage.cache import models_cache
 
 BUILTIN_PREFIX = "builtin:"
 TINY_LLAMA = "builtin:tiny-llama"
@@ -62,15 +62,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-def cache_home(override: str | os.PathLike | None = None) -> Path:
-    """nxd-finetune's cache: ``override`` if given, else ``$NXD_FINETUNE_CACHE``, else
-    ``~/.cache/nxd-finetune``."""
-    if override is not None:
-        return Path(override)
-    env = os.environ.get("NXD_FINETUNE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "nxd-finetune"
 
 
 def _build_key() -> str:
@@ -153,21 +144,12 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None) -> Path:
     ``transformers.AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
     Raises ModelLoadError if the shipped corpus is missing.
     """
-    models_dir = cache_home(cache_root) / "models"
-    final = models_dir / f"tiny-llama-{_build_key()}"
+    final = models_cache(cache_root) / f"tiny-llama-{_build_key()}"
     if (final / "config.json").is_file():
         return final
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=models_dir))
-    try:
+    # Another process may publish the same model first: then its copy is kept.
+    with publish_dir(final, already_published=lambda d: (d / "config.json").is_file()) as tmp:
         _build(tmp)
-        try:
-            os.rename(tmp, final)  # atomic; fails if another process got there first
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

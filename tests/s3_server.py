@@ -40,7 +40,7 @@ def s3_server() -> Iterator[str]:
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:
-    """Create ``bucket`` on the server (tests may import boto3; product code imports it only in registry/s3.py)."""
+    """Create ``bucket`` on the server (tests may import boto3; product code imports it only in storage/s3.py)."""
     import boto3
 
     boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)

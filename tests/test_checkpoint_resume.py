@@ -27,15 +27,10 @@ import torch
 from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
 
 from nxd_finetune.checkpoint import format as F
-from nxd_finetune.checkpoint.curve import read_series, write_loss_curve
-from nxd_finetune.checkpoint.manager import FAILPOINT_ENV
-from nxd_finetune.checkpoint.training import (
-    StopSignals,
-    purge_tensorboard,
-    rng_state,
-    set_rng_state,
-    truncate_metrics,
-)
+from nxd_finetune.checkpoint.training import StopSignals, rng_state, set_rng_state
+from nxd_finetune.checkpoint.writer import FAILPOINT_ENV
+from nxd_finetune.sft.curve import read_series, write_loss_curve
+from nxd_finetune.sft.metrics import purge_tensorboard, truncate_metrics
 
 
 def test_rng_state_survives_the_extra_encoding():

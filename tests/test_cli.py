@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nxd_finetune.cli import estimate_memory, main
+from nxd_finetune.cli import main
+from nxd_finetune.preflight import estimate_memory
 from nxd_finetune.recipe import recipe_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,3 +210,40 @@ def test_memory_estimate_by_hand():
     # pure bf16: 2 B per param; optimizer 8 + 4 (fp32 master) per trainable, / tp 2, / dp 2 (zero1)
     # activations with sp: 16 * (34/2 + 5*2*4/(4*2)) = 16 * 22 = 352 per layer, bf16; logits 256 / tp 2
     assert mem == {"weights": 100, "gradients": 20, "optimizer": 20 * 12 / 2 / 2, "activations": 2 * 352 + 128}
+
+
+def test_validate_json(capsys, assets):
+    """``validate --json``: stdout is one JSON document holding the resolved layout and the memory
+    estimate's parts and total per rank, the same numbers as the text report."""
+    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.recipe import load_recipe
+
+    name = "llama3-8b-lora"
+    layout_args = ["parallel.nproc=8", "parallel.tp=2", "parallel.pp=2", "parallel.zero1=true",
+                   "training.global_batch_size=16"]
+    code, out, err = cli(capsys, *validate_args(assets, name, *layout_args), "--json")
+    assert code == 0, err
+    doc = json.loads(out)  # the whole of stdout: no YAML, no table
+    lay = doc["layout"]
+    assert (lay["nproc"], lay["tp"], lay["pp"], lay["dp"], lay["zero1"]) == (8, 2, 2, 2, True)
+    assert lay["global_batch_size"] == 16 and lay["grad_accum"] == 16 // (lay["micro_batch_size"] * 2)
+    total, trainable = doc["parameters"]["total"], doc["parameters"]["trainable"]
+    config = DecoderConfig.from_hf(STANDINS[name])
+    assert total == config.num_parameters() + LORA_TRAINABLE[name] and trainable == LORA_TRAINABLE[name]
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [f"model.path={assets.models[name]}",
+                                                              *assets.data[name], *layout_args])
+    want = estimate_memory(recipe, config, total, trainable)
+    mem = doc["memory_per_rank_bytes"]
+    assert set(mem) == {"weights", "gradients", "optimizer", "activations", "total"}
+    assert all(mem[k] == round(v) for k, v in want.items())
+    assert mem["total"] == round(sum(want.values()))
+
+    code, text, err = cli(capsys, *validate_args(assets, name, *layout_args))
+    assert code == 0, err
+    from nxd_finetune.preflight import human_bytes
+
+    assert re.search(rf"total\s+.*{re.escape(human_bytes(sum(want.values())))}", text)
+
+    code, out, err = cli(capsys, *validate_args(assets, name, "parallel.nproc=6", "parallel.tp=3",
+                                                 "parallel.sequence_parallel=false"), "--json")
+    assert code == 2 and out == "" and err.startswith("error: parallel.tp=3 does not divide")

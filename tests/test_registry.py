@@ -24,12 +24,7 @@ from nxd_finetune.registry import (
     Ref,
     Registry,
     RegistryError,
-    StorageBucketNotFoundError,
-    StorageCredentialsError,
-    StorageError,
-    StorageNotFoundError,
     open_registry,
-    open_storage,
     parse_ref,
     pull,
     push,
@@ -38,6 +33,13 @@ from nxd_finetune.registry import (
     tag,
 )
 from nxd_finetune.registry.cli import adapters_app
+from nxd_finetune.storage import (
+    StorageBucketNotFoundError,
+    StorageCredentialsError,
+    StorageError,
+    StorageNotFoundError,
+    open_storage,
+)
 from tests.s3_server import DUMMY_ENV, make_bucket, s3_server
 
 BUCKET = "nxd-test-adapters"
@@ -420,8 +422,8 @@ def test_s3_missing_bucket_one_line(s3_endpoint, adapter, tmp_path):
 def test_s3_access_denied_is_one_line():
     from botocore.exceptions import ClientError
 
-    from nxd_finetune.registry.errors import StorageAccessDeniedError
-    from nxd_finetune.registry.s3 import translate_error
+    from nxd_finetune.storage.errors import StorageAccessDeniedError
+    from nxd_finetune.storage.s3 import translate_error
 
     err = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
     out = translate_error(err, "s3://bkt/p/bot/1/manifest.json", "PutObject")

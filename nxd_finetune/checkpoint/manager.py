@@ -10,7 +10,7 @@
     mgr.save(step, modules=stages, optimizer=opt, extra={"scheduler": sched.state_dict(), ...})
     mgr.wait()                             # before exit (also done by the next save and at exit)
 
-The root is a local directory or ``s3://bucket/prefix`` (through ``registry.storage``, the one
+The root is a local directory or ``s3://bucket/prefix`` (through :mod:`nxd_finetune.storage`, the one
 storage seam). The format is described in :mod:`nxd_finetune.checkpoint.format`.
 
 Save (collective: every rank calls it with the same step). Rank 0 removes a stale directory of
@@ -30,20 +30,18 @@ that passes; a corrupt one is skipped with a :class:`CheckpointWarning`. The cho
 
 Load (local): each rank reads only its slices for its current layout; S3 files are downloaded to
 a temporary directory first and checked against the manifest.
+
+What a stored checkpoint is (refs, listing, retention): :mod:`.stored`; the storage half of a save
+(run in a thread with ``async_save``): :mod:`.writer`.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import os
 import secrets
-import shutil
-import signal
-import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -51,237 +49,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save_file
 from torch import nn
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError, CheckpointWarning
 from nxd_finetune.checkpoint.state import collect, group_options, restore, trainable, unwrap
+from nxd_finetune.checkpoint.stored import CheckpointReader, CheckpointRef, delete_checkpoint, list_checkpoints
+from nxd_finetune.checkpoint.writer import SaveJob
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
-from nxd_finetune.registry.errors import StorageError
-from nxd_finetune.registry.storage import LocalStorage, Storage, open_storage
-
-SIDECAR_TIMEOUT_S = 1800.0
-FAILPOINT_ENV = "NXD_FINETUNE_FAILPOINT"
-
-
-def failpoint(point: str, step: int) -> None:
-    """SIGKILL this process when ``NXD_FINETUNE_FAILPOINT`` is ``<point>:<step>`` (fault injection
-    for the kill-and-resume tests; see :mod:`.training`)."""
-    if os.environ.get(FAILPOINT_ENV) == f"{point}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-@dataclasses.dataclass
-class CheckpointRef:
-    """One complete checkpoint: ``uri`` of its directory, its ``step`` and parsed ``manifest``.
-
-    Its files are ``storage``'s keys under ``prefix`` (the step directory; empty when ``storage``
-    is rooted at the checkpoint itself). S3 files fetched for verification or loading are kept in a
-    temporary directory until :meth:`cleanup` (``load`` calls it)."""
-
-    uri: str
-    step: int
-    manifest: dict[str, Any]
-    storage: Storage
-    prefix: str = ""
-    _tmp: str | None = None
-    _local: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def local_path(self, name: str, verify: bool) -> str:
-        """A local path holding file ``name`` (downloaded from S3 once; checked when ``verify``)."""
-        if isinstance(self.storage, LocalStorage):
-            path = str(self.storage.root / self.key(name))
-            if verify:
-                self._check(name, F.file_entry(path) if os.path.isfile(path) else None)
-            return path
-        if name not in self._local:
-            if self._tmp is None:
-                self._tmp = tempfile.mkdtemp(prefix="nxd-ckpt-")
-                weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)  # if load() never runs
-            path = os.path.join(self._tmp, name)
-            self.storage.get_file(self.key(name), path)
-            self._check(name, F.file_entry(path))  # downloaded anyway: always checked
-            self._local[name] = path
-        return self._local[name]
-
-    def read_bytes(self, name: str) -> bytes:
-        """The content of a small file, checked against the manifest."""
-        with open(self.local_path(name, verify=False), "rb") as f:
-            data = f.read()
-        self._check(name, F.bytes_entry(data))
-        return data
-
-    def _check(self, name: str, got: dict[str, Any] | None) -> None:
-        want = self.manifest["files"].get(name)
-        if want is None:
-            raise CheckpointError(f"{self.uri}: {name} is not in the manifest")
-        if got is None:
-            raise CheckpointError(f"{self.uri}/{name} is missing")
-        if got["size"] != want["size"]:
-            raise CheckpointError(f"{self.uri}/{name} has {got['size']} bytes, the manifest says {want['size']} "
-                                  "(truncated or rewritten)")
-        if got["sha256"] != want["sha256"]:
-            raise CheckpointError(f"{self.uri}/{name}: sha256 differs from the manifest (altered or corrupt)")
-
-    def verify(self) -> None:
-        """Check every file of the manifest (size, then sha256); CheckpointError on the first bad one."""
-        for name in self.manifest["files"]:
-            self.local_path(name, verify=True)
-
-    def cleanup(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp, self._local = None, {}
-
-
-class _Reader:
-    """:class:`.state.TensorReader` over a checkpoint's safetensors files (opened lazily)."""
-
-    def __init__(self, ref: CheckpointRef, verify: bool) -> None:
-        self.ref, self.verify = ref, verify
-        self.index: dict[str, str] = ref.manifest["tensors"]
-        self.keys = set(self.index)
-        self._open: dict[str, Any] = {}
-
-    def _file(self, key: str) -> Any:
-        name = self.index[key]
-        if name not in self._open:
-            self._open[name] = safe_open(self.ref.local_path(name, verify=self.verify), framework="pt")
-        return self._open[name]
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._file(key).get_slice(key).get_shape())
-
-    def read(self, key: str, index: tuple[slice, ...] | None) -> torch.Tensor:
-        f = self._file(key)
-        return f.get_tensor(key) if index is None else f.get_slice(key)[index]
-
-    def close(self) -> None:
-        self._open.clear()
-
-
-@dataclasses.dataclass
-class _SaveJob:
-    """The storage half of one save on one rank (no collectives: it may run in a thread)."""
-
-    storage: Storage
-    name: str
-    step: int
-    save_id: str
-    pp_rank: int
-    n_stages: int
-    tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file
-    groups: list[dict[str, Any]]
-    finalize: bool  # global rank 0: extra + manifest + retention
-    extra: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
-    layout: dict[str, Any]
-    keep_last: int
-
-    def run(self) -> None:
-        if self.tensors is not None:
-            self._write_stage()
-        if self.finalize:
-            failpoint("before-manifest", self.step)
-            self._write_manifest()
-            retain(self.storage, self.keep_last)
-
-    def _write_stage(self) -> None:
-        fd, tmp = tempfile.mkstemp(prefix="nxd-ckpt-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(self.tensors, tmp)
-            entry = F.file_entry(tmp)
-            self.storage.put_file(tmp, f"{self.name}/{F.state_file(self.pp_rank)}")
-        finally:
-            os.unlink(tmp)
-        sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {F.state_file(self.pp_rank): entry},
-                   "tensors": sorted(self.tensors), "param_groups": self.groups}
-        self.tensors = None  # free the host copy as soon as it is stored
-        self.storage.put_bytes(f"{self.name}/{F.sidecar_file(self.pp_rank)}", F.dumps(sidecar))
-
-    def _write_manifest(self) -> None:
-        files: dict[str, dict[str, Any]] = {}
-        data, tensors = self.extra or ({}, {})
-        if tensors:
-            blob = _safetensors_bytes(tensors)
-            self.storage.put_bytes(f"{self.name}/{F.EXTRA_TENSORS}", blob)
-            files[F.EXTRA_TENSORS] = F.bytes_entry(blob)
-        blob = F.dumps(data)
-        self.storage.put_bytes(f"{self.name}/{F.EXTRA_JSON}", blob)
-        files[F.EXTRA_JSON] = F.bytes_entry(blob)
-        index: dict[str, str] = {}
-        for pp_rank in range(self.n_stages):
-            raw = self._wait_sidecar(pp_rank)
-            sidecar = json.loads(raw)
-            files[F.sidecar_file(pp_rank)] = F.bytes_entry(raw)
-            files.update(sidecar["files"])
-            for key in sidecar["tensors"]:
-                if key in index:
-                    raise CheckpointError(f"tensor {key} is written by two pipeline stages")
-                index[key] = F.state_file(pp_rank)
-        manifest = F.make_manifest(self.step, files, index, self.layout)
-        self.storage.put_bytes(f"{self.name}/{F.MANIFEST}", F.dumps(manifest))
-
-    def _wait_sidecar(self, pp_rank: int) -> bytes:
-        """The sidecar of stage ``pp_rank`` written by this save (polled: other ranks write it)."""
-        key, delay, deadline = f"{self.name}/{F.sidecar_file(pp_rank)}", 0.02, time.monotonic() + SIDECAR_TIMEOUT_S
-        while True:
-            if self.storage.exists(key):
-                raw = self.storage.get_bytes(key)
-                if json.loads(raw).get("save_id") == self.save_id:
-                    return raw
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"pipeline stage {pp_rank} did not write its part of checkpoint {self.name} "
-                                      f"within {SIDECAR_TIMEOUT_S:.0f}s")
-            time.sleep(delay)
-            delay = min(1.0, delay * 1.5)
-
-
-def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
-
-    return save(tensors)
-
-
-def list_checkpoints(storage: Storage) -> list[tuple[int, bool]]:
-    """``(step, complete)`` of every step directory under ``storage``, oldest first."""
-    out = []
-    for name in storage.list_dirs(""):
-        step = F.parse_step_dir(name)
-        if step is not None:
-            out.append((step, storage.exists(f"{name}/{F.MANIFEST}")))
-    return sorted(out)
-
-
-def delete_checkpoint(storage: Storage, step: int) -> None:
-    """Remove a checkpoint, its manifest first (so it is never seen half-deleted as complete)."""
-    name = F.step_dir(step)
-    storage.delete(f"{name}/{F.MANIFEST}")
-    storage.delete_prefix(f"{name}/")
-
-
-def retain(storage: Storage, keep_last: int) -> list[int]:
-    """Keep the ``keep_last`` newest complete checkpoints; delete older complete ones and the
-    incomplete ones older than the newest complete one (left by killed saves). Returns the
-    deleted steps. Storage errors become a warning: pruning never fails a run."""
-    entries = list_checkpoints(storage)
-    complete = [s for s, ok in entries if ok]
-    if not complete:
-        return []
-    doomed = complete[:-keep_last] + [s for s, ok in entries if not ok and s < complete[-1]]
-    for step in sorted(doomed):
-        try:
-            delete_checkpoint(storage, step)
-        except StorageError as e:
-            warnings.warn(f"could not delete old checkpoint {F.step_dir(step)}: {e}", CheckpointWarning, stacklevel=2)
-    return sorted(doomed)
-
+from nxd_finetune.storage import Storage, StorageError, open_storage
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -354,7 +131,7 @@ class CheckpointManager:
         save_id = self._broadcast_int(secrets.randbits(62) if self.rank == 0 else 0)
         tensors = collect(params, opt, self.state, copy=self.async_save)  # sync: written before the next step
         st = self.state
-        job = _SaveJob(
+        job = SaveJob(
             storage=self.storage, name=name, step=step, save_id=f"{save_id:016x}",
             pp_rank=st.pp_rank if st is not None else 0, n_stages=st.pp_size if st is not None else 1,
             tensors=tensors, groups=groups, finalize=self.rank == 0, extra=extra_enc,
@@ -372,7 +149,7 @@ class CheckpointManager:
                 dist.barrier(group=self.group)  # every rank returns once the manifest is written
         return f"{self.uri}/{name}"
 
-    def _run(self, job: _SaveJob) -> None:
+    def _run(self, job: SaveJob) -> None:
         try:
             job.run()
         except BaseException as e:  # surfaced by wait()
@@ -481,7 +258,7 @@ class CheckpointManager:
         if ref is None:
             raise CheckpointError("load() needs a checkpoint: resolve() returned None")
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-        reader = _Reader(ref, verify=False)
+        reader = CheckpointReader(ref, verify=False)
         try:
             groups = []
             for name in ref.manifest["files"]:

@@ -38,15 +38,10 @@ import torch
 import torch.distributed as dist
 
 from nxd_finetune.checkpoint.format import CheckpointError
-from nxd_finetune.checkpoint.manager import (
-    CheckpointManager,
-    CheckpointRef,
-    delete_checkpoint,
-    failpoint,
-    list_checkpoints,
-)
-
-METRICS_FILE = "metrics.jsonl"
+from nxd_finetune.checkpoint.manager import CheckpointManager
+from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
+from nxd_finetune.checkpoint.writer import failpoint
+from nxd_finetune.sft.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 
 
 class TrainingStopped(Exception):
@@ -157,35 +152,6 @@ def set_rng_state(saved: dict[str, Any], state: Any = None, device: torch.device
         xm.set_rng_state(int(row(saved["xla"])[0]) % (1 << 64), str(device))
     py = saved["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-
-
-# ----------------------------------------------------------------------------- metrics files
-
-
-def truncate_metrics(out_dir: Path, size: int | None) -> None:
-    """Cut ``metrics.jsonl`` back to ``size`` bytes (its size when the checkpoint was taken), so
-    steps after the checkpoint are not logged twice; ``None`` (a fresh start) empties it."""
-    path = out_dir / METRICS_FILE
-    if not path.exists():
-        return
-    if size is None or path.stat().st_size > size:
-        with open(path, "r+b") as f:
-            f.truncate(size or 0)
-
-
-def purge_tensorboard(out_dir: Path, step: int) -> None:
-    """Hide TensorBoard events of steps after ``step`` written by the interrupted run (the
-    ``purge_step`` mechanism of ``SummaryWriter``: a session-start event at ``step + 1``)."""
-    log_dir = out_dir / "tensorboard"
-    if not log_dir.is_dir():
-        return
-    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-    from torch.utils.tensorboard.writer import FileWriter
-
-    writer = FileWriter(str(log_dir))
-    writer.add_event(Event(step=step + 1, file_version="brain.Event:2"))
-    writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
-    writer.close()
 
 
 # ----------------------------------------------------------------------------- the loop's hooks

@@ -22,9 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +48,7 @@ from nxd_finetune.models import (
     save_pretrained,
 )
 from nxd_finetune.models.loading import open_checkpoint_file
+from nxd_finetune.storage.atomic import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -243,21 +241,12 @@ def merge_adapter(
     for line in base_mismatches(adapter_dir, config, base_revision):
         log.warning("warning: %s; merging anyway", line)
     dtypes = {k: d for k, (_, d) in shapes.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with publish_dir(out) as tmp:
         stream = _with_progress(_merged_tensors(plan, index, dtypes, out_dtype), len(plan.sources), progress)
         save_pretrained(plan.config, stream, tmp, out_dtype, max_shard_bytes)
         copy_generation_config(base_dir, tmp)
         if any((base_dir / f).is_file() for f in TOKENIZER_FILES):
             save_tokenizer(base_dir, tmp)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -55,13 +55,14 @@ this rank's local shards and ``dp_group`` is this TP rank's data-parallel group
 gradient (unlike plain torch optimizers, which skip it): the inner step still applies
 momentum and weight decay to it. A parameter listed twice (a tied pair) is stepped once.
 
+The flat spaces, their buffers and the per-shard optimizer state are :mod:`.zero1_flat`.
+
 Build the optimizer after the model weights are loaded and the model is on its device (the
 masters are taken at construction), or call :meth:`Zero1Optimizer.refresh_master` afterwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,63 +71,18 @@ import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel import mappings as M
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# devices whose parameters and gradients become views into flat buffers (XLA keeps the copies)
-_FLAT_BUFFER_DEVICES = ("cpu", "cuda")
-
-
-def _slot(buf: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
-    """The view of ``buf`` that holds ``p`` (at ``offset``, shaped like ``p``)."""
-    return buf[offset : offset + p.numel()].view_as(p)
-
-
-def _is_slot(t: torch.Tensor | None, buf: torch.Tensor, offset: int, p: torch.Tensor) -> bool:
-    """Whether ``t`` is (still) the view :func:`_slot` gives, not a tensor put in its place."""
-    return (t is not None and t.dtype == buf.dtype and t.device == buf.device and t.shape == p.shape
-            and t.is_contiguous() and t.data_ptr() == buf.data_ptr() + offset * buf.element_size())
-
-
-@dataclasses.dataclass
-class _FlatShard:
-    """One (param group, dtype) flat index space and this rank's shard of it."""
-
-    group_index: int
-    dtype: torch.dtype
-    params: list[torch.Tensor]
-    offsets: list[int]
-    numel: int
-    padded_numel: int
-    shard_start: int
-    shard_size: int
-    master: torch.Tensor  # fp32 [shard_size]; a view into param_buffer when there is one
-    param_buffer: torch.Tensor | None = None  # fp32 [padded_numel]: the parameters are views into it
-    grad_buffer: torch.Tensor | None = None  # reduce dtype [padded_numel]: the .grad are views into it
-    chunks: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the wrapped optimizer's params
-
-    def param_ranges(self) -> list[tuple[int, int, int]]:
-        """``(param index, start, end)`` for the parameters overlapping this rank's shard, with
-        ``[start, end)`` in shard coordinates."""
-        lo, hi = self.shard_start, self.shard_start + self.shard_size
-        out = []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if a < b:
-                out.append((i, a - lo, b - lo))
-        return out
-
-    def layout(self) -> dict[str, Any]:
-        return {
-            "group": self.group_index,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "numel": self.numel,
-            "padded_numel": self.padded_numel,
-            "shard_start": self.shard_start,
-            "shard_size": self.shard_size,
-            "param_shapes": [list(p.shape) for p in self.params],
-            "param_offsets": list(self.offsets),
-        }
+from nxd_finetune.parallel.zero1_flat import (
+    FlatShard,
+    all_gather_single,
+    check_state_shape,
+    copy_params_to_master,
+    is_slot,
+    make_flat,
+    reduce_scatter_single,
+    set_shard_state,
+    shard_state,
+    slot,
+)
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -162,13 +118,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.average, self.reduce_dtype = average, reduce_dtype
         # gloo's reduce-scatter and all-gather stage a whole-buffer copy: use in-place collectives
         self._gloo = self.dp_size > 1 and dist.get_backend(dp_group) == "gloo"
-        self.flats: list[_FlatShard] = []
+        self.flats: list[FlatShard] = []
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
             masters = []
             trainable = list(dict.fromkeys(p for p in group["params"] if p.requires_grad))  # a tied pair once
             for dtype in dict.fromkeys(p.dtype for p in trainable):
-                flat = self._make_flat(gi, dtype, [p for p in trainable if p.dtype == dtype])
+                flat = make_flat(gi, dtype, [p for p in trainable if p.dtype == dtype], self.dp_size, self.dp_rank,
+                                 self.reduce_dtype, self.inner_chunk_numel)
                 self.flats.append(flat)
                 masters.extend(flat.chunks)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
@@ -181,56 +138,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     outer.setdefault(key, value)  # show the inner defaults (lr, betas...) to schedulers
         self._reduced = False
 
-    def _make_flat(self, group_index: int, dtype: torch.dtype, params: list[torch.Tensor]) -> _FlatShard:
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        shard = -(-total // self.dp_size)
-        padded, start = shard * self.dp_size, self.dp_rank * shard
-        device = params[0].device
-        buffers = device.type in _FLAT_BUFFER_DEVICES
-        param_buffer = grad_buffer = None
-        if buffers and dtype == torch.float32:
-            param_buffer = torch.zeros(padded, dtype=dtype, device=device)
-            master = param_buffer[start : start + shard]
-        else:
-            master = torch.zeros(shard, dtype=torch.float32, device=device)
-        if buffers and (self.reduce_dtype or dtype) == dtype:
-            grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        chunks = [master] if shard <= self.inner_chunk_numel else list(master.split(self.inner_chunk_numel))
-        flat = _FlatShard(group_index, dtype, params, offsets, total, padded, start, shard, master,
-                          param_buffer, grad_buffer, chunks)
-        self._copy_params_to_master(flat)
-        if grad_buffer is not None:
-            for p, off in zip(params, offsets, strict=True):
-                view = _slot(grad_buffer, off, p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-        return flat
-
-    @torch.no_grad()
-    def _copy_params_to_master(self, flat: _FlatShard) -> None:
-        """Master shard := the parameters' values. With a parameter buffer: parameters that are no
-        longer views into it are copied in and made views again."""
-        if flat.param_buffer is not None:
-            for p, off in zip(flat.params, flat.offsets, strict=True):
-                if not _is_slot(p, flat.param_buffer, off, p):
-                    view = _slot(flat.param_buffer, off, p)
-                    view.copy_(p.detach())
-                    p.data = view
-            return
-        for i, a, b in flat.param_ranges():
-            off = flat.offsets[i] - flat.shard_start
-            flat.master[a:b].copy_(flat.params[i].detach().reshape(-1)[a - off : b - off])
-
     @torch.no_grad()
     def refresh_master(self) -> None:
         """Re-take the master shards from the model parameters (after loading weights into a model
         whose optimizer already exists). Local: no collective."""
         for flat in self.flats:
-            self._copy_params_to_master(flat)
+            copy_params_to_master(flat)
 
     @property
     def shard_numel(self) -> int:
@@ -247,7 +160,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 continue
             flat.grad_buffer.zero_()
             for p, off in zip(flat.params, flat.offsets, strict=True):
-                p.grad = _slot(flat.grad_buffer, off, p)
+                p.grad = slot(flat.grad_buffer, off, p)
                 in_buffers.add(id(p))
         for group in self.param_groups:
             for p in group["params"]:
@@ -271,9 +184,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             buf = flat.grad_buffer
             if buf is not None:
                 for p, off in zip(flat.params, flat.offsets, strict=True):
-                    if _is_slot(p.grad, buf, off, p):
+                    if is_slot(p.grad, buf, off, p):
                         continue
-                    view = _slot(buf, off, p)  # .grad replaced (or set to None) since zero_grad
+                    view = slot(buf, off, p)  # .grad replaced (or set to None) since zero_grad
                     if p.grad is None:
                         view.zero_()
                     else:
@@ -292,7 +205,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     shard = shard.clone()  # let the temporary buffer go
             else:
                 shard = buf.new_empty(flat.shard_size)
-                _reduce_scatter_single(shard, buf, group=self.dp_group)
+                reduce_scatter_single(shard, buf, group=self.dp_group)
             if self.average and self.dp_size > 1:
                 shard.div_(self.dp_size)
             flat.master.grad = shard.to(torch.float32)
@@ -354,13 +267,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
             local = flat.master.to(flat.dtype)
             if self.dp_size > 1:
                 full = local.new_empty(flat.padded_numel)
-                _all_gather_single(full, local, group=self.dp_group)
+                all_gather_single(full, local, group=self.dp_group)
             else:
                 full = local
             for p, off in zip(flat.params, flat.offsets, strict=True):
                 p.copy_(full[off : off + p.numel()].view_as(p))
 
-    def _gather_into_buffer(self, flat: _FlatShard) -> None:
+    def _gather_into_buffer(self, flat: FlatShard) -> None:
         """Fill the other ranks' shards of the parameter buffer (this rank's is its master), then
         make parameters that were put elsewhere views into it again (the master wins)."""
         buf = flat.param_buffer
@@ -370,10 +283,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size],
                                src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
         elif self.dp_size > 1:
-            _all_gather_single(buf, flat.master.clone(), group=self.dp_group)
+            all_gather_single(buf, flat.master.clone(), group=self.dp_group)
         for p, off in zip(flat.params, flat.offsets, strict=True):
-            if not _is_slot(p, buf, off, p):
-                p.data = _slot(buf, off, p)
+            if not is_slot(p, buf, off, p):
+                p.data = slot(buf, off, p)
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -448,7 +361,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """
         out: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         for flat in self.flats:
-            state = self._shard_state(flat)
+            state = shard_state(self.inner, flat)
             full: dict[str, torch.Tensor] = {"master": self._gather_flat(flat, flat.master)}
             shared: dict[str, Any] = {}
             for key in sorted(state):
@@ -463,13 +376,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 out.append((p, states))
         return out
 
-    def _gather_flat(self, flat: _FlatShard, shard: torch.Tensor) -> torch.Tensor:
+    def _gather_flat(self, flat: FlatShard, shard: torch.Tensor) -> torch.Tensor:
         """The whole padded flat space of ``shard`` (this rank's part), all-gathered over dp."""
         shard = shard.detach().to(torch.float32).contiguous()
         if self.dp_size == 1:
             return shard.clone()
         full = shard.new_empty(flat.padded_numel)
-        _all_gather_single(full, shard, group=self.dp_group)
+        all_gather_single(full, shard, group=self.dp_group)
         return full
 
     @torch.no_grad()
@@ -488,7 +401,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         disagree on which states they have.
         """
         for flat in self.flats:
-            self._copy_params_to_master(flat)
+            copy_params_to_master(flat)
             elementwise: dict[str, torch.Tensor] = {}
             scalars: dict[str, torch.Tensor] = {}
             keys: set[str] | None = None
@@ -496,7 +409,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 p = flat.params[i]
                 states = {k: v for k, v in (get_states(p) or {}).items()}
                 if "master" in states:
-                    self._check_state_shape("master", states["master"], p)
+                    check_state_shape("master", states["master"], p)
                     off = flat.offsets[i] - flat.shard_start
                     flat.master[a:b].copy_(states.pop("master").reshape(-1)[a - off : b - off])
                 if keys is None:
@@ -509,35 +422,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     if value.dim() == 0:
                         scalars.setdefault(key, value.detach().clone())
                         continue
-                    self._check_state_shape(key, value, p)
+                    check_state_shape(key, value, p)
                     buf = elementwise.setdefault(key, torch.zeros_like(flat.master))
                     buf[a:b].copy_(value.reshape(-1)[a - off : b - off])
-            self._set_shard_state(flat, scalars, elementwise)
-
-    def _shard_state(self, flat: _FlatShard) -> dict[str, Any]:
-        """The wrapped optimizer's state of ``flat``'s master shard: per-element states of its
-        chunks joined (a new tensor when there are several), scalar states of the first chunk."""
-        states = [self.inner.state.get(c, {}) for c in flat.chunks]
-        if len(states) == 1 or not states[0]:
-            return states[0]
-        return {key: torch.cat([st[key] for st in states])
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.chunks[0].numel() else value
-                for key, value in states[0].items()}
-
-    def _set_shard_state(self, flat: _FlatShard, scalars: dict[str, torch.Tensor],
-                         elementwise: dict[str, torch.Tensor]) -> None:
-        """Give each chunk of ``flat``'s master shard its part of ``elementwise`` (views of the
-        shard-long tensors) and its own copy of ``scalars`` (Adam counts ``step`` per chunk)."""
-        start = 0
-        for chunk in flat.chunks:
-            self.inner.state.pop(chunk, None)
-            if elementwise or scalars:
-                self.inner.state[chunk] = {**{k: v.clone() for k, v in scalars.items()},
-                                           **{k: v[start : start + chunk.numel()] for k, v in elementwise.items()}}
-            start += chunk.numel()
-
-    @staticmethod
-    def _check_state_shape(key: str, value: torch.Tensor, param: torch.Tensor) -> None:
-        if tuple(value.shape) != tuple(param.shape):
-            raise NxdError(f"ZeRO-1 import: state {key!r} of shape {tuple(value.shape)} does not match "
-                           f"its parameter of shape {tuple(param.shape)}")
+            set_shard_state(self.inner, flat, scalars, elementwise)

@@ -1,4 +1,5 @@
-"""Adapter registry on one storage seam (local directories and ``s3://``); see ``core`` for the contracts.
+"""Adapter registry on the storage layer (:mod:`nxd_finetune.storage`: local directories and ``s3://``); see
+``core`` for the contracts.
 
 Importing this package does not import boto3; only opening an ``s3://`` URI does.
 """
@@ -15,35 +16,18 @@ from nxd_finetune.registry.core import (
     show,
     tag,
 )
-from nxd_finetune.registry.errors import (
-    IntegrityError,
-    RegistryError,
-    StorageAccessDeniedError,
-    StorageBucketNotFoundError,
-    StorageCredentialsError,
-    StorageError,
-    StorageNotFoundError,
-)
+from nxd_finetune.registry.errors import IntegrityError, RegistryError
 from nxd_finetune.registry.ref import Ref, parse_ref
-from nxd_finetune.registry.storage import LocalStorage, Storage, open_storage
 
 __all__ = [
     "IntegrityError",
-    "LocalStorage",
     "Ref",
     "Registry",
     "RegistryError",
-    "Storage",
-    "StorageAccessDeniedError",
-    "StorageBucketNotFoundError",
-    "StorageCredentialsError",
-    "StorageError",
-    "StorageNotFoundError",
     "Version",
     "list_names",
     "list_versions",
     "open_registry",
-    "open_storage",
     "parse_ref",
     "pull",
     "push",

@@ -26,9 +26,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from nxd_finetune.registry.errors import RegistryError, StorageNotFoundError
+from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.manifest import MANIFEST, dumps
-from nxd_finetune.registry.storage import Storage
+from nxd_finetune.storage import Storage, StorageNotFoundError
 
 CLAIM_RE = re.compile(r"\.claim-([1-9][0-9]*)\.json")
 

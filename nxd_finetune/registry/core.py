@@ -26,8 +26,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,9 +34,10 @@ from typing import Any
 
 from nxd_finetune.registry import manifest as mf
 from nxd_finetune.registry.claims import CLAIM_RE, Claims
-from nxd_finetune.registry.errors import IntegrityError, RegistryError, StorageNotFoundError
+from nxd_finetune.registry.errors import IntegrityError, RegistryError
 from nxd_finetune.registry.ref import LATEST, Ref, check_name, check_tag, parse_ref
-from nxd_finetune.registry.storage import Storage, open_storage
+from nxd_finetune.storage import Storage, StorageNotFoundError, open_storage
+from nxd_finetune.storage.atomic import publish_dir
 
 PushProgress = Callable[[str, int], None]
 """``progress(file_name, bytes_since_last_call)`` during push."""
@@ -164,9 +163,7 @@ class Registry:
         dest = Path(dest).absolute()
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise RegistryError(f"destination {dest} already exists and is not an empty directory")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-        try:
+        with publish_dir(dest) as tmp:
             for fname, entry in found.manifest["files"].items():
                 local = tmp / fname
                 try:
@@ -180,13 +177,6 @@ class Registry:
                         f"sha256 {digest[:12]}.. vs {entry['sha256'][:12]}..); nothing written to {dest}"
                     )
             (tmp / mf.MANIFEST).write_bytes(mf.dumps(found.manifest))
-            os.chmod(tmp, 0o755)
-            if dest.exists():
-                dest.rmdir()
-            os.rename(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return found
 
     # -- push -----------------------------------------------------------------------------------

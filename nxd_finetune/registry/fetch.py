@@ -27,7 +27,7 @@ from nxd_finetune.registry.core import open_registry
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.manifest import FILE_RE, REQUIRED_FILES
 from nxd_finetune.registry.ref import Ref, parse_ref
-from nxd_finetune.registry.storage import open_storage
+from nxd_finetune.storage import open_storage
 
 ADAPTER_CONFIG = "adapter_config.json"
 

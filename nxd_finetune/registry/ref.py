@@ -1,6 +1,6 @@
 """Adapter references: ``REGISTRY/NAME[:VERSION|@TAG]`` and the name rules.
 
-``REGISTRY`` is any storage root accepted by :func:`nxd_finetune.registry.storage.open_storage`
+``REGISTRY`` is any storage root accepted by :func:`nxd_finetune.storage.open_storage`
 (``./reg``, ``/abs/reg``, ``file:///abs/reg``, ``s3://bucket``, ``s3://bucket/prefix``); the last
 ``/``-separated component is the adapter. Examples::
 

@@ -19,8 +19,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import formats
+from nxd_finetune.storage.atomic import publish_dir
+from nxd_finetune.storage.cache import data_cache
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -329,9 +329,7 @@ def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], cha
 def default_cache_dir(spec: DataSpec) -> Path:
     if spec.cache_dir:
         return Path(spec.cache_dir).expanduser()
-    from nxd_finetune.quickstart import cache_home
-
-    return cache_home() / "data"
+    return data_cache()
 
 
 def _split_eval(rows, fraction: float):
@@ -401,16 +399,8 @@ def prepare_datasets(
 
 
 def _write_entry(entry: Path, built: dict[str, TokenizedDataset]) -> None:
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
-    try:
+    # Losing a race to an identical entry (same key) is fine.
+    with publish_dir(entry, already_published=lambda d: (d / "meta.json").is_file()) as tmp:
         for split, ds in built.items():
             ds.save(tmp / f"{split}.safetensors")
         (tmp / "meta.json").write_text(json.dumps({split: ds.stats for split, ds in built.items()}, indent=1))
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / "meta.json").is_file():  # lost a race to an identical entry: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

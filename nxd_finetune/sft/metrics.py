@@ -1,5 +1,9 @@
 """Run metrics: a JSONL file (one object per logged step), optional TensorBoard scalars, and the
-rich progress bar. Only rank 0 of a run writes."""
+rich progress bar. Only rank 0 of a run writes.
+
+A resume cuts both back to the checkpoint's step (:func:`truncate_metrics`,
+:func:`purge_tensorboard`, called by ``checkpoint.training``), so no step is logged twice; the
+loss-curve picture drawn from the JSONL file at the end of a run is :mod:`nxd_finetune.sft.curve`."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any
 
 from nxd_finetune.errors import NxdError
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricsWriter:
     """Appends ``{"step": ..., <name>: value}`` lines to ``<dir>/metrics.jsonl`` and, when asked,
@@ -18,7 +24,7 @@ class MetricsWriter:
 
     def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.path = out_dir / "metrics.jsonl"
+        self.path = out_dir / METRICS_FILE
         self._tb = None
         if enabled and tensorboard:
             try:
@@ -49,6 +55,32 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_metrics(out_dir: Path, size: int | None) -> None:
+    """Cut ``metrics.jsonl`` back to ``size`` bytes (its size when the checkpoint was taken), so
+    steps after the checkpoint are not logged twice; ``None`` (a fresh start) empties it."""
+    path = out_dir / METRICS_FILE
+    if not path.exists():
+        return
+    if size is None or path.stat().st_size > size:
+        with open(path, "r+b") as f:
+            f.truncate(size or 0)
+
+
+def purge_tensorboard(out_dir: Path, step: int) -> None:
+    """Hide TensorBoard events of steps after ``step`` written by the interrupted run (the
+    ``purge_step`` mechanism of ``SummaryWriter``: a session-start event at ``step + 1``)."""
+    log_dir = out_dir / "tensorboard"
+    if not log_dir.is_dir():
+        return
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from torch.utils.tensorboard.writer import FileWriter
+
+    writer = FileWriter(str(log_dir))
+    writer.add_event(Event(step=step + 1, file_version="brain.Event:2"))
+    writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+    writer.close()
 
 
 class Progress:

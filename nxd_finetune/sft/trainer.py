@@ -353,7 +353,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         metrics.log(state.step, after)
     metrics.close()
     if engine.is_logger:
-        from nxd_finetune.checkpoint.curve import write_loss_curve
+        from nxd_finetune.sft.curve import write_loss_curve
 
         write_loss_curve(metrics.path, out_dir / "loss_curve.svg", f"{recipe.model.path}: loss")
     train_time = time.perf_counter() - t0 - t_first

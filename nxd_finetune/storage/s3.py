@@ -1,4 +1,4 @@
-"""S3 backend of :mod:`nxd_finetune.registry.storage`; the only module of the project that imports boto3.
+"""S3 backend of :mod:`nxd_finetune.storage`; the only module of the project that imports boto3.
 
 Configuration (constructor argument first, then environment, then boto3's own defaults):
 
@@ -31,14 +31,14 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from nxd_finetune.registry.errors import (
+from nxd_finetune.storage.base import Keys, Progress, Storage, check_key
+from nxd_finetune.storage.errors import (
     StorageAccessDeniedError,
     StorageBucketNotFoundError,
     StorageCredentialsError,
     StorageError,
     StorageNotFoundError,
 )
-from nxd_finetune.registry.storage import Keys, Progress, Storage, check_key
 
 _MIB = 1 << 20
 _CRED_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}

@@ -1,0 +1,114 @@
+"""The storage half of one checkpoint save on one rank (:class:`SaveJob`: stage file, sidecar, and
+on global rank 0 ``extra``, the manifest last, then retention; no collectives, so it may run in a
+background thread), and the fault-injection points of the kill-and-resume tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from nxd_finetune.checkpoint import format as F
+from nxd_finetune.checkpoint.format import CheckpointError
+from nxd_finetune.checkpoint.stored import retain
+from nxd_finetune.storage import Storage
+
+SIDECAR_TIMEOUT_S = 1800.0
+FAILPOINT_ENV = "NXD_FINETUNE_FAILPOINT"
+
+
+def failpoint(point: str, step: int) -> None:
+    """SIGKILL this process when ``NXD_FINETUNE_FAILPOINT`` is ``<point>:<step>`` (fault injection
+    for the kill-and-resume tests; see :mod:`.training`)."""
+    if os.environ.get(FAILPOINT_ENV) == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """The storage half of one save on one rank (no collectives: it may run in a thread)."""
+
+    storage: Storage
+    name: str
+    step: int
+    save_id: str
+    pp_rank: int
+    n_stages: int
+    tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file
+    groups: list[dict[str, Any]]
+    finalize: bool  # global rank 0: extra + manifest + retention
+    extra: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
+    layout: dict[str, Any]
+    keep_last: int
+
+    def run(self) -> None:
+        if self.tensors is not None:
+            self._write_stage()
+        if self.finalize:
+            failpoint("before-manifest", self.step)
+            self._write_manifest()
+            retain(self.storage, self.keep_last)
+
+    def _write_stage(self) -> None:
+        fd, tmp = tempfile.mkstemp(prefix="nxd-ckpt-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            save_file(self.tensors, tmp)
+            entry = F.file_entry(tmp)
+            self.storage.put_file(tmp, f"{self.name}/{F.state_file(self.pp_rank)}")
+        finally:
+            os.unlink(tmp)
+        sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {F.state_file(self.pp_rank): entry},
+                   "tensors": sorted(self.tensors), "param_groups": self.groups}
+        self.tensors = None  # free the host copy as soon as it is stored
+        self.storage.put_bytes(f"{self.name}/{F.sidecar_file(self.pp_rank)}", F.dumps(sidecar))
+
+    def _write_manifest(self) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        data, tensors = self.extra or ({}, {})
+        if tensors:
+            blob = _safetensors_bytes(tensors)
+            self.storage.put_bytes(f"{self.name}/{F.EXTRA_TENSORS}", blob)
+            files[F.EXTRA_TENSORS] = F.bytes_entry(blob)
+        blob = F.dumps(data)
+        self.storage.put_bytes(f"{self.name}/{F.EXTRA_JSON}", blob)
+        files[F.EXTRA_JSON] = F.bytes_entry(blob)
+        index: dict[str, str] = {}
+        for pp_rank in range(self.n_stages):
+            raw = self._wait_sidecar(pp_rank)
+            sidecar = json.loads(raw)
+            files[F.sidecar_file(pp_rank)] = F.bytes_entry(raw)
+            files.update(sidecar["files"])
+            for key in sidecar["tensors"]:
+                if key in index:
+                    raise CheckpointError(f"tensor {key} is written by two pipeline stages")
+                index[key] = F.state_file(pp_rank)
+        manifest = F.make_manifest(self.step, files, index, self.layout)
+        self.storage.put_bytes(f"{self.name}/{F.MANIFEST}", F.dumps(manifest))
+
+    def _wait_sidecar(self, pp_rank: int) -> bytes:
+        """The sidecar of stage ``pp_rank`` written by this save (polled: other ranks write it)."""
+        key, delay, deadline = f"{self.name}/{F.sidecar_file(pp_rank)}", 0.02, time.monotonic() + SIDECAR_TIMEOUT_S
+        while True:
+            if self.storage.exists(key):
+                raw = self.storage.get_bytes(key)
+                if json.loads(raw).get("save_id") == self.save_id:
+                    return raw
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"pipeline stage {pp_rank} did not write its part of checkpoint {self.name} "
+                                      f"within {SIDECAR_TIMEOUT_S:.0f}s")
+            time.sleep(delay)
+            delay = min(1.0, delay * 1.5)
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors)

@@ -1,0 +1,135 @@
+"""Data checks of ``validate``: read the first rows of every local data file (JSON lines or array,
+CSV, Parquet, Arrow / ``save_to_disk``; the file types ``sft.data`` reads) without converting
+the whole file, and check that they fit ``data.format`` and ``data.fields``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nxd_finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+
+
+def _data_sources(key: str, spec: str | list[str]) -> list[Path]:
+    """The local files or ``save_to_disk`` directories behind ``data.<key>`` (the sources
+    ``sft.data.load_rows`` reads); remote ones (``hf://...``) are reported and skipped."""
+    sources: list[Path] = []
+    for item in [spec] if isinstance(spec, str) else spec:
+        if "://" in item:
+            print(f"note: data.{key} {item} is remote; not checked", file=sys.stderr)
+            continue
+        path = Path(item)
+        if not path.exists():
+            raise DataError(f"data.{key}: not found: {path}")
+        sources.append(path)
+    return sources
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _rows_jsonl(path: Path, n: int) -> list[dict]:
+    import json
+
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+        f.seek(0)
+        if head.startswith("["):  # a JSON array, not JSON lines
+            data = json.load(f)
+            return data[:n] if isinstance(data, list) else [data]
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def _rows_csv(path: Path, n: int) -> list[dict]:
+    import csv
+    import itertools
+
+    with path.open(encoding="utf-8", newline="") as f:
+        return list(itertools.islice(csv.DictReader(f), n))
+
+
+def _rows_parquet(path: Path, n: int) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+    return batch.to_pylist() if batch is not None else []
+
+
+def _rows_arrow(path: Path, n: int) -> list[dict]:
+    import datasets
+
+    if path.is_dir():  # a save_to_disk directory
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise DataError(f"{path} holds splits {', '.join(loaded)}; expected a 'train' split")
+            loaded = loaded["train"]
+    else:
+        loaded = datasets.Dataset.from_file(str(path))
+    return loaded.select(range(min(n, len(loaded)))).to_list()
+
+
+# the file types of sft.data.LOCAL_BUILDERS, read a few rows at a time (no full conversion)
+_READERS = {".jsonl": _rows_jsonl, ".json": _rows_jsonl, ".csv": _rows_csv, ".parquet": _rows_parquet,
+            ".arrow": _rows_arrow}
+
+
+def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5) -> None:
+    """Read the first rows of every file of ``data.<key>`` and check they fit ``data.format``:
+    the mapped columns exist (``sft.formats.resolve_columns``) and hold the right kind of value.
+    Raises DataError naming the file and row."""
+    from nxd_finetune.sft.formats import resolve_columns
+
+    fmt = recipe.data.format
+    for path in _data_sources(key, spec):
+        reader = _rows_arrow if path.is_dir() else _READERS.get(path.suffix.lower())
+        if reader is None:
+            raise DataError(f"data.{key}: {path}: unsupported file type; use {', '.join(_READERS)}")
+        try:
+            rows = reader(path, n_rows)
+        except DataError:
+            raise
+        except Exception as e:  # parse errors of csv/parquet/arrow/json: one line naming the file
+            raise DataError(f"data.{key}: cannot read {path}: {type(e).__name__}: {first_line(e)}") from None
+        if not rows:
+            raise DataError(f"data.{key}: {path} is empty")
+        for i, row in enumerate(rows, 1):
+            if not isinstance(row, dict):
+                raise DataError(f"data.{key}: {path} row {i} is {type(row).__name__}, not an object")
+            try:
+                columns = resolve_columns(list(row), fmt, recipe.data.fields)
+            except DataError as e:
+                raise DataError(f"data.{key}: {path} row {i}: {e}") from None
+            problem = _row_problem(row, fmt, columns)
+            if problem:
+                raise DataError(f"data.{key}: {path} row {i}: {problem}")
+
+
+def _row_problem(row: dict, fmt: str, columns: dict[str, str]) -> str | None:
+    if fmt != "messages":
+        for name, column in columns.items():
+            if not isinstance(row[column], str):
+                return f"column {column!r} ({name}) holds {type(row[column]).__name__}, expected a string"
+        return None
+    messages, role, content = row[columns["messages"]], columns["role"], columns["content"]
+    if not isinstance(messages, list) or not messages:
+        return f"column {columns['messages']!r} must be a non-empty list of messages"
+    for m in messages:
+        if not isinstance(m, dict) or role not in m or content not in m:
+            return f"every message needs keys {role!r} and {content!r} (map them with data.fields.role/content)"
+    return None

@@ -1,0 +1,85 @@
+"""Model checks of ``validate``: config, weights and tokenizer files are there, every tensor the
+config implies is in the checkpoint with its shape (safetensors headers only), and the parameter
+counts of a meta-device build with the recipe's LoRA injected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.preflight.data import first_line
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+
+
+def find_model_dir(recipe: Recipe) -> Path:
+    """The model directory, after checking config, weights and tokenizer files are there."""
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    path = recipe.model.path
+    if "://" in path:
+        raise ModelLoadError(f"model.path {path}: remote models are not supported; give a local directory")
+    model_dir = resolve_model_dir(path)
+    tok = recipe.model.tokenizer
+    if tok is None or "://" not in tok:
+        tok_dir = Path(tok) if tok else model_dir
+        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+        if not any((tok_dir / n).is_file() for n in names):
+            raise ModelLoadError(f"no tokenizer in {tok_dir} (expected one of {', '.join(names)}); "
+                                 "set model.tokenizer")
+    return model_dir
+
+
+def check_weights(model: Any, config: Any, model_dir: Path) -> None:
+    """Every model tensor is in the checkpoint with the right shape (safetensors headers only)."""
+    from safetensors import safe_open
+
+    from nxd_finetune.models import checkpoint_index
+
+    index = checkpoint_index(model_dir)
+    expected = dict(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = [n for n in expected if n not in index]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {', '.join(missing[:3])}{more}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(index[name], []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                shapes = {name: list(f.get_slice(name).get_shape()) for name in names}
+        except Exception as e:  # a truncated or corrupt header
+            raise ModelLoadError(f"{file}: unreadable safetensors file: {first_line(e)}") from None
+        for name, shape in shapes.items():
+            want = list(expected[name].shape)
+            if shape != want:
+                raise ModelLoadError(f"{file.name}: tensor {name} has shape {shape}, the config implies {want}")
+
+
+def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None) -> tuple[int, int, list[str]]:
+    """(total, trainable, LoRA-wrapped module names) from a meta-device build of the model with the
+    recipe's LoRA injected; checks the checkpoint's tensor names/shapes when ``model_dir`` is given.
+    ``inject_lora`` raises AdapterError when ``lora.target_modules`` matches nothing."""
+    import torch
+
+    from nxd_finetune.models import build_model
+
+    model = build_model(config)
+    if model_dir is not None:
+        check_weights(model, config, model_dir)
+    targets: list[str] = []
+    if recipe.lora is not None:
+        from nxd_finetune.lora import inject_lora
+        from nxd_finetune.sft.build import lora_config_from_recipe
+
+        for p in model.parameters():
+            p.requires_grad_(False)
+        with torch.device("meta"):
+            targets = inject_lora(model, lora_config_from_recipe(recipe.lora))
+    params = list(model.parameters())  # deduplicated, so tied embeddings count once
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), targets

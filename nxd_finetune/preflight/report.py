@@ -1,0 +1,109 @@
+"""What ``nxd-finetune validate`` does after loading the recipe: :func:`run_checks` (data, model
+files and weights, the model-dependent recipe rules, parameter counts, the memory estimate) and
+the two ways of showing the result, :func:`print_report` (text) and :func:`report_json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nxd_finetune.preflight.data import check_data
+from nxd_finetune.preflight.memory import estimate_memory, human_bytes
+from nxd_finetune.preflight.model import count_parameters, find_model_dir
+
+if TYPE_CHECKING:
+    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.recipe import Recipe
+
+
+@dataclasses.dataclass
+class Preflight:
+    """A recipe that passed every check, with what ``validate`` reports about it. ``memory``:
+    estimated bytes per component on the busiest rank (:func:`estimate_memory`)."""
+
+    recipe: Recipe
+    model_dir: Path
+    config: DecoderConfig
+    total: int
+    trainable: int
+    targets: list[str]
+    memory: dict[str, float]
+
+
+def run_checks(recipe: Recipe) -> Preflight:
+    """Check ``recipe`` without training: every local data file's first rows against the format,
+    the model's config, tokenizer and checkpoint tensors, the model-dependent rules
+    (:func:`nxd_finetune.recipe.check_against_model`) and the LoRA targets. Raises the one-line
+    NxdError subclass of the first problem (DataError, ModelLoadError, RecipeError, AdapterError)."""
+    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.recipe import check_against_model
+
+    for key in ("train", "eval"):
+        spec = getattr(recipe.data, key)
+        if spec is not None:
+            check_data(recipe, key, spec)
+    model_dir = find_model_dir(recipe)
+    config = DecoderConfig.from_hf(model_dir)
+    check_against_model(recipe, config)
+    total, trainable, targets = count_parameters(recipe, config, model_dir)
+    memory = estimate_memory(recipe, config, total, trainable)
+    return Preflight(recipe, model_dir, config, total, trainable, targets, memory)
+
+
+def layout(recipe: Recipe) -> dict[str, Any]:
+    """The resolved process layout and batch sizes of ``recipe``."""
+    par, tr = recipe.parallel, recipe.training
+    return {
+        "nproc": par.nproc, "tp": par.tp, "pp": par.pp, "dp": par.dp, "virtual_stages": par.virtual_stages,
+        "pp_schedule": par.pp_schedule, "sequence_parallel": par.sequence_parallel, "zero1": par.zero1,
+        "activation_checkpointing": par.activation_checkpointing, "micro_batch_size": tr.micro_batch_size,
+        "grad_accum": recipe.grad_accum_steps, "global_batch_size": tr.global_batch(par.dp),
+        "max_seq_len": recipe.data.max_seq_len, "precision": tr.precision,
+    }
+
+
+def report_json(result: Preflight) -> dict[str, Any]:
+    """``validate --json``: the layout, the model, the parameter counts and the memory estimate per
+    rank (busiest rank; each part and the total, in bytes, rounded to whole bytes)."""
+    cfg = result.config
+    memory = {name: round(value) for name, value in result.memory.items()}
+    memory["total"] = round(sum(result.memory.values()))
+    return {
+        "valid": True,
+        "layout": layout(result.recipe),
+        "model": {"path": str(result.model_dir), "architecture": cfg.architecture,
+                  "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+                  "num_key_value_heads": cfg.num_key_value_heads},
+        "parameters": {"total": result.total, "trainable": result.trainable, "lora_modules": len(result.targets),
+                       "mode": "lora" if result.recipe.lora is not None else "full"},
+        "memory_per_rank_bytes": memory,
+    }
+
+
+def print_report(result: Preflight) -> None:
+    """The text report of ``validate`` (after the resolved recipe): model, parameters, layout, the
+    memory table, ``recipe is valid``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    recipe, config, total, trainable = result.recipe, result.config, result.total, result.trainable
+    console = Console(highlight=False)
+    par = recipe.parallel
+    mode = f"LoRA on {len(result.targets)} modules" if recipe.lora is not None else "full SFT"
+    console.print(f"model: {config.architecture}, {config.num_hidden_layers} layers, "
+                  f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads ({mode})")
+    console.print(f"parameters: total {total:,}  trainable {trainable:,} ({100 * trainable / total:.2f}%)")
+    console.print(f"layout: nproc={par.nproc} = tp {par.tp} x pp {par.pp} x dp {par.dp}; "
+                  f"grad_accum {recipe.grad_accum_steps}, global batch {recipe.training.global_batch(par.dp)}")
+    table = Table(title="memory per rank, estimate", title_justify="left")
+    table.add_column("component")
+    table.add_column("size", justify="right")
+    for name, value in result.memory.items():
+        table.add_row(name, human_bytes(value))
+    table.add_row("total", human_bytes(sum(result.memory.values())), style="bold")
+    console.print(table)
+    console.print(f"(busiest rank; activations for micro_batch_size {recipe.training.micro_batch_size} x "
+                  f"max_seq_len {recipe.data.max_seq_len}, checkpointing {par.activation_checkpointing}; "
+                  "formulas: nxd_finetune.preflight.memory.estimate_memory)")
+    console.print("recipe is valid", style="green")

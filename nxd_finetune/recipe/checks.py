@@ -1,0 +1,43 @@
+"""Recipe rules that need the model's shape (checked by ``validate`` and before training)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nxd_finetune.errors import RecipeError
+from nxd_finetune.recipe.sections import Recipe
+
+
+def check_against_model(recipe: Recipe, config: Any) -> None:
+    """Rules that need the model's shape; ``config`` has HF attribute names (``num_attention_heads``,
+    ``num_key_value_heads``, ``num_hidden_layers``, ``vocab_size``, optionally
+    ``intermediate_size``), e.g. ``nxd_finetune.models.DecoderConfig``.
+
+    - attention heads, vocab and MLP width split evenly over tp;
+    - key/value heads: tp divides them, or is a multiple of them (kv heads are then replicated);
+    - layers split evenly over ``pp * virtual_stages`` stages unless ``parallel.pp_cuts`` places the
+      cuts, which must then lie inside ``1 .. num_hidden_layers-1``.
+    Raises RecipeError with the numbers.
+    """
+    par = recipe.parallel
+    tp, stages = par.tp, par.num_stages
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    layers = config.num_hidden_layers
+    if heads % tp:
+        raise RecipeError(f"parallel.tp={tp} does not divide the model's num_attention_heads={heads}")
+    if kv % tp and tp % kv:
+        raise RecipeError(f"parallel.tp={tp} must divide the model's num_key_value_heads={kv} "
+                          "or be a multiple of it")
+    if config.vocab_size % tp:
+        raise RecipeError(f"parallel.tp={tp} does not divide the model's vocab_size={config.vocab_size}")
+    inter = getattr(config, "intermediate_size", None)
+    if inter is not None and inter % tp:
+        raise RecipeError(f"parallel.tp={tp} does not divide the model's intermediate_size={inter}")
+    if par.pp_cuts is not None:
+        if par.pp_cuts[-1] >= layers:
+            raise RecipeError(f"parallel.pp_cuts={par.pp_cuts} must lie below the model's "
+                              f"num_hidden_layers={layers}")
+    elif layers % stages:
+        raise RecipeError(f"the model's num_hidden_layers={layers} is not divisible by "
+                          f"pp*virtual_stages={par.pp}*{par.virtual_stages}={stages}; set parallel.pp_cuts")

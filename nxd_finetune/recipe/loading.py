@@ -1,0 +1,142 @@
+"""Loading a recipe: YAML (duplicate keys rejected) + ``key.path=value`` overrides -> validated
+:class:`~nxd_finetune.recipe.sections.Recipe`, with relative input paths resolved (see the package
+docstring for which paths and against what)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from nxd_finetune.errors import RecipeError
+from nxd_finetune.recipe.messages import describe_errors, one_line
+from nxd_finetune.recipe.sections import Recipe
+
+PATH_KEYS: frozenset[tuple[str, str]] = frozenset({
+    ("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval"), ("data", "cache_dir"),
+    ("data", "chat_template"), ("lora", "init_from"),
+})
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|builtin:)")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply ``key.path=value`` overrides (values parsed as YAML), validate.
+
+    Relative paths in the file resolve against its directory, those in overrides against the
+    current directory (see the module docstring). Raises RecipeError (one line) for a missing or
+    unparsable file, a malformed override and every validation failure.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"recipe file not found: {file}")
+    try:
+        data = yaml.load(file.read_text(), Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise RecipeError(f"{where}: invalid YAML: {e.problem or e.context}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{file}: invalid YAML: {one_line(str(e))}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{file}: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = _resolve_paths(data, file.resolve().parent)
+    parsed = [_parse_override(text) for text in overrides]
+    cwd = Path.cwd()
+    for keys, value, text in parsed:
+        _set_path(data, keys, _resolve_value(keys, value, cwd), text)
+    return recipe_from_dict(data, source=str(file), overrides=parsed)
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "recipe", overrides: Sequence[tuple] = ()) -> Recipe:
+    """Validate a plain dict (paths already resolved). Errors become one-line RecipeErrors prefixed
+    with ``source``, or with the override that set the offending key."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        path, message = describe_errors(e, data, Recipe)
+        origin = f"{source}: "
+        for keys, _, text in overrides:
+            n = min(len(keys), len(path))
+            if n and tuple(keys[:n]) == tuple(path[:n]):
+                origin = f"override '{text}': "
+        raise RecipeError(origin + message) from None
+
+
+def _parse_override(text: str) -> tuple[list[str], Any, str]:
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} has no '='; write key.path=value (e.g. lora.rank=16)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not _KEY.match(key):
+        raise RecipeError(f"override {text!r}: {key!r} is not a dotted key like training.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise RecipeError(f"override {text!r}: the value is not valid YAML (quote it)") from None
+    return key.split("."), value, text
+
+
+def _set_path(data: dict, keys: list[str], value: Any, text: str) -> None:
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            where = ".".join(keys[: i + 1])
+            raise RecipeError(f"override '{text}': {where} is {child!r}, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def resolve_path(value: str, base: Path) -> str:
+    """``value`` made absolute against ``base``; URIs with a scheme and ``builtin:`` unchanged."""
+    if _SCHEME.match(value):
+        return value
+    p = Path(value).expanduser()
+    return os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _resolve_value(keys: Sequence[str], value: Any, base: Path) -> Any:
+    if len(keys) == 1 and isinstance(value, dict):
+        return {k: _resolve_value((keys[0], k), v, base) for k, v in value.items()}
+    if tuple(keys) not in PATH_KEYS:
+        return value
+    if tuple(keys) == ("checkpoint", "resume") and value == "latest":
+        return value
+    if tuple(keys) == ("data", "chat_template") and isinstance(value, str) and ("{{" in value or "{%" in value):
+        return value  # an inline Jinja template, not a file
+    if isinstance(value, str):
+        return resolve_path(value, base)
+    if isinstance(value, list):
+        return [resolve_path(v, base) if isinstance(v, str) else v for v in value]
+    return value
+
+
+def _resolve_paths(data: dict, base: Path) -> dict:
+    return {k: _resolve_value((k,), v, base) if isinstance(k, str) else v for k, v in data.items()}

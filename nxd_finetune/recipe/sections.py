@@ -1,0 +1,293 @@
+"""The recipe's sections: one pydantic model per YAML section (``extra="forbid"``) and
+:class:`Recipe`, the whole tree. Validators hold the rules within a section and across sections
+(``nproc`` divisible by ``tp*pp``, batch sizes, sequence parallel and ``max_seq_len``, ...); every
+failure is a ``ValueError`` whose text becomes the one-line :class:`RecipeError`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nxd_finetune.errors import NxdError, RecipeError
+from nxd_finetune.recipe.messages import suggest
+from nxd_finetune.sft.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+StrList = list[str]
+
+# data.format -> its canonical fields (data.fields maps them to column names); owned by sft.formats
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    fmt: REQUIRED_FIELDS[fmt] + OPTIONAL_FIELDS.get(fmt, ()) for fmt in REQUIRED_FIELDS
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    """``path``: HF model directory (config.json + safetensors) or ``builtin:tiny-llama``.
+    ``dtype``: the dtype the base weights are loaded in. ``tokenizer``: defaults to ``path``."""
+
+    path: str = Field(min_length=1)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    revision: str | None = None
+    tokenizer: str | None = None
+
+
+class DataSection(_Section):
+    """``train``/``eval``: one file or a list. Without ``eval``, ``eval_fraction`` of train is held
+    out. ``fields`` maps the format's canonical fields (:data:`FORMAT_FIELDS`) to column names."""
+
+    train: str | StrList
+    eval: str | StrList | None = None
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    format: Literal["messages", "alpaca", "prompt_completion", "text"] = "messages"
+    fields: dict[str, str] = {}
+    chat_template: str | None = None
+    max_seq_len: int = Field(512, ge=2)
+    packing: bool = True
+    train_on_prompt: bool = False
+    cache_dir: str | None = None
+    shuffle: bool = True
+    max_samples: PosInt | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSection:
+        for key in ("train", "eval"):
+            if getattr(self, key) == []:
+                raise ValueError(f"data.{key} is an empty list")
+        if self.eval is not None and self.eval_fraction > 0:
+            raise ValueError(f"data.eval is set and data.eval_fraction={self.eval_fraction}; set only one")
+        known = FORMAT_FIELDS[self.format]
+        for name in self.fields:
+            if name not in known:
+                raise ValueError(f"data.fields.{name} is not a field of format {self.format}"
+                                 f"{suggest(name, known)}; its fields: {', '.join(known)}")
+        return self
+
+
+class LoraSection(_Section):
+    """LoRA hyper-parameters (PEFT semantics). ``target_modules``: module names, a regex string or
+    ``"all-linear"``. ``init_from``: an adapter directory to start from."""
+
+    rank: PosInt = 8
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: Literal["none", "all", "lora_only"] = "none"
+    target_modules: StrList | str = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    use_rslora: bool = False
+    init_lora_weights: Literal["default", "gaussian"] = "default"
+    modules_to_save: StrList = []
+    init_from: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraSection:
+        if self.target_modules in ([], ""):
+            raise ValueError("lora.target_modules is empty")
+        return self
+
+
+class ParallelSection(_Section):
+    """Process layout: ``nproc = tp * pp * dp``. ``pp_cuts``: the first layer index of every
+    pipeline stage after the first (``pp * virtual_stages - 1`` numbers); None splits evenly."""
+
+    nproc: PosInt = 1
+    tp: PosInt = 1
+    pp: PosInt = 1
+    virtual_stages: PosInt = 1
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    pp_cuts: list[PosInt] | None = None
+    zero1: bool = False
+    sequence_parallel: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    checkpoint_modules: StrList = []
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree, ``nproc // (tp * pp)``."""
+        return self.nproc // (self.tp * self.pp)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelSection:
+        tp, pp, vs = self.tp, self.pp, self.virtual_stages
+        if self.nproc % (tp * pp):
+            raise ValueError(f"parallel.nproc={self.nproc} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
+        if vs > 1 and pp == 1:
+            raise ValueError(f"parallel.virtual_stages={vs} needs parallel.pp > 1 (pp=1)")
+        if vs > 1 and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError(f"parallel.virtual_stages={vs} needs parallel.pp_schedule=interleaved_1f1b "
+                             f"(got {self.pp_schedule})")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1 (tp=1)")
+        if self.pp_cuts is not None:
+            cuts, stages = self.pp_cuts, self.num_stages
+            if len(cuts) != stages - 1:
+                raise ValueError(f"parallel.pp_cuts has {len(cuts)} entries; pp*virtual_stages={pp}*{vs}="
+                                 f"{stages} stages need {stages - 1}")
+            if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+                raise ValueError(f"parallel.pp_cuts={cuts} must be strictly increasing")
+        if self.checkpoint_modules and self.activation_checkpointing == "none":
+            raise ValueError("parallel.checkpoint_modules is set but parallel.activation_checkpointing=none")
+        return self
+
+
+class TrainingSection(_Section):
+    """Optimisation. Exactly one of ``max_steps`` / ``epochs`` (neither -> ``epochs=1``). Batch:
+    ``global_batch_size = micro_batch_size * grad_accum * dp``; give either of the last two."""
+
+    micro_batch_size: PosInt = 1
+    global_batch_size: PosInt | None = None
+    grad_accum: PosInt | None = None
+    max_steps: PosInt | None = None
+    epochs: float | None = Field(None, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: NonNegInt = 0
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    seed: NonNegInt = 42
+    precision: Literal["fp32", "bf16", "bf16-mixed"] = "fp32"
+    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    # rows of logits computed at once by the chunked loss ("auto": 256 MB of fp32 logits; null: all)
+    loss_chunk_tokens: PosInt | Literal["auto"] | None = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSection:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError(f"training.max_steps={self.max_steps} and training.epochs={self.epochs} "
+                             "are both set; set only one")
+        if self.max_steps is None and self.epochs is None:
+            self.epochs = 1.0
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"training.warmup_steps={self.warmup_steps} exceeds "
+                             f"training.max_steps={self.max_steps}")
+        return self
+
+    def grad_accum_steps(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank.
+
+        Raises RecipeError when ``global_batch_size`` is not a multiple of ``micro_batch_size * dp``
+        or disagrees with an explicit ``grad_accum``.
+        """
+        micro, accum, total = self.micro_batch_size, self.grad_accum, self.global_batch_size
+        if total is None:
+            return accum or 1
+        per_step = micro * dp
+        if total % per_step:
+            raise RecipeError(f"training.global_batch_size={total} is not divisible by "
+                              f"micro_batch_size*dp={micro}*{dp}={per_step}")
+        if accum is not None and accum != total // per_step:
+            raise RecipeError(f"training.global_batch_size={total} disagrees with micro_batch_size*grad_accum*dp="
+                              f"{micro}*{accum}*{dp}={micro * accum * dp}; set only one of the two")
+        return total // per_step
+
+    def global_batch(self, dp: int) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.micro_batch_size * self.grad_accum_steps(dp) * dp
+
+
+class EvalSection(_Section):
+    every_n_steps: PosInt | None = None
+    max_batches: PosInt | None = None
+    before: bool = True  # evaluate once before the first step (the summary's "eval before")
+
+
+class CheckpointSection(_Section):
+    """``dir`` None -> ``<output.dir>/checkpoints`` (a local path or ``s3://bucket/prefix``).
+    Training state is saved every ``every_n_steps`` (None: only at the end and on SIGTERM/SIGINT);
+    the ``keep_last`` newest complete checkpoints are kept. ``async_save`` writes in a background
+    thread. ``resume``: ``latest`` (the default: the newest complete checkpoint of ``dir``, or a
+    fresh start when there is none), a checkpoint path, or None (start fresh, removing earlier
+    checkpoints of ``dir``); the CLI's ``--resume``/``--no-resume`` set it. ``save_mode`` applies
+    to LoRA runs' final artefact; full SFT always saves the whole model."""
+
+    dir: str | None = None
+    every_n_steps: PosInt | None = None
+    keep_last: PosInt = 2
+    async_save: bool = False
+    save_mode: Literal["adapter", "base_and_adapter", "merged"] = "adapter"
+    resume: str | None = "latest"
+
+
+class OutputSection(_Section):
+    dir: str = "outputs/run"
+    registry: str | None = None
+
+
+class LoggingSection(_Section):
+    every_n_steps: PosInt = 1
+    tensorboard: bool = False
+    progress: bool = True
+
+
+class NeuronSection(_Section):
+    """Trainium settings, applied only when ``torch_neuronx`` imports and the run is on xla
+    (:func:`nxd_finetune.neuron.neuron_env`). ``compile_cache``: the compiler cache root
+    (``--cache_dir``; None keeps Neuron's default, /var/tmp/neuron-compile-cache). ``precision``:
+    a preset (``auto`` derives it from ``training.precision`` and ``parallel.zero1``).
+    ``stochastic_rounding``: None keeps the preset's choice. ``cc_flags``: more compiler flags."""
+
+    compile_cache: str | None = None
+    model_type: str | None = Field("transformer", min_length=1)
+    precision: Literal["auto", "fp32", "bf16-sr", "bf16-master", "autocast"] = "auto"
+    stochastic_rounding: bool | None = None
+    cc_flags: StrList = []
+
+
+class Recipe(_Section):
+    """A validated recipe. ``lora`` None means full SFT."""
+
+    model: ModelSection
+    data: DataSection
+    lora: LoraSection | None = None
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+    neuron: NeuronSection = Field(default_factory=NeuronSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        from nxd_finetune.neuron import resolve_preset
+
+        try:
+            resolve_preset(self.training.precision, self.parallel.zero1, self.neuron.precision)
+        except NxdError as e:
+            raise ValueError(str(e)) from None
+        try:
+            self.training.grad_accum_steps(self.parallel.dp)
+        except RecipeError as e:
+            raise ValueError(str(e)) from None
+        tp, seq = self.parallel.tp, self.data.max_seq_len
+        if self.parallel.sequence_parallel and seq % tp:
+            raise ValueError(f"data.max_seq_len={seq} is not divisible by parallel.tp={tp} "
+                             "(sequence_parallel splits the sequence over tp ranks)")
+        if self.eval.every_n_steps and self.data.eval is None and self.data.eval_fraction == 0:
+            raise ValueError(f"eval.every_n_steps={self.eval.every_n_steps} but there is no eval data; "
+                             "set data.eval or data.eval_fraction")
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """``training.grad_accum_steps(parallel.dp)``."""
+        return self.training.grad_accum_steps(self.parallel.dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (lists, no tuples) that :func:`recipe_from_dict` turns back into this recipe."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,150 @@
+"""Local backend of the storage seam: a directory tree (see :mod:`nxd_finetune.storage.base`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from nxd_finetune.storage.base import TMP_PREFIX, Keys, Progress, Storage, check_key
+from nxd_finetune.storage.errors import StorageError, StorageNotFoundError
+
+_COPY_CHUNK = 1 << 20
+
+
+class LocalStorage(Storage):
+    """A directory tree. Keys map to files under ``root``; temp files (``.nxdtmp-*``) are never listed."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().absolute()
+        self.uri = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _tmp_beside(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
+
+    def put_file(self, local: str | os.PathLike, key: str, progress: Progress | None = None) -> None:
+        dst = self._path(key)
+        tmp = self._tmp_beside(dst)
+        try:
+            with open(local, "rb") as src, open(tmp, "wb") as out:
+                while chunk := src.read(_COPY_CHUNK):
+                    out.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> bool:
+        dst = self._path(key)
+        tmp = self._tmp_beside(dst)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            if not if_none_match:
+                os.replace(tmp, dst)
+                return True
+            return _link_exclusive(tmp, dst, data)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_file(self, key: str, local: str | os.PathLike) -> None:
+        try:
+            shutil.copyfile(self._path(key), local)
+        except FileNotFoundError:
+            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from None
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> Keys:
+        # Walk only the directory that contains the prefix, then filter by the string prefix.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / check_key(base) if base else self.root
+        keys = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for f in files:
+                if f.startswith(TMP_PREFIX):
+                    continue
+                key = f if rel == "." else f"{rel}/{f}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def list_dirs(self, prefix: str = "") -> Keys:
+        if prefix and not prefix.endswith("/"):
+            raise StorageError(f"list_dirs needs '' or a prefix ending in '/', got {prefix!r}")
+        start = self.root / check_key(prefix.rstrip("/")) if prefix else self.root
+        if not start.is_dir():
+            return []
+        return sorted(p.name for p in start.iterdir() if p.is_dir() and any(_has_files(p)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """As :meth:`Storage.delete_prefix`; also removes temp files that killed writers left there."""
+        count = super().delete_prefix(prefix)
+        directory = self.root / check_key(prefix.rstrip("/"))
+        if directory.is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
+            self._prune(directory.parent)
+        return count
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        self._prune(path.parent)
+
+    def _prune(self, parent: Path) -> None:
+        """Remove directories left empty up to the root, so removed versions do not linger as folders."""
+        while parent != self.root and parent.is_relative_to(self.root):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+
+def _has_files(path: Path):
+    for _dirpath, _dirs, files in os.walk(path):
+        yield from (f for f in files if not f.startswith(TMP_PREFIX))
+
+
+def _link_exclusive(tmp: Path, dst: Path, data: bytes) -> bool:
+    """Publish the complete temp file at ``dst`` only if ``dst`` is absent (``link`` fails on EEXIST).
+
+    Hard links make the create atomic *and* complete: nobody sees a half-written file. Where the
+    filesystem has no hard links, fall back to ``O_CREAT|O_EXCL`` (atomic create, content written after).
+    """
+    try:
+        os.link(tmp, dst)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+    try:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    return True
