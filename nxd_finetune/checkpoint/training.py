@@ -32,7 +32,7 @@ import random
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,18 @@ from nxd_finetune.checkpoint.manager import CheckpointManager
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.sft.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+    from nxd_finetune.sft.engine import Engine
+
+
+class Resumable(Protocol):
+    """A data position that checkpoints carry (the trainer's batch stream)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
 
 
 class TrainingStopped(Exception):
@@ -53,7 +65,7 @@ class TrainingStopped(Exception):
         self.exit_code = 128 + signum
 
 
-def as_training_stopped(err: BaseException, recipe: Any) -> TrainingStopped | None:
+def as_training_stopped(err: BaseException, recipe: Recipe) -> TrainingStopped | None:
     """``err`` as a :class:`TrainingStopped` when it reports a stop signal, else None: the loop's own
     exception, or the elastic launcher's ``SignalException`` (``parallel.nproc > 1``: the launcher
     got the signal and passed it to its workers, which finished their step and saved)."""
@@ -180,7 +192,8 @@ class TrainingCheckpoints:
     step-0 record). Installs the stop-signal handlers.
     """
 
-    def __init__(self, recipe: Any, engine: Any, out_dir: Path, loader: Any, group: Any = None) -> None:
+    def __init__(self, recipe: Recipe, engine: Engine, out_dir: Path, loader: Resumable,
+                 group: dist.ProcessGroup | None = None) -> None:
         ck = recipe.checkpoint
         self.recipe, self.engine, self.out_dir, self.loader = recipe, engine, Path(out_dir), loader
         self.group = group

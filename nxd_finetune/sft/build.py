@@ -4,9 +4,15 @@ optimizer are assembled by :func:`nxd_finetune.sft.engine.build_engine`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxd_finetune.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.lora import LoraConfig
+    from nxd_finetune.recipe import LoraSection, Recipe
 
 
 def resolve_model_dir(path: str) -> Path:
@@ -19,7 +25,7 @@ def resolve_model_dir(path: str) -> Path:
     return model_dir
 
 
-def load_tokenizer(recipe: Any, model_dir: Path) -> Any:
+def load_tokenizer(recipe: Recipe, model_dir: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     source = recipe.model.tokenizer or str(model_dir)
@@ -32,7 +38,7 @@ def load_tokenizer(recipe: Any, model_dir: Path) -> Any:
     return tok
 
 
-def lora_config_from_recipe(lora: Any) -> Any:
+def lora_config_from_recipe(lora: LoraSection) -> LoraConfig:
     from nxd_finetune.lora import LoraConfig
 
     return LoraConfig(
