@@ -22,7 +22,7 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from nxd_finetune.errors import NxdError
@@ -171,7 +171,7 @@ def xla_requested(device: str) -> bool:
     return device == "xla" or (device == "auto" and neuron_available())
 
 
-def apply_neuron_env(recipe: Any, environ: dict[str, str] | None = None) -> dict[str, str]:
+def apply_neuron_env(recipe: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set :func:`neuron_env` in ``environ`` (default ``os.environ``) when the run is on xla and
     ``torch_neuronx`` imports; returns what was set ({} otherwise). Call before any XLA tensor
     exists: torch_xla reads these variables once."""

@@ -81,12 +81,13 @@ class DeviceLoader:
 
     def __init__(self, source: Iterable[Any], transfer: Callable[[Any], Any], prefetch: int = 0,
                  snapshot: Callable[[], Any] | None = None, restore: Callable[[Any], None] | None = None) -> None:
-        self._source_iterable, self._source = source, None
+        self._source_iterable = source
+        self._source: Iterator[Any] | None = None
         self._transfer, self._snapshot, self._restore = transfer, snapshot, restore
         self._state: Any = None
         self._started = False
         self._prefetch = prefetch
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[tuple[Any, Any, BaseException | None]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -101,7 +102,7 @@ class DeviceLoader:
         while not self._stop.is_set():
             try:
                 item, state = self._draw()
-                entry: tuple = (self._transfer(item), state, None)
+                entry: tuple[Any, Any, BaseException | None] = (self._transfer(item), state, None)
             except StopIteration:
                 entry = (_END, None, None)
             except BaseException as e:  # handed to the consumer
@@ -124,7 +125,7 @@ class DeviceLoader:
             item, state = self._draw()
             self._state = state
             return self._transfer(item)
-        if self._thread is None:
+        if self._queue is None:
             self._queue = queue.Queue(maxsize=self._prefetch)
             self._thread = threading.Thread(target=self._worker, name="nxd-device-loader", daemon=True)
             self._thread.start()

@@ -271,7 +271,9 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
         raise NxdError(f"full SFT with model.dtype={recipe.model.dtype} needs training.precision=bf16 "
                        "(or model.dtype=fp32 with bf16-mixed for fp32 master weights)")
     torch.manual_seed(tcfg.seed)
-    lora_cfg, targets, lineage = None, [], [None]
+    lora_cfg: LoraConfig | None = None
+    targets: list[str] = []
+    lineage: list[str | None] = [None]
     hooks = None
     if recipe.lora is not None:
         from nxd_finetune.sft.build import lora_config_from_recipe
