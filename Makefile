@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint setup-xla test-xla
+.PHONY: setup quickstart test lint typecheck setup-xla test-xla
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ quickstart: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
+# ruff, then the type checker (mypy, configured in pyproject.toml: the nxd_finetune package)
 lint: setup
 	$(VENV)/bin/ruff check nxd_finetune tests
+	$(VENV)/bin/mypy
+
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # LoRA SFT throughput / memory against HF transformers + peft on this CPU (~30 min; bench/README.md).
 # BENCH_ARGS, e.g. "--quick" (2 min smoke run) or "--threads 2 --reps 5".

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy over vocab-sharded logits (Megatron's ``_VocabParallelCrossEntropy``)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, ignore_index):  # type: ignore[no-untyped-def,override]
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group,
+                ignore_index: int) -> torch.Tensor:
         tp = _size(group)
         rank = dist.get_rank(group) if tp > 1 else 0
         vocab_local = logits.shape[-1]
@@ -102,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):  # type: ignore[no-untyped-def,override]
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.used:  # the saved softmax is turned into the gradient in place (saves a copy)
             raise RuntimeError("vocab_parallel_cross_entropy supports one backward per forward")
         ctx.used = True

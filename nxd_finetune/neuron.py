@@ -22,10 +22,13 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING
 
 from nxd_finetune.errors import NxdError
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
 
 SR_VAR = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 CC_FLAGS_VAR = "NEURON_CC_FLAGS"
@@ -132,7 +135,7 @@ def _has_flag(flags: Iterable[str], name: str) -> bool:
     return any(t == name or t.startswith(name + "=") for t in flags)
 
 
-def neuron_env(recipe: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def neuron_env(recipe: Recipe, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The Neuron variables for ``recipe`` (a pure function: reads ``environ``, changes nothing).
 
     ``NEURON_CC_FLAGS``: the flags already in ``environ`` are kept, except ``--model-type`` and
@@ -171,7 +174,7 @@ def xla_requested(device: str) -> bool:
     return device == "xla" or (device == "auto" and neuron_available())
 
 
-def apply_neuron_env(recipe: Any, environ: dict[str, str] | None = None) -> dict[str, str]:
+def apply_neuron_env(recipe: Recipe, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set :func:`neuron_env` in ``environ`` (default ``os.environ``) when the run is on xla and
     ``torch_neuronx`` imports; returns what was set ({} otherwise). Call before any XLA tensor
     exists: torch_xla reads these variables once."""
@@ -198,7 +201,7 @@ def require_parallel_compile() -> str:
     return tool
 
 
-def precompile_command(tool: str, recipe_path: str, overrides: Sequence[str], recipe: Any, steps: int,
+def precompile_command(tool: str, recipe_path: str, overrides: Sequence[str], recipe: Recipe, steps: int,
                        out_dir: str, python: str = sys.executable) -> list[str]:
     """``neuron_parallel_compile <python> -m nxd_finetune run RECIPE <overrides> <ours>``.
 

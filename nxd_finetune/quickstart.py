@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ _VERSION = 1  # bump when the build below changes in a way the hash would not se
 SEED = 0
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
-MODEL_CONFIG = {
+MODEL_CONFIG: dict[str, Any] = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
     "num_attention_heads": 8,
@@ -160,7 +161,7 @@ def resolve_model_path(path: str | os.PathLike) -> Path | str:
     """
     text = str(path)
     if not text.startswith(BUILTIN_PREFIX):
-        return path
+        return path if isinstance(path, str) else Path(path)
     if text != TINY_LLAMA:
         raise ModelLoadError(f"unknown built-in model {text!r}; known: {TINY_LLAMA}")
     return ensure_tiny_model()

@@ -17,12 +17,15 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.neuron import torch_xla_available
+
+if TYPE_CHECKING:
+    from nxd_finetune.sft.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +84,13 @@ class DeviceLoader:
 
     def __init__(self, source: Iterable[Any], transfer: Callable[[Any], Any], prefetch: int = 0,
                  snapshot: Callable[[], Any] | None = None, restore: Callable[[Any], None] | None = None) -> None:
-        self._source_iterable, self._source = source, None
+        self._source_iterable = source
+        self._source: Iterator[Any] | None = None
         self._transfer, self._snapshot, self._restore = transfer, snapshot, restore
         self._state: Any = None
         self._started = False
         self._prefetch = prefetch
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[tuple[Any, Any, BaseException | None]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -101,7 +105,7 @@ class DeviceLoader:
         while not self._stop.is_set():
             try:
                 item, state = self._draw()
-                entry: tuple = (self._transfer(item), state, None)
+                entry: tuple[Any, Any, BaseException | None] = (self._transfer(item), state, None)
             except StopIteration:
                 entry = (_END, None, None)
             except BaseException as e:  # handed to the consumer
@@ -124,7 +128,7 @@ class DeviceLoader:
             item, state = self._draw()
             self._state = state
             return self._transfer(item)
-        if self._thread is None:
+        if self._queue is None:
             self._queue = queue.Queue(maxsize=self._prefetch)
             self._thread = threading.Thread(target=self._worker, name="nxd-device-loader", daemon=True)
             self._thread.start()
@@ -199,7 +203,7 @@ class StepRuntime:
         return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0,
                             snapshot, restore)
 
-    def prepare(self, engine: Any) -> None:
+    def prepare(self, engine: Engine) -> None:
         """Adjust a freshly built engine to the device (nothing to do eagerly)."""
 
     def end_step(self) -> None:
@@ -278,7 +282,7 @@ class XlaRuntime(StepRuntime):
         return DeviceLoader(source, lambda x: self._xm.send_cpu_data_to_device(x, self.device),
                             self.prefetch, snapshot, restore)
 
-    def prepare(self, engine: Any) -> None:
+    def prepare(self, engine: Engine) -> None:
         """Logits at every position (``Engine.full_logits``): the engine's targets-only path
         gathers positions with a data-dependent count (``nonzero``), which on XLA forces a mid-step
         execution and a new graph for every count; the loss is the same."""

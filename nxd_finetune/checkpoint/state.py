@@ -149,7 +149,7 @@ def collect(params: list[LocalParam], optimizer: Any, state: Any, copy: bool = T
         sharded = lp.index() is not None
 
         def full(t: torch.Tensor, sharded: bool = sharded, spec: ShardSpec | None = lp.spec) -> torch.Tensor:
-            return gather_shards(t, spec, group) if sharded else t
+            return gather_shards(t, spec, group) if sharded and spec is not None else t
 
         out[param_key(lp.name)] = _cpu(full(lp.param), copy)
         for key, value in sorted(states.get(id(lp.param), {}).items()):
@@ -202,8 +202,9 @@ def restore(params: list[LocalParam], optimizer: Any, reader: TensorReader, stat
     (every stage's). Local: no collective. Raises CheckpointError naming the missing or
     misshapen tensors.
     """
-    stored = {lp.name: _stored_name(lp.name, reader.keys) for lp in params}
-    missing = [n for n, s in stored.items() if s is None]
+    found = {lp.name: _stored_name(lp.name, reader.keys) for lp in params}
+    missing = [n for n, s in found.items() if s is None]
+    stored = {n: s for n, s in found.items() if s is not None}
     if missing:
         raise CheckpointError(f"the checkpoint has no tensor for {len(missing)} trainable parameter(s), e.g. "
                               f"{', '.join(missing[:3])} (was it saved for another model or LoRA config?)")
@@ -240,7 +241,7 @@ def _restore_plain(opt: torch.optim.Optimizer, saved_states: Callable[[torch.Ten
                             for k, v in loaded.items()}
 
 
-def _restore_group_options(opt: torch.optim.Optimizer, params: list[LocalParam], stored: dict[str, str | None],
+def _restore_group_options(opt: torch.optim.Optimizer, params: list[LocalParam], stored: dict[str, str],
                            groups: Iterable[dict[str, Any]]) -> None:
     """Copy the saved options (lr, betas, ...) onto each live group, matched through the name
     of the group's first parameter; options the live group does not have are ignored."""

@@ -57,6 +57,7 @@ class SaveJob:
             retain(self.storage, self.keep_last)
 
     def _write_stage(self) -> None:
+        assert self.tensors is not None  # freed only after this write
         fd, tmp = tempfile.mkstemp(prefix="nxd-ckpt-", suffix=".safetensors")
         os.close(fd)
         try:

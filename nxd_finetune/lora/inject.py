@@ -131,6 +131,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     for name in targets:
         base = model.get_submodule(name)
         layer_cls = lora_layer_for(base)
+        assert layer_cls is not None  # find_targets keeps modules with a registered LoRA layer only
         wrapped = layer_cls(
             base,
             r=cfg.r,
@@ -195,7 +196,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     )
     for name, module in list(lora_modules(model)):
         if untie and name == OUTPUT_LAYER:
-            w = module.base_layer.weight
+            w = module.weight
             module.base_layer.weight = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
         module.merge()
         _set_submodule(model, name, module.base_layer)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ TOKENIZER_FILES = (
 )
 
 
-def _owner(key: str, owners: dict[str, nn.Module]) -> tuple[str, str] | None:
+def _owner(key: str, owners: Mapping[str, nn.Module]) -> tuple[str, str] | None:
     """Split ``key`` into (owner module name, rest) for the innermost owner holding it."""
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
@@ -81,8 +81,8 @@ def lora_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Ten
     for name, m in lora_modules(model):
         out[f"{name}.lora_A.weight"] = m.lora_A.weight
         out[f"{name}.lora_B.weight"] = m.lora_B.weight
-        if bias == "lora_only" and m.base_layer.bias is not None:
-            out[f"{name}.base_layer.bias"] = m.base_layer.bias
+        if bias == "lora_only" and m.bias is not None:
+            out[f"{name}.base_layer.bias"] = m.bias
     wrappers = dict(saved_modules(model))
     for name, w in wrappers.items():
         for k in w.modules_to_save.state_dict():
@@ -179,8 +179,9 @@ def save_adapter(
         raise AdapterError(
             "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
         )
-    if config_hash is None and hasattr(getattr(model, "config", None), "config_hash"):
-        config_hash = model.config.config_hash()
+    config = getattr(model, "config", None)
+    if config_hash is None and config is not None and hasattr(config, "config_hash"):
+        config_hash = config.config_hash()
     if tensors is not None:
         sd = tensors
     else:

@@ -65,6 +65,11 @@ class LoraLinear(nn.Module):
     dtype, as PEFT does. With ``merged`` set, ``forward`` is the base alone.
     """
 
+    base_layer: nn.Module
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+
     def __init__(
         self,
         base: nn.Module,
@@ -80,13 +85,15 @@ class LoraLinear(nn.Module):
         self.base_layer = base
         for p in base.parameters():
             p.requires_grad_(False)
-        self.in_features = in_features if in_features is not None else base.in_features
-        self.out_features = out_features if out_features is not None else base.out_features
+        in_f = in_features if in_features is not None else base.in_features
+        out_f = out_features if out_features is not None else base.out_features
+        assert isinstance(in_f, int) and isinstance(out_f, int), "the base must be linear-like"
+        self.in_features, self.out_features = in_f, out_f
         self.r = r
         self.lora_alpha = lora_alpha
         self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
-        self.lora_dropout: nn.Module = nn.Dropout(p=lora_dropout) if lora_dropout > 0 else nn.Identity()
-        weight = base.weight
+        self.lora_dropout = nn.Dropout(p=lora_dropout) if lora_dropout > 0 else nn.Identity()
+        weight = self.weight
         device = torch.device("cpu") if weight.device.type == "meta" else weight.device
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)
@@ -97,11 +104,15 @@ class LoraLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The base layer's weight (merged or not, as ``merged`` says)."""
-        return self.base_layer.weight
+        weight = self.base_layer.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
+        bias = self.base_layer.bias
+        assert bias is None or isinstance(bias, torch.Tensor)
+        return bias
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Assigning ``weight``/``bias`` (weight tying by ``tie_weights``, a TP plan swapping in a
@@ -123,14 +134,14 @@ class LoraLinear(nn.Module):
     def merged_weight(self) -> torch.Tensor:
         """The base weight with the adapter folded in, as a new tensor in the base dtype (the
         module is not changed). Equals ``weight`` when already merged."""
-        w = self.base_layer.weight
+        w = self.weight
         if self.merged:
             return w.detach().clone()
         return (w.detach().float() + self.delta_weight().to(w.device)).to(w.dtype)
 
     def unmerged_weight(self) -> torch.Tensor:
         """The original base weight, as a tensor (a new one when the module is merged)."""
-        w = self.base_layer.weight
+        w = self.weight
         if not self.merged:
             return w.detach()
         return (w.detach().float() - self.delta_weight().to(w.device)).to(w.dtype)
@@ -190,7 +201,9 @@ class ModulesToSaveWrapper(nn.Module):
     def weight(self) -> torch.Tensor:
         """The *original* module's weight: what weight tying shares (as in PEFT without
         ``ensure_weight_tying``). The trained copy is ``modules_to_save.weight``."""
-        return self.original_module.weight
+        weight = self.original_module.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Weight tying after injection (``tie_weights`` on a model injected on the meta device):

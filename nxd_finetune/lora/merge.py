@@ -142,7 +142,7 @@ def plan_merge(
             module = key.removesuffix(".lora_A.weight")
             target = f"{module}.weight"
             lora[target] = (t, tensors[f"{module}.lora_B.weight"])
-            want = (lora[target][1].shape[0], t.shape[1])
+            want: tuple[int, ...] = (lora[target][1].shape[0], t.shape[1])
         elif key.endswith(".lora_B.weight"):
             continue
         else:

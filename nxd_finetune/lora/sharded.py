@@ -84,7 +84,8 @@ def _keep_slice(linear: nn.Linear, spec: ShardSpec) -> None:
     w = linear.weight
     linear.weight = nn.Parameter(w.detach()[spec.slices()].clone(), requires_grad=w.requires_grad)
     linear.out_features, linear.in_features = spec.local_shape
-    linear.shard_specs = {"weight": spec}
+    # torch's stub types Module.__setattr__ for tensors and modules only; plain attributes are fine
+    linear.shard_specs = {"weight": spec}  # type: ignore[assignment]
 
 
 class _ShardedLoraLinear(LoraLinear):
@@ -163,7 +164,7 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
         drop = self.lora_dropout
         if not isinstance(drop, nn.Dropout) or not drop.training or drop.p == 0:
             return x_l
-        spec = self.lora_A.shard_specs["weight"]
+        spec = _spec(self.lora_A)
         noise = F.dropout(x_l.new_ones((*x_l.shape[:-1], spec.full_shape[1])), drop.p, training=True)
         # contiguous copy of the slice: autograd keeps only it, the full mask is freed here
         return x_l * noise.chunk(spec.num_partitions, dim=-1)[spec.partition_index].contiguous()

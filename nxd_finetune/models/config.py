@@ -131,6 +131,7 @@ class DecoderConfig:
     def num_parameters(self) -> int:
         """Total parameter count, computed from shapes (no tensors built)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        assert self.head_dim is not None and self.num_key_value_heads is not None  # set by __post_init__
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)

@@ -41,6 +41,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] for ``default``, ``linear`` and ``llama3`` RoPE."""
     dim = config.head_dim
+    assert dim is not None  # DecoderConfig.__post_init__ derives it
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     scaling = config.rope_scaling
     if not scaling:
@@ -182,6 +183,7 @@ class Attention(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
+        assert d is not None and config.num_key_value_heads is not None  # DecoderConfig.__post_init__ sets both
         self.head_dim = d
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)

@@ -119,8 +119,9 @@ def materialize(
                     )
                 setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype),
                                                   requires_grad=target.requires_grad))
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if tie_weights is not None:
+        tie_weights()
     leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {leftover[0]!r}")

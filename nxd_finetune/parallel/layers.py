@@ -115,6 +115,8 @@ class _ParallelLinearBase(nn.Module):
 
     in_features: int
     out_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
     shard_specs: dict[str, ShardSpec]
 
     @property

@@ -75,16 +75,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.optimizer = optimizer_class(params, **defaults)
         self.grad_norm: torch.Tensor | None = None
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    # torch's stub declares these as writeable attributes; here they forward to the wrapped optimizer
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -102,7 +103,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

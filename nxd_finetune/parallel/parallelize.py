@@ -56,7 +56,7 @@ class ModelHooks:
     ``loaded(model, modules)``: after the weights are read (``model``: the whole, partly
     unmaterialised model; ``modules``: this rank's modules, sharing submodules with it)."""
 
-    inject: Callable[[nn.Module], None] | None = None
+    inject: Callable[[nn.Module], object] | None = None
     checkpoint_key: Callable[[str], str] = _same
     loaded: Callable[[nn.Module, list[nn.Module]], None] | None = None
 
@@ -139,7 +139,7 @@ def apply_activation_checkpointing(model: nn.Module, spec: CheckpointSpec) -> in
         return run
 
     for module in targets:
-        module.forward = checkpointed(module.forward)  # type: ignore[method-assign]
+        module.forward = checkpointed(module.forward)
     return len(targets)
 
 

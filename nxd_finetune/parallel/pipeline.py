@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,11 @@ from torch.distributed.pipelining import (
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, count_targets, eval_stats, shift_labels, step_loss
+from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES: dict[str, type] = {
     "1f1b": Schedule1F1B,
@@ -110,7 +114,10 @@ def stage_ids_of_rank(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[in
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
-def _shell(module: nn.Module) -> nn.Module:
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
+
+def _shell(module: _ModuleT) -> _ModuleT:
     """A shallow copy of ``module`` with its own tables (children, parameters, buffers, hooks:
     every dict attribute) that share their entries, so replacing a child of the copy leaves the
     original alone."""
@@ -121,7 +128,8 @@ def _shell(module: nn.Module) -> nn.Module:
     return new
 
 
-def build_stage_module(model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
+def build_stage_module(model: DecoderForCausalLM, layer_ids: Sequence[int], first: bool,
+                       last: bool) -> DecoderForCausalLM:
     """The pipeline stage of ``model`` (a ``DecoderForCausalLM``) holding ``layer_ids``.
 
     Returns a shell of the same class that shares submodules (and so parameters) with ``model``;
@@ -144,13 +152,18 @@ def build_stage_module(model: nn.Module, layer_ids: Sequence[int], first: bool, 
     if not last:
         stage.model.norm = None
         stage.lm_head = None
-    stage.stage_layer_ids, stage.stage_first, stage.stage_last = list(layer_ids), first, last
+    # torch's stub types Module.__setattr__ for tensors and modules only; plain attributes are fine
+    stage.stage_layer_ids, stage.stage_first, stage.stage_last = (
+        list(layer_ids), first, last)  # type: ignore[assignment]
     return stage
 
 
 def build_stages(model: nn.Module, state: ParallelState, virtual_stages: int = 1,
                  cuts: Sequence[int] | None = None) -> list[nn.Module]:
-    """This rank's stage modules (one per virtual stage, in local order) cut from ``model``."""
+    """This rank's stage modules (one per virtual stage, in local order) cut from ``model`` (a
+    ``DecoderForCausalLM``; NxdError otherwise)."""
+    if not isinstance(model, DecoderForCausalLM):
+        raise NxdError(f"pipeline parallel cuts a DecoderForCausalLM into stages, got {type(model).__name__}")
     pp = state.pp_size
     split = split_layers(model.config.num_hidden_layers, pp, virtual_stages, cuts)
     n = len(split)
@@ -230,6 +243,7 @@ class PipelineRunner:
     def _tied_weight(self) -> nn.Parameter | None:
         """This rank's copy of the tied embedding (None on middle ranks)."""
         for module, sid in zip(self.stage_modules, self.stage_ids, strict=True):
+            assert isinstance(module, DecoderForCausalLM)  # the tied group exists for stages of a tied decoder
             owner = module.model.embed_tokens if sid == 0 else module.lm_head if sid == self.num_stages - 1 else None
             if owner is not None:
                 weight = getattr(owner, "weight", None)
@@ -245,7 +259,7 @@ class PipelineRunner:
         if key not in self._schedules:
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
                 self._schedules.pop(next(iter(self._schedules)))
-            stages = [
+            stages: list[_PipelineStageBase] = [
                 PipelineStage(m, sid, self.num_stages, self.device, group=self.state.pp_group)
                 for m, sid in zip(self.stage_modules, self.stage_ids, strict=True)
             ]

@@ -182,8 +182,9 @@ def apply_tp_plan(
         setattr(model.get_submodule(parent_name), attr, new)
     if replicas > 1:
         state.tp_subgroup(replicas)  # collective: create the KV-sharing groups on every rank now
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    tie_weights = getattr(model, "tie_weights", None)
+    if tie_weights is not None:
+        tie_weights()
     return model
 
 
@@ -198,6 +199,7 @@ def make_slice_reader(model: nn.Module):
     specs: dict[int, tuple[torch.Tensor, ShardSpec]] = {}
     for _, module, attr, spec in iter_shard_specs(model):
         param = module._parameters[attr]
+        assert param is not None  # iter_shard_specs yields set parameters only
         specs[id(param)] = (param, spec)
 
     def reader(key: str, safe_slice: Any, target: torch.Tensor) -> torch.Tensor:
@@ -231,6 +233,7 @@ def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
     seen: set[int] = set()
     for _, module, attr, spec in iter_shard_specs(model):
         param = module._parameters[attr]
+        assert param is not None  # iter_shard_specs yields set parameters only
         if spec.grad_sync == 1 or param.grad is None or id(param) in seen:
             continue
         seen.add(id(param))

@@ -216,7 +216,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         overlapping the shard (after :meth:`reduce_gradients`); for the sharded grad norm."""
         if not self._reduced:
             raise RuntimeError("local_grad_slices() before reduce_gradients()")
-        return [(f.params[i], f.master.grad[a:b]) for f in self.flats for i, a, b in f.param_ranges()]
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for f in self.flats:
+            grad = f.master.grad
+            assert grad is not None  # reduce_gradients set it
+            out.extend((f.params[i], grad[a:b]) for i, a, b in f.param_ranges())
+        return out
 
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradient shards (after :meth:`reduce_gradients`), e.g. to scale them."""

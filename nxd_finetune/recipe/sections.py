@@ -44,11 +44,11 @@ class DataSection(_Section):
 
     train: str | StrList
     eval: str | StrList | None = None
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     format: Literal["messages", "alpaca", "prompt_completion", "text"] = "messages"
     fields: dict[str, str] = {}
     chat_template: str | None = None
-    max_seq_len: int = Field(512, ge=2)
+    max_seq_len: int = Field(default=512, ge=2)
     packing: bool = True
     train_on_prompt: bool = False
     cache_dir: str | None = None
@@ -75,8 +75,8 @@ class LoraSection(_Section):
     ``"all-linear"``. ``init_from``: an adapter directory to start from."""
 
     rank: PosInt = 8
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     bias: Literal["none", "all", "lora_only"] = "none"
     target_modules: StrList | str = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     use_rslora: bool = False
@@ -147,15 +147,15 @@ class TrainingSection(_Section):
     global_batch_size: PosInt | None = None
     grad_accum: PosInt | None = None
     max_steps: PosInt | None = None
-    epochs: float | None = Field(None, gt=0)
-    lr: float = Field(2e-4, gt=0)
+    epochs: float | None = Field(default=None, gt=0)
+    lr: float = Field(default=2e-4, gt=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: NonNegInt = 0
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float | None = Field(1.0, gt=0)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
     seed: NonNegInt = 42
     precision: Literal["fp32", "bf16", "bf16-mixed"] = "fp32"
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
@@ -239,7 +239,7 @@ class NeuronSection(_Section):
     ``stochastic_rounding``: None keeps the preset's choice. ``cc_flags``: more compiler flags."""
 
     compile_cache: str | None = None
-    model_type: str | None = Field("transformer", min_length=1)
+    model_type: str | None = Field(default="transformer", min_length=1)
     precision: Literal["auto", "fp32", "bf16-sr", "bf16-master", "autocast"] = "auto"
     stochastic_rounding: bool | None = None
     cc_flags: StrList = []

@@ -35,11 +35,12 @@ def _say(message: str, console=None) -> None:
 
 
 def _size(n: int) -> str:
+    x = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x} B"
 
 
 @adapters_app.command("push")
@@ -49,7 +50,7 @@ def push_cmd(
     tag: Annotated[list[str] | None, typer.Option("--tag", "-t", help="tag the new version (repeatable)")] = None,
 ) -> None:
     """Publish an adapter directory as the next version of NAME."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
     from nxd_finetune.registry import core
 
@@ -63,7 +64,7 @@ def push_cmd(
         transient=True,
         disable=not console.is_terminal,
     ) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(fname: str, n: int) -> None:
             if fname not in tasks:
@@ -115,22 +116,22 @@ def ls_cmd(
             table.add_row(n, str(len(versions)), str(versions[-1]) if versions else "-", tag_text)
         console.print(table)
         return
-    versions = reg.list_versions(name)
-    if not versions:
+    listed = reg.list_versions(name)
+    if not listed:
         _say(f"no versions of {name!r} in {reg.uri}", console)
         return
     table = Table("version", "created", "size", "base model", "tags", title=f"{reg.uri.rstrip('/')}/{name}")
-    latest = versions[-1].version
-    for v in versions:
+    latest = listed[-1].version
+    for v in listed:
         size = sum(f["size"] for f in v.manifest["files"].values())
-        tags = list(v.tags) + (["latest"] if v.version == latest else [])
+        tag_names = list(v.tags) + (["latest"] if v.version == latest else [])
         base = v.manifest.get("base_model") or {}
         table.add_row(
             str(v.version),
             str(v.manifest.get("created", "")),
             _size(size),
             str(base.get("name_or_path") or "-"),
-            ", ".join(tags),
+            ", ".join(tag_names),
         )
     console.print(table)
 

@@ -199,7 +199,7 @@ class Registry:
         check_name(name)
         tags = [self._user_tag(t) for t in tags]
         meta = mf.check_metadata(metadata)
-        files = mf.scan_adapter_dir(src)
+        files = mf.scan_adapter_dir(Path(src))
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
         versions = self.versions(name)

@@ -34,7 +34,7 @@ from torch import nn
 
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
-from nxd_finetune.models import DecoderConfig, build_model, resolve_dtype
+from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, resolve_dtype
 from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
@@ -158,6 +158,7 @@ class Engine:
     def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
         """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
         model = self.modules[0]
+        assert isinstance(model, DecoderForCausalLM) and model.lm_head is not None  # pp == 1: the whole decoder
         index, targets = L.target_index(batch["labels"])
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
         return hidden, model.lm_head, targets
@@ -292,7 +293,9 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
         raise NxdError(f"full SFT with model.dtype={recipe.model.dtype} needs training.precision=bf16 "
                        "(or model.dtype=fp32 with bf16-mixed for fp32 master weights)")
     torch.manual_seed(tcfg.seed)
-    lora_cfg, targets, lineage = None, [], [None]
+    lora_cfg: LoraConfig | None = None
+    targets: list[str] = []
+    lineage: list[str | None] = [None]
     hooks = None
     if recipe.lora is not None:
         from nxd_finetune.sft.build import lora_config_from_recipe

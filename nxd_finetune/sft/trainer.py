@@ -146,7 +146,7 @@ def train(
         while state.step < total_steps:
             micro_batches, n_input = next(steps)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
-            n_local = sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches)
+            n_local = torch.stack([(shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches]).sum()
             counts = engine.dp_sum(torch.stack([n_local.to(torch.int64), torch.tensor(n_input, dtype=torch.int64,
                                                                                      device=engine.device)]))
             n_targets = counts[0].clamp(min=1).to(torch.float32)
@@ -156,7 +156,7 @@ def train(
             values: dict[str, Any] = {"counts": counts}
             if state.step % log_every == 0 or state.step == total_steps:
                 values.update(loss=engine.dp_sum(loss), grad_norm=grad_norm)
-            runtime.on_host(functools.partial(on_values, state.step, engine.scheduler.get_last_lr()[0]), values)
+            runtime.on_host(functools.partial(on_values, state.step, float(engine.scheduler.get_last_lr()[0])), values)
             runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
                 rec = eval_fn()
@@ -384,7 +384,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         **runtime.report(),  # xla: graphs compiled / launched after each step
     }
     if recipe.output.registry:
-        summary["registry_version"] = _publish(recipe, engine, final_dir, summary)
+        summary["registry_version"] = _publish(recipe, recipe.output.registry, engine, final_dir, summary)
     save_summary(out_dir, summary)
     print_summary(summary)
     return summary
@@ -409,11 +409,11 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     return int(total)
 
 
-def _publish(recipe: Recipe, engine: Engine, final_dir: Path, summary: dict[str, Any]) -> int:
+def _publish(recipe: Recipe, registry: str, engine: Engine, final_dir: Path, summary: dict[str, Any]) -> int:
     from nxd_finetune.registry.publish import publish_run
 
     keys = ("steps", "loss_tokens", "first_loss", "final_loss", "eval_after")
-    version = publish_run(final_dir, recipe.output.registry, recipe_dict=recipe.to_dict(),
+    version = publish_run(final_dir, registry, recipe_dict=recipe.to_dict(),
                           metrics={k: summary[k] for k in keys}, parallel=summary["parallel"],
                           lineage=engine.lineage,
                           base_model={"name_or_path": recipe.model.path, "revision": recipe.model.revision})
