@@ -96,8 +96,9 @@ class AdapterCache:
             return None
         cache = environ.get(ENV_CACHE)
         if not cache:
-            base = environ.get("NXD_FINETUNE_CACHE") or Path.home() / ".cache" / "nxd-finetune"
-            cache = Path(base) / "lora-cache"
+            from nxd_finetune.quickstart import cache_home
+
+            cache = cache_home(environ.get("NXD_FINETUNE_CACHE") or None) / "lora-cache"
         return cls(registries, cache)
 
     def _registry(self, uri: str) -> Registry:
