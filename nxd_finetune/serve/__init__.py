@@ -1,0 +1,1 @@
+"""After training: generating from, evaluating and serving trained adapters."""

