@@ -231,6 +231,9 @@ def _preflight(recipe: Any) -> None:
     from nxd_finetune.sft.export import check_save_mode
 
     check_save_mode(recipe)
+    from nxd_finetune.trackers import check_trackers
+
+    check_trackers(recipe)  # a missing mlflow / wandb package: one line naming the extra
     from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import check_against_model
     from nxd_finetune.sft.build import resolve_model_dir
@@ -304,7 +307,14 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     engine = build_engine(recipe, model_dir, device, total_steps, layout, host)
     runtime.prepare(engine)
 
+    # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
+    from nxd_finetune.serve.samples import EvalSamples
+
+    samples = EvalSamples.for_run(recipe, engine, model_dir, tokenizer)
+
     def eval_fn() -> dict[str, float]:
+        if samples is not None:
+            samples.log(metrics, state.step)  # collective; rank 0 logs
         return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
     n_params = _count(engine, engine.parameters())
@@ -314,7 +324,10 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     state = TrainState()
     ckpt = TrainingCheckpoints(recipe, engine, out_dir, data.train, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
-    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
+    from nxd_finetune.trackers import open_trackers
+
+    trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
+    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger, trackers=trackers)
     before = resumed.eval_before if resumed else eval_fn()
     if before and not resumed:
         metrics.log(0, before)
@@ -364,6 +377,7 @@ def run_rank(recipe: Any) -> dict[str, Any] | None:
     if recipe.output.registry:
         summary["registry_version"] = _publish(recipe, engine, final_dir, summary)
     save_summary(out_dir, summary)
+    metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
 
