@@ -169,7 +169,10 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
 
 
 def _attach_adapter(model: Any, adapter_dir: Path) -> Any:
-    from peft import PeftModel
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise NxdError("generating with an adapter needs the peft package: pip install 'nxd-finetune[serve]'") from None
 
     try:
         return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
