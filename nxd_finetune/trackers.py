@@ -18,6 +18,7 @@ that asks for a missing one fails before training with one line naming the extra
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -120,7 +121,9 @@ class MlflowTracker:
             run = self.client.create_run(exp_id, run_name=section.run_name or Path(out_dir).resolve().name,
                                          tags={"nxd_finetune.model": recipe.model.path})
             self.run_id = run.info.run_id
-            params = [Param(k, v[:6000]) for k, v in flatten(recipe.to_dict()).items()]
+            # MLflow keys: letters, digits and _ - . / space (data.fields maps user column names)
+            params = [Param(re.sub(r"[^\w\-./ ]", "_", k)[:250], v[:6000])
+                      for k, v in flatten(recipe.to_dict()).items()]
             for i in range(0, len(params), 100):
                 self.client.log_batch(self.run_id, params=params[i:i + 100])
         except NxdError:

@@ -176,6 +176,23 @@ def test_eval_gives_the_runs_last_eval(trained, capsys, tmp_path):
     assert "exact match" in text and "token accuracy" in text
 
 
+@pytest.mark.usefixtures("workers_tmpdir")
+def test_eval_on_two_tensor_parallel_ranks(trained, capsys, tmp_path):
+    """``--nproc 2 parallel.tp=2``: the launcher's workers score the adapter sharded as in training."""
+    from tests.conftest import TRAINED_RUN
+
+    out, _ = trained
+    summary = json.loads((out / "summary.json").read_text())
+    dest = tmp_path / "eval-tp2.json"
+    code, _, err = run_cli(capsys, "eval", str(QUICKSTART), *TRAINED_RUN, f"output.dir={out}", "parallel.tp=2",
+                           "--nproc", "2", "--out", str(dest))
+    assert code == 0, err
+    scores = json.loads(dest.read_text())
+    assert scores["nproc"] == 2
+    for key in ("eval_loss", "eval_ppl", "eval_accuracy"):
+        assert scores[key] == pytest.approx(summary["eval_after"][key], rel=1e-5), key
+
+
 def test_bad_input_is_one_line(trained, capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--prompt", "hi")
     assert code == 2 and err.startswith("error: give --adapter") and err.count("\n") == 1

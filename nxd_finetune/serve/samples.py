@@ -48,7 +48,10 @@ class EvalSamples:
         from transformers import AutoModelForCausalLM
 
         if self._model is None:
-            base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32).to(self._device())
+            from nxd_finetune.models import resolve_dtype
+
+            dtype = resolve_dtype(self.recipe.model.dtype)
+            base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype).to(self._device())
             if self.engine.lora_config is None:
                 self._model = base
             else:
