@@ -192,6 +192,9 @@ def prompt_ids(tokenizer: Any, messages: Sequence[Message] | None = None, text: 
         raise NxdError("give either messages or a plain text prompt")
     if text is not None:
         return list(tokenizer(text)["input_ids"])
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise NxdError("the tokenizer has no chat template: pass --chat-template (a Jinja file or string), "
+                       "or --raw with --prompt")
     from nxd_finetune.sft.formats import render_chat
 
     rendered = render_chat(tokenizer, list(messages), chat_template, add_generation_prompt=True)
