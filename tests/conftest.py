@@ -129,8 +129,9 @@ TRAINED_RUN = [f"training.max_steps={TRAINED_STEPS}", "training.warmup_steps=5",
 def trained_quickstart(tmp_path_factory):
     """``nxd-finetune run`` of the shortened quickstart with MLflow (a local store), W&B (offline)
     and ``eval.prompts``, SIGKILLed after step 20 (``NXD_FINETUNE_FAILPOINT``) and resumed from
-    its step-16 checkpoint to the end. Yields ``(output dir, environment of the CLI subprocesses)``;
-    the MLflow store is ``<out>/mlruns``, the W&B files under ``<out>/wandb``."""
+    its step-16 checkpoint to the end, pushing its adapter to ``<root>/reg/quickstart`` (version 1).
+    Yields ``(output dir, environment of the CLI subprocesses)``; the MLflow store is
+    ``<out>/mlruns``, the W&B files under ``<out>/wandb``."""
     import subprocess
     import sys
 
@@ -143,7 +144,8 @@ def trained_quickstart(tmp_path_factory):
     out = root / "out"
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
     argv = [sys.executable, "-m", "nxd_finetune", "run", str(recipe), *TRAINED_RUN, f"output.dir={out}",
-            f"logging.mlflow={{tracking_uri: {out / 'mlruns'}}}", "logging.wandb={mode: offline}"]
+            f"logging.mlflow={{tracking_uri: {out / 'mlruns'}}}", "logging.wandb={mode: offline}",
+            f"output.registry={root / 'reg'}/quickstart"]
     first = subprocess.run(argv, env={**env, FAILPOINT_ENV: "after-step:20"}, capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == -9, first.stdout + first.stderr

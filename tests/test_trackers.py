@@ -50,6 +50,7 @@ def test_mlflow_run_read_back(trained_quickstart):
     assert params["model.path"] == "builtin:tiny-llama"
     assert json.loads(params["eval.prompts"]) == ["Is 4321 even or odd?", "Is 1234 even or odd?"]
     assert run.data.tags["nxd_finetune.output"] == str((out / "final").resolve())
+    assert run.data.tags["nxd_finetune.registry_ref"] == f"{out.parent / 'reg'}/quickstart:1"
     files = {a.path for a in client.list_artifacts(run.info.run_id, "final")}
     assert {"final/adapter_config.json", "final/adapter_model.safetensors"} <= files
     local = client.download_artifacts(run.info.run_id, "final/adapter_model.safetensors", str(out.parent / "dl"))
@@ -96,6 +97,7 @@ def test_wandb_offline_files_read_back(trained_quickstart):
         if r["type"] == "summary":
             summary.update(r["summary"].get("update", {}))
     assert summary["nxd_finetune.output"] == str((out / "final").resolve())
+    assert summary["nxd_finetune.registry_ref"] == f"{out.parent / 'reg'}/quickstart:1"
     assert [r["exit"]["exit_code"] for r in resumed if r["type"] == "exit"] == [0]
     assert any(r["type"] == "artifact" and r["artifact"]["type"] == "model" for r in resumed)
     tables = sorted((dirs[1] / "files" / "media" / "table").glob("eval_samples_*.table.json"))
