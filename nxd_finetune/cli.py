@@ -205,6 +205,9 @@ def _mount_subcommands() -> None:
     from nxd_finetune.registry.cli import adapters_app
 
     app.add_typer(adapters_app, name="adapters", help="Push, pull, list, show, tag and remove adapters in a registry.")
+    from nxd_finetune.serve.cli import register as register_serve
+
+    register_serve(app)  # generate, chat, eval
 
 
 _mount_subcommands()

@@ -115,3 +115,41 @@ def workers_tmpdir(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path
+
+
+# the quickstart, shortened, as tests/test_serve.py and tests/test_trackers.py train it once
+TRAINED_STEPS = 64
+TRAINED_RUN = [f"training.max_steps={TRAINED_STEPS}", "training.warmup_steps=5", "logging.progress=false",
+               "logging.every_n_steps=4", "eval.every_n_steps=32", "checkpoint.every_n_steps=16",
+               "eval.max_new_tokens=4", 'eval.prompts=["Is 4321 even or odd?", "Is 1234 even or odd?"]',
+               "logging.tensorboard=true"]
+
+
+@pytest.fixture(scope="session")
+def trained_quickstart(tmp_path_factory):
+    """``nxd-finetune run`` of the shortened quickstart with MLflow (a local store), W&B (offline)
+    and ``eval.prompts``, SIGKILLed after step 20 (``NXD_FINETUNE_FAILPOINT``) and resumed from
+    its step-16 checkpoint to the end, pushing its adapter to ``<root>/reg/quickstart`` (version 1).
+    Yields ``(output dir, environment of the CLI subprocesses)``; the MLflow store is
+    ``<out>/mlruns``, the W&B files under ``<out>/wandb``."""
+    import subprocess
+    import sys
+
+    from nxd_finetune.checkpoint.manager import FAILPOINT_ENV
+
+    root = tmp_path_factory.mktemp("trained")
+    env = {**os.environ, "NXD_FINETUNE_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1", "TMPDIR": str(root),
+           "WANDB_SILENT": "true"}
+    env.pop(FAILPOINT_ENV, None)
+    out = root / "out"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    argv = [sys.executable, "-m", "nxd_finetune", "run", str(recipe), *TRAINED_RUN, f"output.dir={out}",
+            f"logging.mlflow={{tracking_uri: {out / 'mlruns'}}}", "logging.wandb={mode: offline}",
+            f"output.registry={root / 'reg'}/quickstart"]
+    first = subprocess.run(argv, env={**env, FAILPOINT_ENV: "after-step:20"}, capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == -9, first.stdout + first.stderr
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from" in second.stdout + second.stderr
+    yield out, env

@@ -452,7 +452,7 @@ def _host_groups_worker(out_dir: str) -> dict:
     for name in ("all_reduce", "all_gather", "broadcast", "barrier", "gather_object"):
         setattr(dist, name, spy(name))
     torch.manual_seed(100 + rank)
-    with trainer._rank0_first(rank, host.world):
+    with trainer.rank0_first(rank, host.world):
         pass
     signals = StopSignals()
     signals.signum = signal.SIGTERM if rank == 1 else None

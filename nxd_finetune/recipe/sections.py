@@ -198,9 +198,14 @@ class TrainingSection(_Section):
 
 
 class EvalSection(_Section):
+    """``prompts``: user messages generated from (greedy, ``max_new_tokens``) at every eval and
+    logged beside the scores (:mod:`nxd_finetune.serve.samples`)."""
+
     every_n_steps: PosInt | None = None
     max_batches: PosInt | None = None
     before: bool = True  # evaluate once before the first step (the summary's "eval before")
+    prompts: StrList = []
+    max_new_tokens: PosInt = 32
 
 
 class CheckpointSection(_Section):
@@ -225,10 +230,33 @@ class OutputSection(_Section):
     registry: str | None = None
 
 
+class MlflowSection(_Section):
+    """``tracking_uri``: an MLflow URI (``http://...``, ``sqlite:///...``, ``databricks``), or a
+    directory for a local store (``<dir>/mlflow.db`` + ``<dir>/artifacts``; default ``mlruns``)."""
+
+    tracking_uri: str = "mlruns"
+    experiment: str = "nxd-finetune"
+    run_name: str | None = None
+
+
+class WandbSection(_Section):
+    """``dir``: where W&B writes its files (default ``<output.dir>``)."""
+
+    project: str = "nxd-finetune"
+    entity: str | None = None
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
+    dir: str | None = None
+
+
 class LoggingSection(_Section):
+    """``mlflow`` / ``wandb``: follow the run there too (:mod:`nxd_finetune.trackers`); ``{}`` for defaults."""
+
     every_n_steps: PosInt = 1
     tensorboard: bool = False
     progress: bool = True
+    mlflow: MlflowSection | None = None
+    wandb: WandbSection | None = None
 
 
 class NeuronSection(_Section):

@@ -1,7 +1,8 @@
-"""Run metrics: a JSONL file (one object per logged step), optional TensorBoard scalars, and the
-rich progress bar. Only rank 0 of a run writes.
+"""Run metrics: a JSONL file (one object per logged step), optional TensorBoard scalars, the
+experiment trackers of :mod:`nxd_finetune.trackers` (MLflow, W&B), and the rich progress bar.
+Only rank 0 of a run writes.
 
-A resume cuts both back to the checkpoint's step (:func:`truncate_metrics`,
+A resume cuts the JSONL file and TensorBoard back to the checkpoint's step (:func:`truncate_metrics`,
 :func:`purge_tensorboard`, called by ``checkpoint.training``), so no step is logged twice; the
 loss-curve picture drawn from the JSONL file at the end of a run is :mod:`nxd_finetune.sft.curve`."""
 
@@ -9,22 +10,26 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from nxd_finetune.errors import NxdError
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES = "eval_samples"  # a record key holding [{"prompt", "completion"}, ...] (eval.prompts), not a number
 
 
 class MetricsWriter:
     """Appends ``{"step": ..., <name>: value}`` lines to ``<dir>/metrics.jsonl`` and, when asked,
-    scalars to ``<dir>/tensorboard``. Values must already be Python numbers (callers convert once
-    per logged step, never per micro-batch)."""
+    scalars to ``<dir>/tensorboard`` and to ``trackers`` (:mod:`nxd_finetune.trackers`). Values
+    must already be Python numbers (callers convert once per logged step, never per micro-batch),
+    except :data:`SAMPLES`, a list of generations: a TensorBoard text table and a tracker table."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool = True) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool = True, trackers: Sequence[Any] = ()) -> None:
         self.enabled = enabled
         self.path = out_dir / METRICS_FILE
+        self.trackers = list(trackers) if enabled else []
         self._tb = None
         if enabled and tensorboard:
             try:
@@ -44,10 +49,18 @@ class MetricsWriter:
         record = {"step": step, "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        samples = values.get(SAMPLES)
         if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "eval_")) else k, v, step)
+            for k, v in numbers.items():
+                self._tb.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "eval_")) else k, v, step)
+            if samples:
+                self._tb.add_text("eval/samples", _markdown_table(samples), step)
+        for tracker in self.trackers:
+            if numbers:
+                tracker.log(step, numbers)
+            if samples:
+                tracker.log_samples(step, samples)
 
     def close(self) -> None:
         if not self.enabled:
@@ -55,6 +68,21 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        """End the tracker runs: the final artefact from ``summary`` (None: the run failed)."""
+        for tracker in self.trackers:
+            tracker.finish(summary)
+        self.trackers = []
+
+
+def _markdown_table(rows: Sequence[dict[str, str]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| prompt | completion |", "| --- | --- |"]
+    lines += [f"| {cell(r['prompt'])} | {cell(r['completion'])} |" for r in rows]
+    return "\n".join(lines)
 
 
 def truncate_metrics(out_dir: Path, size: int | None) -> None:

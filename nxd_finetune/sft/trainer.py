@@ -207,7 +207,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     _preflight(recipe)
     if recipe.parallel.nproc == 1:
         return run_rank(recipe)
-    _prepare_shared(recipe)
+    prepare_shared(recipe)
     results = launch(_worker, recipe.parallel.nproc, recipe.to_dict())
     return results[0]
 
@@ -247,6 +247,9 @@ def _recipe_for_world(recipe: Recipe, world: int) -> Recipe:
 
 def _preflight(recipe: Recipe) -> None:
     """Checks that need no model, before any worker starts."""
+    from nxd_finetune.trackers import check_trackers
+
+    check_trackers(recipe)  # a missing mlflow / wandb package: one line naming the extra
     from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import check_against_model
     from nxd_finetune.sft.build import resolve_model_dir
@@ -258,7 +261,7 @@ def _preflight(recipe: Recipe) -> None:
         check_publish_target(recipe.output.registry, None if recipe.lora is None else recipe.checkpoint.save_mode)
 
 
-def _prepare_shared(recipe: Recipe) -> None:
+def prepare_shared(recipe: Recipe) -> None:
     """Build what workers would race to create: the builtin model and the tokenized-data cache."""
     from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
     from nxd_finetune.sft.data import DataSpec, prepare_datasets
@@ -268,7 +271,7 @@ def _prepare_shared(recipe: Recipe) -> None:
 
 
 @contextlib.contextmanager
-def _rank0_first(rank: int, group: dist.ProcessGroup | None) -> Iterator[None]:
+def rank0_first(rank: int, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Rank 0 runs the block first (filling caches), the others after it. ``group``: the world's
     host group (gloo; the xla backend's own barrier returns at once)."""
     initialised = dist.is_available() and dist.is_initialized()
@@ -306,7 +309,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
         # ~100x slower; flushing them to zero changes no result at the loss's precision.
         torch.set_flush_denormal(True)
-    with _rank0_first(rank, host.world):
+    with rank0_first(rank, host.world):
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
         data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
@@ -320,7 +323,14 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     engine = build_engine(recipe, model_dir, device, total_steps, layout, host)
     runtime.prepare(engine)
 
+    # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
+    from nxd_finetune.serve.samples import EvalSamples
+
+    samples = EvalSamples.for_run(recipe, engine, model_dir, tokenizer)
+
     def eval_fn() -> dict[str, float]:
+        if samples is not None:
+            samples.log(metrics, state.step)  # collective; rank 0 logs
         return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
     n_params = _count(engine, engine.parameters())
@@ -334,7 +344,10 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     # checkpoints record the position of the batches handed out, not of those prefetched
     ckpt = TrainingCheckpoints(recipe, engine, out_dir, steps, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
-    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger)
+    from nxd_finetune.trackers import open_trackers
+
+    trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
+    metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger, trackers=trackers)
     history = resumed.history if resumed else []
     before = resumed.eval_before if resumed else eval_fn() if recipe.eval.before else {}
     if before and not resumed:
@@ -386,6 +399,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     if recipe.output.registry:
         summary["registry_version"] = _publish(recipe, recipe.output.registry, engine, final_dir, summary)
     save_summary(out_dir, summary)
+    metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
 

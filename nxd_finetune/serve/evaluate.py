@@ -1,0 +1,221 @@
+"""``nxd-finetune eval``: score a trained model on a recipe's eval set without training.
+
+The numbers come from the training loop's own pieces: the recipe's data pipeline
+(``sft.loader.build_dataloaders``), the engine of the recipe's layout (``sft.engine.build_engine``,
+tp / pp / dp as in training, ``--nproc`` workers started by ``parallel.launch.launch``) and
+``sft.trainer.evaluate``. What is scored enters through the recipe, so every layout loads it the
+way training does:
+
+- an adapter (directory, registry REF, ``s3://`` prefix; ``base_and_adapter`` outputs: their
+  ``adapter/``) becomes ``lora.init_from`` with the ``lora`` section taken from its
+  ``adapter_config.json``, on the recipe's ``model.path``;
+- an HF checkpoint (``merged`` or full-SFT outputs) becomes ``model.path`` with no ``lora``.
+
+An adapter scored on the recipe it was trained with therefore gives the run's last eval exactly
+(the same batches, the same model, the same reductions). ``--generate`` adds exact match: the
+reference answer (last assistant message of each ``messages`` row) against a greedy generation
+(:mod:`nxd_finetune.serve.generate`, transformers + peft).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nxd_finetune.errors import DataError, NxdError
+from nxd_finetune.serve.generate import ADAPTER_CONFIG
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+
+
+@contextlib.contextmanager
+def _artefact(target: str) -> Iterator[tuple[str, Path, str]]:
+    """``(kind, local path, description)`` with kind ``adapter`` or ``model``."""
+    local = Path(target).expanduser()
+    if "://" not in target and (local / "config.json").is_file() and not (local / ADAPTER_CONFIG).is_file():
+        yield "model", local, target
+        return
+    if "://" not in target and (local / "adapter" / ADAPTER_CONFIG).is_file():
+        target = str(local / "adapter")
+    from nxd_finetune.registry.fetch import fetch_adapter
+
+    with fetch_adapter(target, "--adapter") as fetched:
+        yield "adapter", fetched.path, fetched.lineage or target
+
+
+def _recipe_for(recipe: Recipe, kind: str, path: Path) -> Recipe:
+    """The recipe that scores ``path``: see the module docstring."""
+    from nxd_finetune.recipe import recipe_from_dict
+
+    data = recipe.to_dict()
+    if kind == "model":
+        data["model"]["path"] = str(path)
+        data["lora"] = None
+    else:
+        from nxd_finetune.lora import LoraConfig
+
+        cfg = LoraConfig.from_peft_dict(json.loads((path / ADAPTER_CONFIG).read_text()))
+        data["lora"] = {"rank": cfg.r, "alpha": cfg.lora_alpha, "dropout": 0.0, "bias": cfg.bias,
+                        "target_modules": cfg.target_modules, "use_rslora": cfg.use_rslora,
+                        "modules_to_save": list(cfg.modules_to_save), "init_from": str(path)}
+    return recipe_from_dict(data, "eval recipe")
+
+
+def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: bool = False, max_new_tokens: int = 64,
+                    out: Path | None = None) -> dict[str, Any]:
+    """Score ``adapter`` (default ``<output.dir>/final``) on ``recipe``'s eval set; returns the
+    scores (also written as JSON to ``out``, default ``<output.dir>/eval.json``)."""
+    if recipe.data.eval is None and recipe.data.eval_fraction == 0:
+        raise DataError("the recipe has no eval set; set data.eval or data.eval_fraction")
+    target = adapter or str(Path(recipe.output.dir) / "final")
+    if adapter is None and not Path(target).exists():
+        raise NxdError(f"{target} does not exist (train first, or pass --adapter)")
+    t0 = time.perf_counter()
+    with _artefact(target) as (kind, path, description):
+        scoring = _recipe_for(recipe, kind, path)
+        scores: dict[str, Any] = {"scored": description, "model": recipe.model.path if kind == "adapter" else str(path),
+                                  **_score(scoring)}
+        if exact_match and _is_main():
+            scores.update(generated_exact_match(scoring, target if kind == "model" else str(path), max_new_tokens))
+    scores["nproc"] = scoring.parallel.nproc
+    scores["time_s"] = round(time.perf_counter() - t0, 2)
+    if _is_main():
+        dest = out or Path(recipe.output.dir) / "eval.json"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(scores, indent=2))
+        scores["written_to"] = str(dest)
+    return scores
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _score(recipe: Recipe) -> dict[str, Any]:
+    from nxd_finetune.parallel.launch import in_launched_env, launch
+
+    if in_launched_env():
+        return eval_rank(recipe) or {}
+    if recipe.parallel.nproc == 1:
+        return eval_rank(recipe) or {}
+    from nxd_finetune.sft.trainer import prepare_shared
+
+    prepare_shared(recipe)
+    return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0]
+
+
+def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
+    from nxd_finetune.recipe import recipe_from_dict
+
+    return eval_rank(recipe_from_dict(recipe_dict))
+
+
+def eval_rank(recipe: Recipe) -> dict[str, Any] | None:
+    """One process of the scoring (world size 1 included): the trainer's setup up to its first
+    eval, then that eval. Collective; returns the scores on global rank 0."""
+    import torch
+
+    from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
+    from nxd_finetune.parallel.state import ParallelDims, ParallelState
+    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+    from nxd_finetune.sft.engine import HostGroups, build_engine
+    from nxd_finetune.sft.loader import build_dataloaders
+    from nxd_finetune.sft.trainer import evaluate, pick_device, rank0_first
+    from nxd_finetune.xla import make_runtime
+
+    tcfg, par = recipe.training, recipe.parallel
+    device = pick_device(tcfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    backend = init_distributed(dist_backend_for(device.type))
+    runtime = make_runtime(device)
+    layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
+    host = HostGroups.for_state(layout)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # as the trainer: the same numbers
+    with rank0_first(backend.rank, host.world):
+        model_dir = resolve_model_dir(recipe.model.path)
+        tokenizer = load_tokenizer(recipe, model_dir)
+        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
+                                 dp_world=par.dp, seed=tcfg.seed,
+                                 fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
+    if data.eval is None:
+        raise DataError("the eval set is empty")
+    engine = build_engine(recipe, model_dir, device, 1, layout, host)
+    runtime.prepare(engine)
+    scores = evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime)
+    if not engine.is_logger:
+        return None
+    return {**scores, "eval_rows": data.stats.get("eval", {}).get("samples")} if scores else {}
+
+
+# ---------------------------------------------------------------- exact match
+
+
+def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
+    """``(prompt messages, reference answer)`` of every eval conversation that ends with an
+    assistant message, in the eval set's order."""
+    from nxd_finetune.sft.data import DataSpec, _split_eval, load_rows
+    from nxd_finetune.sft.formats import resolve_columns
+
+    spec = DataSpec.of(recipe.data)
+    if spec.format != "messages":
+        raise DataError(f"--generate scores conversations: it needs data.format messages, not {spec.format}")
+    rows = load_rows(spec.eval) if spec.eval is not None else _split_eval(load_rows(spec.train or []),
+                                                                           spec.eval_fraction)[1]
+    columns = resolve_columns(list(rows.column_names), "messages", spec.fields)
+    role, content = columns["role"], columns["content"]
+    pairs = []
+    for row in rows:
+        messages = [{"role": m[role], "content": m[content]} for m in row[columns["messages"]]]
+        if len(messages) > 1 and messages[-1]["role"] == "assistant":
+            pairs.append((messages[:-1], messages[-1]["content"]))
+    return pairs
+
+
+def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16) -> dict[str, Any]:
+    """Greedy generations for the eval conversations against their reference answers (whitespace
+    stripped): ``exact_match`` and a few examples."""
+    from nxd_finetune.serve import generate as gen
+    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.sft.formats import load_chat_template
+
+    pairs = _reference_rows(recipe)
+    if not pairs:
+        raise DataError("no eval conversation ends with an assistant answer to compare against")
+    template = load_chat_template(recipe.data.chat_template)
+    device = "cuda" if recipe.training.device == "cuda" else "cpu"
+    is_adapter = (Path(target) / ADAPTER_CONFIG).is_file()
+    base = str(resolve_model_dir(recipe.model.path)) if is_adapter else None
+    with gen.load_model(target, base, device) as loaded:
+        prompts = [gen.prompt_ids(loaded.tokenizer, messages, chat_template=template) for messages, _ in pairs]
+        outputs = gen.generate_batch(loaded, prompts, gen.GenerationConfig(max_new_tokens), batch_size)
+        answers = [gen.decode(loaded.tokenizer, ids).strip() for ids in outputs]
+    hits = [a == ref.strip() for a, (_, ref) in zip(answers, pairs, strict=True)]
+    examples = [{"prompt": m[-1]["content"], "reference": ref, "generated": a}
+                for a, (m, ref) in list(zip(answers, pairs, strict=True))[:10]]
+    return {"exact_match": sum(hits) / len(hits), "generated": len(hits), "examples": examples}
+
+
+def print_scores(scores: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"eval of {scores['scored']}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    rows = (("eval_loss", "loss", "{:.4f}"), ("eval_ppl", "perplexity", "{:.3f}"),
+            ("eval_accuracy", "token accuracy", "{:.4f}"), ("exact_match", "exact match (generated)", "{:.4f}"),
+            ("generated", "conversations generated", "{}"), ("nproc", "processes", "{}"), ("time_s", "time (s)", "{}"))
+    for key, label, fmt in rows:
+        value = scores.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            table.add_row(label, fmt.format(value))
+    if "written_to" in scores:
+        table.add_row("written to", scores["written_to"])
+    Console().print(table)

@@ -1,0 +1,311 @@
+"""Text generation from a trained model on ``transformers`` + ``peft``.
+
+:func:`load_model` turns what ``run`` wrote (or the registry holds) into a ready model:
+
+- an adapter: a directory with ``adapter_config.json`` (ours or PEFT's), a registry REF
+  ``REGISTRY/NAME[:VERSION|@TAG]`` (pulled, every sha256 checked) or an ``s3://`` prefix
+  (:func:`nxd_finetune.registry.fetch.fetch_adapter`); the base is ``--base`` or else the adapter's
+  ``base_model_name_or_path`` (a directory, or ``builtin:tiny-llama``), loaded with
+  ``AutoModelForCausalLM.from_pretrained`` and the adapter attached with ``PeftModel.from_pretrained``;
+- a ``base_and_adapter`` output (``base/`` + ``adapter/``): that adapter on that base;
+- an HF checkpoint (a ``merged`` output, a full-SFT output, or any base model): loaded alone.
+
+The tokenizer comes from the adapter directory when it holds one (``run`` saves it there), else
+from the model. Prompts are rendered with the tokenizer's chat template (or the one given) and
+generated with ``model.generate``; :func:`stream` yields text pieces as they are produced
+(``TextIteratorStreamer``), which ``chat`` prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from nxd_finetune.errors import ModelLoadError, NxdError
+
+ADAPTER_CONFIG = "adapter_config.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+Message = Mapping[str, str]
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    """Sampling settings; ``temperature == 0`` is greedy decoding (``top_p`` then unused)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise NxdError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise NxdError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise NxdError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature == 0:
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """``model``: a ``PreTrainedModel`` or a ``PeftModel`` (eval mode); ``description``: what was
+    loaded, for messages (the pinned registry REF of a pulled adapter)."""
+
+    model: Any
+    tokenizer: Any
+    device: Any
+    description: str
+    adapter_dir: Path | None = None
+    base_dir: Path | None = None
+
+
+def resolve_device(name: str) -> Any:
+    """``auto`` -> cuda when available, else cpu; ``cpu``, ``cuda``, ``cuda:N`` as given."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NxdError("device cuda was asked for but no CUDA device is visible")
+    if device.type not in ("cpu", "cuda"):
+        raise NxdError(f"device {name!r}: generation runs on cpu or cuda")
+    return device
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and not (path / ADAPTER_CONFIG).is_file()
+
+
+def _base_from_adapter(adapter_dir: Path, source: str) -> str:
+    try:
+        base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{source}: unreadable {ADAPTER_CONFIG}: {e}") from None
+    if not base:
+        raise ModelLoadError(f"{source}: {ADAPTER_CONFIG} names no base_model_name_or_path; pass --base")
+    return str(base)
+
+
+def _resolve_base(base: str, what: str) -> Path:
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    try:
+        return resolve_model_dir(base)
+    except ModelLoadError:
+        raise ModelLoadError(f"{what} {base!r} is not a model directory (no config.json); pass --base DIR") from None
+
+
+def _load_tokenizer(*dirs: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    source = next((d for d in dirs if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
+    if source is None:
+        raise ModelLoadError(f"no tokenizer files in {', '.join(str(d) for d in dirs)}")
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_hf(model_dir: Path, dtype: Any, device: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the model in {model_dir}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def load_model(adapter: str | None, base: str | None = None, device: str = "auto",
+               dtype: str | None = None) -> Iterator[LoadedModel]:
+    """The model ``adapter`` / ``base`` name (see the module docstring), ready to generate; a pulled
+    adapter's temporary copy lives until the ``with`` block ends. ``dtype``: fp32 | bf16 | fp16
+    (default: the checkpoint's own). Raises NxdError subclasses with one line."""
+    from nxd_finetune.models import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype) if dtype else "auto"
+    dev = resolve_device(device)
+    if adapter is None:
+        if base is None:
+            raise NxdError("give --adapter (a directory, REGISTRY/NAME[:V|@TAG] or s3:// prefix) or --base")
+        base_dir = _resolve_base(base, "--base")
+        yield LoadedModel(_load_hf(base_dir, torch_dtype, dev), _load_tokenizer(base_dir), dev, str(base),
+                          base_dir=base_dir)
+        return
+    local = Path(adapter).expanduser()
+    if "://" not in adapter and _is_checkpoint(local):
+        if base is not None:
+            raise NxdError(f"--adapter {adapter} is a whole model (merged or full SFT); --base applies to adapters")
+        yield LoadedModel(_load_hf(local, torch_dtype, dev), _load_tokenizer(local), dev, adapter, base_dir=local)
+        return
+    if "://" not in adapter and (local / "adapter" / ADAPTER_CONFIG).is_file():  # base_and_adapter output
+        adapter = str(local / "adapter")
+        if base is None and (local / "base" / "config.json").is_file():
+            base = str(local / "base")
+    from nxd_finetune.registry.fetch import fetch_adapter
+
+    with fetch_adapter(adapter, "--adapter") as fetched:
+        base_name = base if base is not None else _base_from_adapter(fetched.path, adapter)
+        base_dir = _resolve_base(base_name, "--base" if base is not None else "the adapter's base model")
+        yield LoadedModel(_attach_adapter(_load_hf(base_dir, torch_dtype, dev), fetched.path),
+                          _load_tokenizer(fetched.path, base_dir), dev, fetched.lineage or adapter,
+                          adapter_dir=fetched.path, base_dir=base_dir)
+
+
+def _attach_adapter(model: Any, adapter_dir: Path) -> Any:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise NxdError("generating with an adapter needs the peft package: pip install 'nxd-finetune[serve]'") from None
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise ModelLoadError(f"adapter {adapter_dir} does not load on this base: {str(e).splitlines()[0]}") from None
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[Message] | None = None, text: str | None = None,
+               chat_template: str | None = None) -> list[int]:
+    """Token ids to generate from: ``messages`` rendered with the chat template and the generation
+    prompt (the template writes any BOS itself), or plain ``text`` tokenized as the model's
+    tokenizer does by default (with its BOS). Exactly one of the two."""
+    if (messages is None) == (text is None):
+        raise NxdError("give either messages or a plain text prompt")
+    if text is not None:
+        return list(tokenizer(text)["input_ids"])
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise NxdError("the tokenizer has no chat template: pass --chat-template (a Jinja file or string), "
+                       "or --raw with --prompt")
+    from nxd_finetune.sft.formats import render_chat
+
+    rendered = render_chat(tokenizer, list(messages or []), chat_template, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def read_messages(path: Path) -> list[dict[str, str]]:
+    """A JSON file holding a list of ``{"role", "content"}`` messages, or an object with a
+    ``messages`` list (one line of a ``messages``-format dataset)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise NxdError(f"--messages {path}: {e}".splitlines()[0]) from None
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not data or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in data):
+        raise NxdError(f"--messages {path}: expected a list of {{\"role\": ..., \"content\": ...}} messages")
+    return data
+
+
+def load_template(chat_template: str | None) -> str | None:
+    """``--chat-template``: a Jinja file, an inline template, or None (the tokenizer's)."""
+    if chat_template is None:
+        return None
+    from nxd_finetune.sft.formats import load_chat_template
+
+    return load_chat_template(chat_template, None)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def _inputs(loaded: LoadedModel, ids: Sequence[int]) -> dict[str, Any]:
+    import torch
+
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=loaded.device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def _special_ids(tokenizer: Any) -> dict[str, Any]:
+    return {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+
+
+def generate_ids(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) -> list[int]:
+    """The new token ids ``model.generate`` produces after ``ids`` (EOS included when reached)."""
+    import torch
+
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    with torch.no_grad():
+        out = loaded.model.generate(**_inputs(loaded, ids), max_new_tokens=config.max_new_tokens,
+                                    **config.generate_kwargs(), **_special_ids(loaded.tokenizer))
+    return out[0, len(ids):].tolist()
+
+
+def generate_batch(loaded: LoadedModel, prompts: Sequence[Sequence[int]], config: GenerationConfig,
+                   batch_size: int = 16) -> list[list[int]]:
+    """:func:`generate_ids` for many prompts, ``batch_size`` at a time (left-padded, with the
+    attention mask); each result stops after its first EOS."""
+    import torch
+
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    pad = loaded.tokenizer.pad_token_id
+    eos = loaded.tokenizer.eos_token_id
+    results: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[start:start + batch_size]]
+        width = max(len(p) for p in chunk)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = loaded.model.generate(input_ids=input_ids.to(loaded.device), attention_mask=mask.to(loaded.device),
+                                        max_new_tokens=config.max_new_tokens, **config.generate_kwargs(),
+                                        **_special_ids(loaded.tokenizer))
+        for row in out[:, width:].tolist():
+            results.append(row[:row.index(eos) + 1] if eos in row else row)
+    return results
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def stream(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) -> Iterator[str]:
+    """Text pieces of the completion as ``generate`` produces them (a ``TextIteratorStreamer`` fed
+    from a generation thread); the thread's error, if any, is raised after the last piece."""
+    import torch
+    from transformers import TextIteratorStreamer
+
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    streamer = TextIteratorStreamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                loaded.model.generate(**_inputs(loaded, ids), max_new_tokens=config.max_new_tokens, streamer=streamer,
+                                      **config.generate_kwargs(), **_special_ids(loaded.tokenizer))
+        except BaseException as e:  # reported in the caller's thread
+            failure.append(e)
+            streamer.end()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    yield from streamer
+    thread.join()
+    if failure:
+        raise failure[0]
