@@ -135,7 +135,7 @@ def trained_quickstart(tmp_path_factory):
     import subprocess
     import sys
 
-    from nxd_finetune.checkpoint.manager import FAILPOINT_ENV
+    from nxd_finetune.checkpoint.writer import FAILPOINT_ENV
 
     root = tmp_path_factory.mktemp("trained")
     env = {**os.environ, "NXD_FINETUNE_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1", "TMPDIR": str(root),
