@@ -78,9 +78,11 @@ def test_wandb_offline_files_read_back(trained_quickstart):
     killed, resumed = (wandb_records(d / f"run-{run_id}.wandb") for d in dirs)
     for records in (killed, resumed):
         runs = [r["run"] for r in records if r["type"] == "run"]
-        assert runs and all(r["run_id"] == run_id for r in runs)
-        config = runs[-1]["config"]["update"]
-        assert config["lora"]["rank"] == 16 and config["training"]["max_steps"] == TRAINED_STEPS
+        # SIGKILL may lose what the killed process had not flushed yet, its run record included
+        assert (runs or records is killed) and all(r["run_id"] == run_id for r in runs)
+        if runs:
+            config = runs[-1]["config"]["update"]
+            assert config["lora"]["rank"] == 16 and config["training"]["max_steps"] == TRAINED_STEPS
     expected = {(r["step"], k): r[k] for r in metrics_records(out) for k in ("train_loss", "eval_loss") if k in r}
     seen: dict[tuple[int, str], float] = {}
     for records in (killed, resumed):
