@@ -93,7 +93,8 @@ def test_wandb_offline_files_read_back(trained_quickstart):
     assert all(expected[k] == v for k, v in seen.items())  # the values of metrics.jsonl at their steps
     # the resumed process logged every step after the checkpoint (a SIGKILL may lose the last unsynced records)
     assert {k for k in expected if k[0] > CHECKPOINT_STEP + 4} <= set(seen)
-    assert (0, "eval_loss") in seen
+    if any(r["type"] == "history" for r in killed):  # unless the SIGKILL took all the killed process's records
+        assert (0, "eval_loss") in seen
     summary: dict = {}
     for r in resumed:
         if r["type"] == "summary":
