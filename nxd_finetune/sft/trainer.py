@@ -204,7 +204,7 @@ def run(recipe: Any) -> dict[str, Any]:
     if recipe.parallel.nproc == 1:
         return run_rank(recipe)
     _prepare_shared(recipe)
-    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict())
+    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict(), max_restarts=recipe.parallel.max_restarts)
     return results[0]
 
 
