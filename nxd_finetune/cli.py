@@ -488,6 +488,9 @@ def _mount_subcommands() -> None:
     from nxd_finetune.registry.cli import adapters_app
 
     app.add_typer(adapters_app, name="adapters", help="Push, pull, list, show, tag and remove adapters in a registry.")
+    from nxd_finetune.cluster.cli import k8s_app
+
+    app.add_typer(k8s_app, name="k8s", help="Write Kubernetes manifests for a recipe (PyTorchJob, precompile Job).")
 
 
 _mount_subcommands()

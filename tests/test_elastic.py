@@ -147,6 +147,26 @@ def test_our_launcher_restarts_killed_ranks_and_resumes_to_the_identical_adapter
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
 
 
+def test_torchx_local_cwd_torchrun_max_restarts_resumes_to_the_identical_adapter(references, env, tmp_path):
+    """``torchx run --scheduler local_cwd components.py:finetune`` (TorchX's local scheduler runs
+    the component's ``torchrun --max-restarts 1`` line here): rank 1 is SIGKILLed after step 5 in
+    the first attempt; torchrun restarts both ranks, the run resumes from step 4 and ends with the
+    uninterrupted run's adapter."""
+    out = tmp_path / "run"
+    bin_dir = str(Path(sys.executable).parent)  # torchx and torchrun of this environment
+    env = {**env, FAILPOINT_ENV: "after-step:5:rank=1:attempt=0", "PATH": bin_dir + os.pathsep + env["PATH"]}
+    component = ROOT / "nxd_finetune" / "cluster" / "components.py"
+    proc = subprocess.run([os.path.join(bin_dir, "torchx"), "run", "--workspace", "", "--scheduler", "local_cwd",
+                           "-cfg", f"log_dir={tmp_path / 'torchx-logs'}", f"{component}:finetune",
+                           "--recipe", str(QUICKSTART), "--nproc_per_node", "2", "--max_restarts", "1",
+                           "--", *BASE, *TP2, f"output.dir={out}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "Job finished: SUCCEEDED" in log and "(step 4)" in log, log[-4000:]
+    assert_same_run(out, references["tp2"])
+
+
 def test_a_failure_every_time_stops_after_the_restarts_with_one_line(tmp_path, monkeypatch):
     """Rank 1 dies at step 1 in every attempt: after ``max_restarts=1`` the launcher gives up with
     one line naming the rank and the cause (``trainer._worker``: what ``nxd-finetune run --nproc``
