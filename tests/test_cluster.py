@@ -93,9 +93,19 @@ def test_torchx_kubernetes_dryrun_trainium_spec(tmp_path, neuron_recipe):
         assert env["FI_PROVIDER"] == "efa" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
-def test_torchx_kubernetes_dryrun_gpu_spec_with_c10d(tmp_path):
-    _, tasks = torchx_dryrun(
-        tmp_path, "--recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--image", "nxd-finetune:cuda",
+def runner_dryrun(*args: str) -> list[dict]:
+    """The same through TorchX's Python API in this process (what ``--dryrun`` calls): the tasks."""
+    from torchx.runner import get_runner
+
+    with get_runner() as runner:
+        info = runner.dryrun_component(f"{COMPONENT}:finetune", list(args), scheduler="kubernetes",
+                                       cfg={"queue": "default"}, workspace=None)
+    return yaml.safe_load(str(info))["spec"]["tasks"]
+
+
+def test_torchx_kubernetes_dryrun_gpu_spec_with_c10d():
+    tasks = runner_dryrun(
+        "--recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--image", "nxd-finetune:cuda",
         "--nnodes", "2", "--nproc_per_node", "4", "--accelerator", "gpu", "--", "parallel.tp=4")
     assert len(tasks) == 2
     container = tasks[0]["template"]["spec"]["containers"][0]
