@@ -174,7 +174,7 @@ def test_torchx_local_cwd_torchrun_max_restarts_resumes_to_the_identical_adapter
     assert_same_run(out, references["tp2"])
 
 
-def test_a_failure_every_time_stops_after_the_restarts_with_one_line(tmp_path, monkeypatch):
+def test_a_failure_every_time_stops_after_the_restarts_with_one_line(tmp_path, monkeypatch, caplog):
     """Rank 1 dies at step 1 in every attempt: after ``max_restarts=1`` the launcher gives up with
     one line naming the rank and the cause."""
     recipe = load_recipe(QUICKSTART, [*BASE, *TP2, "parallel.nproc=2", "parallel.max_restarts=1",
@@ -185,6 +185,11 @@ def test_a_failure_every_time_stops_after_the_restarts_with_one_line(tmp_path, m
     assert re.fullmatch(r"worker rank 1 failed: killed by signal SIGKILL( \(1 other rank\(s\) failed too\))?; "
                         r"gave up after 1 restart\(s\)", str(e.value)), str(e.value)
     assert not (tmp_path / "run" / "final").exists()
+    # the agent's log: the first failure with its traceback, the repeat as one line
+    failures = [r for r in caplog.records if r.name == "torch.distributed.elastic.multiprocessing.api"
+                and r.getMessage().startswith("failed (exitcode")]
+    assert len(failures) == 2 and failures[0].exc_info is not None and failures[1].exc_info is None, failures
+    assert failures[1].getMessage().endswith(": process 1 terminated with signal SIGKILL"), failures[1].getMessage()
 
 
 def test_launch_gives_up_after_max_restarts_with_the_last_attempts_cause(tmp_path):

@@ -7,7 +7,8 @@
   the whole group again, up to K times (torch elastic's restarts, as ``torchrun --max-restarts``);
   the training loop then resumes from its newest complete checkpoint by itself. A worker that
   raises or dies in the last attempt surfaces in the parent as one NxdError line naming the rank
-  and the cause (the worker's traceback is in the launcher's log output).
+  and the cause (the worker's traceback is in the launcher's log output; after a restart, a
+  failure again is logged as one line, not another traceback).
 - :func:`init_distributed` joins the process group when the environment describes one
   (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``: set by ``torchrun`` and by :func:`launch`), picking
   gloo on CPU, nccl on CUDA and xla on XLA devices; without them it is a single process (world
@@ -27,6 +28,7 @@ import dataclasses
 import datetime
 import glob
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -248,6 +250,30 @@ def _last_attempt_error_files(log_dir: str) -> list[str]:
     return glob.glob(os.path.join(last, "*", "error.json"))
 
 
+ELASTIC_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _RepeatedFailuresOneLine(logging.Filter):
+    """The elastic agent logs every failed attempt with a traceback (``logger.exception``: the
+    worker's, or the agent's own for a killed worker). The first one is kept whole; the later
+    ones (a restart failing again) become one line each: the message plus the exception's last
+    line (``RuntimeError: ...``, ``process 1 terminated with signal SIGKILL``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            if self.seen:
+                lines = [line.strip() for line in str(record.exc_info[1]).splitlines() if line.strip()]
+                cause = lines[-1] if lines else type(record.exc_info[1]).__name__
+                record.msg = f"{record.getMessage()}: {cause}"
+                record.args, record.exc_info, record.exc_text = (), None, None
+            self.seen = True
+        return True
+
+
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "spawn",
            rdzv_timeout_s: int = 120, max_restarts: int = 0) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local workers; returns their return values in rank order.
@@ -287,11 +313,14 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "
         )
         shared = os.environ.get(SHARE_STORE_ENV)
         os.environ[SHARE_STORE_ENV] = "1"  # each attempt's rank 0 hosts a fresh store (see _attempt_store)
+        one_line = _RepeatedFailuresOneLine()
+        logging.getLogger(ELASTIC_PROCS_LOGGER).addFilter(one_line)
         try:
             results = elastic_launch(config, fn)(*args)
         except ChildFailedError as e:
             raise NxdError(_failure_line(e, log_dir, max_restarts)) from None
         finally:
+            logging.getLogger(ELASTIC_PROCS_LOGGER).removeFilter(one_line)
             if shared is None:
                 os.environ.pop(SHARE_STORE_ENV, None)
             else:
