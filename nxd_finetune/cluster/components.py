@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 import torchx.specs as specs
 
 from nxd_finetune.cluster.spec import (
+    GPU_RESOURCE,
+    INSTANCE_TYPE_LABEL,
     NodeLayout,
     device_resources,
     job_env,
@@ -36,8 +38,6 @@ from nxd_finetune.cluster.spec import (
     torchrun_command,
 )
 from nxd_finetune.errors import NxdError
-
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
 
 def finetune(
@@ -99,7 +99,7 @@ def finetune(
                            rdzv_id=specs.macros.app_id, max_restarts=max_restarts,
                            node_rank=specs.macros.replica_id, extra_args=["--tee", "3"])
     devices = device_resources(accelerator, nproc_per_node, efa)
-    gpu = devices.pop("nvidia.com/gpu", 0)
+    gpu = devices.pop(GPU_RESOURCE, 0)  # TorchX's own field (nvidia.com/gpu on Kubernetes)
     resource = specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB, devices=devices,
                               capabilities={INSTANCE_TYPE_LABEL: instance_type} if instance_type else {})
     return specs.AppDef(

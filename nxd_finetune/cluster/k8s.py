@@ -19,13 +19,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nxd_finetune.cluster.spec import device_resources, job_env, node_layout, torchrun_command
+from nxd_finetune.cluster.spec import INSTANCE_TYPE_LABEL, device_resources, job_env, node_layout, torchrun_command
 from nxd_finetune.errors import NxdError
 from nxd_finetune.recipe import Recipe
 
 PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?")
 
 

@@ -21,6 +21,7 @@ ACCELERATORS: tuple[str, ...] = ("neuron", "gpu", "cpu")
 NEURON_RESOURCE = "aws.amazon.com/neuron"  # Neuron device plugin: Trainium chips (2 NeuronCores each)
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 NEURON_CORES_PER_DEVICE = 2
 RDZV_BACKENDS: tuple[str, ...] = ("c10d", "etcd", "etcd-v2", "static")
 ETCD_ENDPOINT = "etcd-server:2379"  # the etcd service of the EKS pattern (TorchX + Volcano)
