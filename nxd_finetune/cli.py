@@ -61,18 +61,26 @@ def _load(recipe: Path, overrides: list[str] | None, nproc: int | None = None,
     from nxd_finetune.recipe import load_recipe
 
     extra = list(overrides or [])
+    world = None
     if nproc is not None:
         extra.append(f"parallel.nproc={nproc}")
     elif "WORLD_SIZE" in os.environ and not any(o.startswith("parallel.nproc=") for o in extra):
         # one worker of torchrun: the world it was started in is the process count
-        extra.insert(0, f"parallel.nproc={os.environ['WORLD_SIZE']}")
+        world = os.environ["WORLD_SIZE"]
+        extra.insert(0, f"parallel.nproc={world}")
     if resume is not None and no_resume:
         raise RecipeError("--resume and --no-resume are mutually exclusive")
     if resume is not None:
         extra.append(f"checkpoint.resume={resume}")
     if no_resume:
         extra.append("checkpoint.resume=null")
-    return load_recipe(recipe, extra)
+    try:
+        return load_recipe(recipe, extra)
+    except RecipeError as e:
+        if world is None or f"parallel.nproc={world} " not in str(e):
+            raise
+        raise RecipeError(f"the launcher started {world} process(es) (WORLD_SIZE={world}), which the recipe's "
+                          f"layout does not fit: {e}") from None
 
 
 @app.command()
@@ -85,9 +93,13 @@ def run(
         help="Resume from the latest checkpoint of checkpoint.dir or from PATH (sets checkpoint.resume).")] = None,
     no_resume: Annotated[bool, typer.Option(
         "--no-resume", help="Start fresh even if the recipe sets checkpoint.resume.")] = False,
+    max_restarts: Annotated[int | None, typer.Option(
+        "--max-restarts", min=0, help="Restart the workers up to K times after a failure, resuming from the "
+                                      "newest checkpoint (sets parallel.max_restarts; with --nproc > 1).")] = None,
 ) -> None:
     """Train: load and validate the recipe, then run the SFT loop."""
-    loaded = _load(recipe, overrides, nproc, resume, no_resume)
+    restarts = [] if max_restarts is None else [f"parallel.max_restarts={max_restarts}"]
+    loaded = _load(recipe, [*(overrides or []), *restarts], nproc, resume, no_resume)
     from nxd_finetune.checkpoint.training import as_training_stopped
     from nxd_finetune.sft import trainer
 
@@ -208,6 +220,9 @@ def _mount_subcommands() -> None:
     from nxd_finetune.serve.cli import register as register_serve
 
     register_serve(app)  # generate, chat, eval
+    from nxd_finetune.cluster.cli import k8s_app
+
+    app.add_typer(k8s_app, name="k8s", help="Write Kubernetes manifests for a recipe (PyTorchJob, precompile Job).")
 
 
 _mount_subcommands()

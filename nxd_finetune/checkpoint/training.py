@@ -22,7 +22,9 @@ is raised with a one-line message saying how to resume. A second SIGINT stops at
 
 Fault injection for tests: ``NXD_FINETUNE_FAILPOINT=<point>:<step>`` makes the process SIGKILL
 itself at ``point`` (``after-step``: after the optimizer step, before any save of that step;
-``before-manifest``: a save's files are written, its manifest is not) of step ``step``.
+``before-manifest``: a save's files are written, its manifest is not) of step ``step``; a
+comma-separated list of them, each optionally limited to one global rank (``:rank=R``) and one
+attempt of an elastic run (``:attempt=N``), see :func:`~nxd_finetune.checkpoint.manager.failpoint`.
 """
 
 from __future__ import annotations

@@ -25,10 +25,24 @@ FAILPOINT_ENV = "NXD_FINETUNE_FAILPOINT"
 
 
 def failpoint(point: str, step: int) -> None:
-    """SIGKILL this process when ``NXD_FINETUNE_FAILPOINT`` is ``<point>:<step>`` (fault injection
-    for the kill-and-resume tests; see :mod:`.training`)."""
-    if os.environ.get(FAILPOINT_ENV) == f"{point}:{step}":
+    """SIGKILL this process when ``NXD_FINETUNE_FAILPOINT`` names ``point`` at ``step`` (fault
+    injection for the kill-and-resume tests; see :mod:`.training`).
+
+    The variable is a comma-separated list of ``<point>:<step>[:rank=<r>][:attempt=<n>]``: with
+    ``rank`` only that global rank (``RANK``) is killed, with ``attempt`` only in that attempt of an
+    elastic run (``TORCHELASTIC_RESTART_COUNT``: 0 the first, 1 after one restart, ...)."""
+    spec = os.environ.get(FAILPOINT_ENV)
+    if spec and any(_failpoint_matches(entry, point, step) for entry in spec.split(",")):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _failpoint_matches(entry: str, point: str, step: int) -> bool:
+    name, _, rest = entry.strip().partition(":")
+    at, *conds = rest.split(":")
+    if name != point or at != str(step):
+        return False
+    now = {"rank": os.environ.get("RANK", "0"), "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+    return all(now.get(key) == value for key, _, value in (c.partition("=") for c in conds))
 
 
 @dataclasses.dataclass

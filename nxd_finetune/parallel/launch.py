@@ -2,9 +2,13 @@
 
 - :func:`launch` starts ``nproc`` local workers through torch's elastic launcher
   (``torch.distributed.launcher.api.elastic_launch``: the agent behind ``torchrun``) with a
-  standalone c10d rendezvous on 127.0.0.1 and a free port, no restarts, and returns every
-  rank's return value. A worker that raises surfaces in the parent as one NxdError line naming
-  the rank (the worker's traceback is in the launcher's log output).
+  standalone c10d rendezvous on 127.0.0.1 and a free port, and returns every rank's return
+  value. ``max_restarts=K``: when a worker dies or raises, the agent stops the others and starts
+  the whole group again, up to K times (torch elastic's restarts, as ``torchrun --max-restarts``);
+  the training loop then resumes from its newest complete checkpoint by itself. A worker that
+  raises or dies in the last attempt surfaces in the parent as one NxdError line naming the rank
+  and the cause (the worker's traceback is in the launcher's log output; after a restart, a
+  failure again is logged as one line, not another traceback).
 - :func:`init_distributed` joins the process group when the environment describes one
   (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``: set by ``torchrun`` and by :func:`launch`), picking
   gloo on CPU, nccl on CUDA and xla on XLA devices; without them it is a single process (world
@@ -24,6 +28,7 @@ import dataclasses
 import datetime
 import glob
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -130,6 +135,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 
         extra["init_method"] = "xla://"
+    else:
+        store = _attempt_store(timeout_s)
+        if store is not None:
+            extra.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
     expected, got = int(os.environ["WORLD_SIZE"]), dist.get_world_size()
     if got != expected:  # torch_xla's CPU device makes every process rank 0 of its own world
@@ -137,6 +146,35 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
         raise NxdError(f"the {backend} process group has {got} process(es) but WORLD_SIZE={expected}: this "
                        f"device cannot form a {expected}-process world (torch_xla's CPU device runs 1 process)")
     return dataclasses.replace(dev, rank=dist.get_rank(), world_size=got)
+
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _attempt_store(timeout_s: float) -> Any:
+    """The process group's store when the workers share the elastic agent's rendezvous store.
+
+    torch elastic (``torchrun`` with the c10d rendezvous) by default hands its workers the
+    agent's own TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), the same one in every attempt:
+    after a restart, a worker can read a peer's address from the attempt before and fail to
+    connect (pytorch/pytorch#135712). With one agent (``GROUP_WORLD_SIZE=1``) the attempt number
+    ``TORCHELASTIC_RESTART_COUNT`` is the same in every worker, so the group's keys go under
+    ``nxd/attempt-<n>/``; with several agents it is not (each counts its own restarts), so a
+    multi-node run with restarts must turn the sharing off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    as the cluster specs of :mod:`nxd_finetune.cluster` set it): warned about here. None: let
+    ``init_process_group`` make its store from ``MASTER_ADDR`` / ``MASTER_PORT`` as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and os.environ.get("RANK") == "0":
+            import warnings
+
+            warnings.warn(f"restarts of a multi-node run need {SHARE_STORE_ENV}=1 in every node's environment "
+                          "(the workers share the agent's store across attempts otherwise)", stacklevel=2)
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"nxd/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def smoke_test(x: float = 0.0) -> dict[str, Any]:
@@ -162,14 +200,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _failure_line(err: Any, log_dir: str | None = None) -> str:
+def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -> str:
     """One line for the root-cause (earliest) failure of a ``ChildFailedError``.
 
     Failures are ordered by their error file's modification time: the elastic timestamps count
     whole seconds, and a rank that raised and the peer whose collective then lost its connection
     often share one (the error file is written before the raising process exits, so before its
     peers fail). Error files under ``log_dir`` count too: a rank that raised but had not exited
-    when the agent stopped the others is not among ``err.failures``."""
+    when the agent stopped the others is not among ``err.failures``; only the last attempt's
+    files are read (earlier attempts failed and were restarted)."""
     found: dict[int, tuple[float, str]] = {}  # rank -> (when, text)
     for rank, failure in err.failures.items():
         path = failure.error_file
@@ -183,7 +222,7 @@ def _failure_line(err: Any, log_dir: str | None = None) -> str:
         elif not (path and os.path.isfile(path)) or not text:  # died without raising (os._exit, crash)
             text = f"exited with code {failure.exitcode}"
         found[rank] = (when, text)
-    for path in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json")) if log_dir else []:
+    for path in _last_attempt_error_files(log_dir) if log_dir else []:
         rank = int(os.path.basename(os.path.dirname(path)))
         if rank in found:
             continue
@@ -197,19 +236,57 @@ def _failure_line(err: Any, log_dir: str | None = None) -> str:
             found[rank] = (os.path.getmtime(path), message.strip().splitlines()[0])
     rank = min(found, key=lambda r: (found[r][0], r))
     more = len(found) - 1
-    return f"worker rank {rank} failed: {found[rank][1]}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
+    gave_up = f"; gave up after {max_restarts} restart(s)" if max_restarts else ""
+    return (f"worker rank {rank} failed: {found[rank][1]}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
+            + gave_up)
+
+
+def _last_attempt_error_files(log_dir: str) -> list[str]:
+    """The workers' error files of the highest ``attempt_<n>`` directory under ``log_dir``."""
+    attempts = glob.glob(os.path.join(log_dir, "*", "attempt_*"))
+    if not attempts:
+        return []
+    last = max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]))
+    return glob.glob(os.path.join(last, "*", "error.json"))
+
+
+ELASTIC_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _RepeatedFailuresOneLine(logging.Filter):
+    """The elastic agent logs every failed attempt with a traceback (``logger.exception``: the
+    worker's, or the agent's own for a killed worker). The first one is kept whole; the later
+    ones (a restart failing again) become one line each: the message plus the exception's last
+    line (``RuntimeError: ...``, ``process 1 terminated with signal SIGKILL``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            if self.seen:
+                lines = [line.strip() for line in str(record.exc_info[1]).splitlines() if line.strip()]
+                cause = lines[-1] if lines else type(record.exc_info[1]).__name__
+                record.msg = f"{record.getMessage()}: {cause}"
+                record.args, record.exc_info, record.exc_text = (), None, None
+            self.seen = True
+        return True
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "spawn",
-           rdzv_timeout_s: int = 120) -> list[Any]:
+           rdzv_timeout_s: int = 120, max_restarts: int = 0) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` local workers; returns their return values in rank order.
 
     Workers find ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1) and
     ``MASTER_PORT`` in their environment and call :func:`init_distributed` themselves. ``fn``, its
     arguments and return values must pickle (``fn`` defined at module level) under the default
     ``spawn`` start method; ``fork`` starts faster but is unsafe once the parent has started
-    threads or CUDA. Raises NxdError (one line, ``worker rank R failed: Type: message``) when a
-    worker raises or dies, and for ``nproc < 1``.
+    threads or CUDA. ``max_restarts``: how many times the agent restarts the whole group after
+    a worker failed (``TORCHELASTIC_RESTART_COUNT`` tells the workers which attempt they are in).
+    Raises NxdError (one line, ``worker rank R failed: Type: message``, plus ``; gave up after K
+    restart(s)`` with restarts) when a worker raises or dies in the last attempt, and for
+    ``nproc < 1`` or a negative ``max_restarts``.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -217,6 +294,8 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "
 
     if not isinstance(nproc, int) or nproc < 1:
         raise NxdError(f"nproc must be a positive integer, got {nproc!r}")
+    if max_restarts < 0:
+        raise NxdError(f"max_restarts must be 0 or more, got {max_restarts}")
     with tempfile.TemporaryDirectory(prefix="nxd-launch-") as log_dir:
         config = LaunchConfig(
             min_nodes=1,
@@ -226,14 +305,24 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "
             rdzv_backend="c10d",
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             rdzv_configs={"timeout": rdzv_timeout_s},
-            max_restarts=0,
+            max_restarts=max_restarts,
             monitor_interval=0.05,
             start_method=start_method,
             local_addr="127.0.0.1",
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
+        shared = os.environ.get(SHARE_STORE_ENV)
+        os.environ[SHARE_STORE_ENV] = "1"  # each attempt's rank 0 hosts a fresh store (see _attempt_store)
+        one_line = _RepeatedFailuresOneLine()
+        logging.getLogger(ELASTIC_PROCS_LOGGER).addFilter(one_line)
         try:
             results = elastic_launch(config, fn)(*args)
         except ChildFailedError as e:
-            raise NxdError(_failure_line(e, log_dir)) from None
+            raise NxdError(_failure_line(e, log_dir, max_restarts)) from None
+        finally:
+            logging.getLogger(ELASTIC_PROCS_LOGGER).removeFilter(one_line)
+            if shared is None:
+                os.environ.pop(SHARE_STORE_ENV, None)
+            else:
+                os.environ[SHARE_STORE_ENV] = shared
     return [results[r] for r in range(nproc)]

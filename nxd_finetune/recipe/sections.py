@@ -93,7 +93,9 @@ class LoraSection(_Section):
 
 class ParallelSection(_Section):
     """Process layout: ``nproc = tp * pp * dp``. ``pp_cuts``: the first layer index of every
-    pipeline stage after the first (``pp * virtual_stages - 1`` numbers); None splits evenly."""
+    pipeline stage after the first (``pp * virtual_stages - 1`` numbers); None splits evenly.
+    ``max_restarts``: how often ``nxd-finetune run`` restarts its workers after one failed (torch
+    elastic; the run resumes from the newest complete checkpoint)."""
 
     nproc: PosInt = 1
     tp: PosInt = 1
@@ -105,6 +107,7 @@ class ParallelSection(_Section):
     sequence_parallel: bool = False
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     checkpoint_modules: StrList = []
+    max_restarts: NonNegInt = 0
 
     @property
     def dp(self) -> int:

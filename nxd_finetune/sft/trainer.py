@@ -208,7 +208,7 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     if recipe.parallel.nproc == 1:
         return run_rank(recipe)
     prepare_shared(recipe)
-    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict())
+    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict(), max_restarts=recipe.parallel.max_restarts)
     return results[0]
 
 

@@ -1,0 +1,120 @@
+"""``nxd-finetune k8s``: write the Kubernetes manifests of a recipe (:mod:`.k8s`).
+
+Mounted on the main app by :func:`nxd_finetune.cli._mount_subcommands`; only typer at import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from nxd_finetune.cluster.k8s import PodSettings
+    from nxd_finetune.recipe import Recipe
+
+k8s_app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                      rich_markup_mode="markdown")
+
+RecipeArg = Annotated[Path, typer.Argument(help="YAML recipe file (read here to check the layout).",
+                                           show_default=False)]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides key.path=value, passed on to the pods.",
+                                                          show_default=False)]
+NodesOpt = Annotated[int, typer.Option("--nodes", min=1,
+                                       help="Nodes (pods); processes per node = parallel.nproc / nodes.")]
+ImageOpt = Annotated[str, typer.Option("--image", help="Container image (see docker/).")]
+AcceleratorOpt = Annotated[str, typer.Option("--accelerator", help="neuron, gpu or cpu.")]
+EfaOpt = Annotated[int, typer.Option("--efa", min=0, help="EFA interfaces per pod (8 on trn1.32xlarge).")]
+InstanceOpt = Annotated[str | None, typer.Option("--instance-type",
+                                                 help="nodeSelector instance type, e.g. trn1.32xlarge.")]
+PvcOpt = Annotated[str | None, typer.Option("--pvc",
+                                            help="PersistentVolumeClaim mounted in every pod (FSx for Lustre).")]
+MountOpt = Annotated[str, typer.Option("--mount-path", help="Where the claim is mounted.")]
+CpuOpt = Annotated[str | None, typer.Option("--cpu", help="CPU request and limit per pod (e.g. 120).")]
+MemOpt = Annotated[str | None, typer.Option("--memory", help="Memory request and limit per pod (e.g. 480Gi).")]
+NamespaceOpt = Annotated[str, typer.Option("--namespace", help="Kubernetes namespace.")]
+NameOpt = Annotated[str, typer.Option("--name", help="Job name (lowercase letters, digits, '-').")]
+RecipePathOpt = Annotated[str | None, typer.Option(
+    "--recipe-path", help="The recipe's path inside the pods (default: RECIPE as given).")]
+OutOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")]
+
+
+def _load(recipe: Path, overrides: list[str] | None) -> Recipe:
+    from nxd_finetune.recipe import load_recipe
+
+    return load_recipe(recipe, overrides or [])
+
+
+def _pod(image: str, accelerator: str, efa: int, instance_type: str | None, pvc: str | None, mount_path: str,
+         cpu: str | None, memory: str | None, namespace: str) -> PodSettings:
+    from nxd_finetune.cluster.k8s import PodSettings
+
+    return PodSettings(image=image, accelerator=accelerator, efa=efa, instance_type=instance_type, pvc=pvc,
+                       mount_path=mount_path, cpu=cpu, memory=memory, namespace=namespace)
+
+
+def _write(text: str, output: Path | None) -> None:
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(f"wrote {output}", err=True)
+
+
+@k8s_app.command("pytorchjob")
+def pytorchjob_cmd(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    nodes: NodesOpt = 1,
+    image: ImageOpt = "nxd-finetune:neuron",
+    accelerator: AcceleratorOpt = "neuron",
+    efa: EfaOpt = 0,
+    instance_type: InstanceOpt = None,
+    pvc: PvcOpt = None,
+    mount_path: MountOpt = "/fsx",
+    cpu: CpuOpt = None,
+    memory: MemOpt = None,
+    namespace: NamespaceOpt = "default",
+    name: NameOpt = "nxd-finetune",
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0,
+                                              help="torch elastic restarts (resume from the newest checkpoint).")] = 0,
+    recipe_path: RecipePathOpt = None,
+    output: OutOpt = None,
+) -> None:
+    """Write a Kubeflow `PyTorchJob` (training operator) that trains RECIPE on `--nodes` pods."""
+    from nxd_finetune.cluster.k8s import pytorchjob, to_yaml
+
+    loaded = _load(recipe, overrides)
+    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
+    doc = pytorchjob(loaded, recipe_path or str(recipe), overrides or [], pod, nodes=nodes, name=name,
+                     max_restarts=max_restarts)
+    _write(to_yaml(doc), output)
+
+
+@k8s_app.command("precompile-job")
+def precompile_job_cmd(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    nodes: NodesOpt = 1,
+    image: ImageOpt = "nxd-finetune:neuron",
+    accelerator: AcceleratorOpt = "neuron",
+    efa: EfaOpt = 0,
+    instance_type: InstanceOpt = None,
+    pvc: PvcOpt = None,
+    mount_path: MountOpt = "/fsx",
+    cpu: CpuOpt = None,
+    memory: MemOpt = None,
+    namespace: NamespaceOpt = "default",
+    name: NameOpt = "nxd-finetune-precompile",
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to trace.")] = 5,
+    recipe_path: RecipePathOpt = None,
+    output: OutOpt = None,
+) -> None:
+    """Write a one-node `Job` running `nxd-finetune precompile` for the training job's layout."""
+    from nxd_finetune.cluster.k8s import precompile_job, to_yaml
+
+    loaded = _load(recipe, overrides)
+    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
+    doc = precompile_job(loaded, recipe_path or str(recipe), overrides or [], pod, nodes=nodes, name=name, steps=steps)
+    _write(to_yaml(doc), output)

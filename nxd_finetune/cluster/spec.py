@@ -1,0 +1,120 @@
+"""What every cluster job of a recipe has in common: its node layout, the ``torchrun`` line each
+node runs, the accelerator resources a node asks for and the environment the recipe implies.
+
+Pure functions of the recipe (no torchx, no kubernetes imports); :mod:`.components` (TorchX) and
+:mod:`.k8s` (PyTorchJob / precompile Job YAML) build on them, so both stay in step with the
+recipe's layout: processes per node = ``parallel.nproc`` (tp x pp x dp) / nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.recipe import Recipe
+
+Accelerator = Literal["neuron", "gpu", "cpu"]
+ACCELERATORS: tuple[str, ...] = ("neuron", "gpu", "cpu")
+NEURON_RESOURCE = "aws.amazon.com/neuron"  # Neuron device plugin: Trainium chips (2 NeuronCores each)
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+NEURON_CORES_PER_DEVICE = 2
+RDZV_BACKENDS: tuple[str, ...] = ("c10d", "etcd", "etcd-v2", "static")
+ETCD_ENDPOINT = "etcd-server:2379"  # the etcd service of the EKS pattern (TorchX + Volcano)
+# libfabric's EFA provider, as the Neuron multi-node examples set it
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """``nnodes`` nodes of ``nproc_per_node`` processes: the recipe's ``parallel.nproc`` split."""
+
+    nnodes: int
+    nproc_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def node_layout(recipe: Recipe, nnodes: int) -> NodeLayout:
+    """Split ``parallel.nproc`` over ``nnodes``. Raises NxdError (one line) when it does not divide."""
+    par = recipe.parallel
+    if nnodes < 1:
+        raise NxdError(f"nodes must be 1 or more, got {nnodes}")
+    if par.nproc % nnodes:
+        raise NxdError(f"parallel.nproc={par.nproc} (tp {par.tp} x pp {par.pp} x dp {par.dp}) does not split over "
+                       f"{nnodes} nodes; set parallel.nproc to a multiple of {nnodes}")
+    return NodeLayout(nnodes, par.nproc // nnodes)
+
+
+def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0) -> dict[str, int]:
+    """Extended resources of one node's pod: Neuron devices (one per 2 processes: a process drives
+    a NeuronCore) or GPUs (one per process), and ``efa`` EFA interfaces."""
+    if accelerator not in ACCELERATORS:
+        raise NxdError(f"unknown accelerator {accelerator!r}; use {', '.join(ACCELERATORS)}")
+    if efa < 0:
+        raise NxdError(f"efa must be 0 or more, got {efa}")
+    out: dict[str, int] = {}
+    if accelerator == "neuron":
+        out[NEURON_RESOURCE] = math.ceil(nproc_per_node / NEURON_CORES_PER_DEVICE)
+    elif accelerator == "gpu":
+        out[GPU_RESOURCE] = nproc_per_node
+    if efa:
+        out[EFA_RESOURCE] = efa
+    return out
+
+
+def job_env(recipe: Recipe | None, accelerator: str, efa: int = 0, max_restarts: int = 0) -> dict[str, str]:
+    """The environment of every pod: on Neuron what the recipe's ``neuron:`` section implies
+    (``NEURON_CC_FLAGS`` with the compile cache, the precision preset's ``XLA_*`` / ``NEURON_RT_*``
+    variables; :func:`nxd_finetune.neuron.neuron_env` of an empty environment), libfabric's EFA
+    settings when the pod has EFA interfaces, and with restarts a fresh store per attempt
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see :mod:`nxd_finetune.parallel.launch`). Without a
+    recipe (not readable here) no Neuron variables: the workers set them themselves at start."""
+    from nxd_finetune.neuron import neuron_env
+    from nxd_finetune.parallel.launch import SHARE_STORE_ENV
+
+    env: dict[str, str] = {}
+    if accelerator == "neuron" and recipe is not None:
+        env.update(neuron_env(recipe, environ={}))
+    if efa:
+        env.update(EFA_ENV)
+    if max_restarts:
+        env[SHARE_STORE_ENV] = "1"
+    return env
+
+
+def rdzv_endpoint_for(backend: str, endpoint: str | None, rank0_host: str, port: int) -> str:
+    """The rendezvous endpoint: given, else etcd's service for the etcd backends, else
+    ``<rank0_host>:<port>`` (c10d store / static master on the first node)."""
+    if backend not in RDZV_BACKENDS:
+        raise NxdError(f"unknown rendezvous backend {backend!r}; use {', '.join(RDZV_BACKENDS)}")
+    if endpoint:
+        return endpoint
+    return ETCD_ENDPOINT if backend.startswith("etcd") else f"{rank0_host}:{port}"
+
+
+def torchrun_command(layout: NodeLayout, recipe_path: str, overrides: Sequence[str], *, rdzv_backend: str = "c10d",
+                     rdzv_endpoint: str = "localhost:29500", rdzv_id: str = "nxd-finetune", max_restarts: int = 0,
+                     node_rank: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
+    """``torchrun ... -m nxd_finetune run RECIPE OVERRIDES``, the same line on every node.
+
+    ``static`` uses ``--master-addr`` / ``--master-port`` from ``rdzv_endpoint`` and needs
+    ``node_rank``; the others rendezvous through ``rdzv_endpoint`` under ``rdzv_id``."""
+    if max_restarts < 0:
+        raise NxdError(f"max_restarts must be 0 or more, got {max_restarts}")
+    cmd = ["torchrun", "--nnodes", str(layout.nnodes), "--nproc-per-node", str(layout.nproc_per_node),
+           "--max-restarts", str(max_restarts)]
+    if rdzv_backend == "static":
+        if node_rank is None:
+            raise NxdError("a static rendezvous needs the node rank")
+        host, _, port = rdzv_endpoint.rpartition(":")
+        cmd += ["--node-rank", node_rank, "--master-addr", host, "--master-port", port]
+    else:
+        cmd += ["--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    return [*cmd, *extra_args, "-m", "nxd_finetune", "run", recipe_path, *overrides]

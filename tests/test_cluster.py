@@ -1,0 +1,256 @@
+"""What a cluster runs, checked without a cluster: the TorchX component's Volcano job spec from the
+real ``torchx run --scheduler kubernetes --dryrun``, the ``nxd-finetune k8s`` manifests parsed and
+compared with the recipe, and the Dockerfiles parsed. (``torchx run --scheduler local_cwd``
+training the quickstart is in ``tests/test_elastic.py``, beside the other multi-process runs.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.neuron import neuron_env
+from nxd_finetune.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPONENT = ROOT / "nxd_finetune" / "cluster" / "components.py"
+NEURON_RECIPE = """\
+model: {path: builtin:tiny-llama}
+data: {train: /fsx/data/train.jsonl, format: messages}
+training: {device: xla, precision: bf16, max_steps: 10}
+parallel: {tp: 8, zero1: true}
+neuron: {compile_cache: /fsx/neuron-cache, cc_flags: [--optlevel=1]}
+output: {dir: /fsx/runs/sft}
+"""
+
+
+@pytest.fixture
+def neuron_recipe(tmp_path) -> Path:
+    path = tmp_path / "sft.yaml"
+    path.write_text(NEURON_RECIPE)
+    return path
+
+
+def torchx_dryrun(tmp_path: Path, *args: str) -> tuple[dict, list[dict]]:
+    """``torchx run --dryrun --scheduler kubernetes ... components.py:finetune ARGS``: the
+    component's AppDef as printed, and the Volcano job's tasks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path)}
+    torchx = Path(sys.executable).with_name("torchx")
+    proc = subprocess.run([str(torchx), "run", "--workspace", "", "--dryrun", "--scheduler", "kubernetes",
+                           "-cfg", "queue=default,namespace=ml", f"{COMPONENT}:finetune", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    request = proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1]
+    job = yaml.safe_load(request)
+    assert job["kind"] == "Job" and job["apiVersion"].startswith("batch.volcano.sh/")
+    assert job["spec"]["schedulerName"] == "volcano" and job["spec"]["queue"] == "default"
+    return job, job["spec"]["tasks"]
+
+
+def test_torchx_kubernetes_dryrun_trainium_spec(tmp_path, neuron_recipe):
+    job, tasks = torchx_dryrun(
+        tmp_path, "--recipe", "/fsx/recipes/sft.yaml", "--local_recipe", str(neuron_recipe),
+        "--image", "123456789012.dkr.ecr.us-west-2.amazonaws.com/nxd-finetune:neuron", "--nnodes", "2",
+        "--nproc_per_node", "32", "--accelerator", "neuron", "--efa", "8", "--instance_type", "trn1.32xlarge",
+        "--rdzv_backend", "etcd", "--max_restarts", "2", "--mounts", "type=volume,src=fsx-claim,dst=/fsx",
+        "--", "training.max_steps=20")
+    assert [t["replicas"] for t in tasks] == [1, 1] and len(tasks) == 2  # one pod per node
+    recipe = load_recipe(neuron_recipe, ["parallel.nproc=64", "training.max_steps=20"])
+    for task in tasks:
+        pod = task["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["image"].endswith("nxd-finetune:neuron")
+        script = container["command"][2]
+        assert container["command"][:2] == ["bash", "-c"]
+        argv = shlex.split(script)
+        assert argv[:2] == ["torchrun", "--nnodes"] and argv[argv.index("--nnodes") + 1] == "2"
+        assert argv[argv.index("--nproc-per-node") + 1] == "32"
+        assert argv[argv.index("--rdzv-backend") + 1] == "etcd"
+        assert argv[argv.index("--rdzv-endpoint") + 1] == "etcd-server:2379"
+        assert argv[argv.index("--rdzv-id") + 1] == job["metadata"]["name"]  # ${app_id} filled in
+        assert argv[argv.index("--max-restarts") + 1] == "2"
+        assert argv[argv.index("-m"):] == ["-m", "nxd_finetune", "run", "/fsx/recipes/sft.yaml",
+                                           "training.max_steps=20"]
+        limits = container["resources"]["limits"]
+        assert limits["aws.amazon.com/neuron"] == "16" and limits["vpc.amazonaws.com/efa"] == "8"
+        assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn1.32xlarge"}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        assert claims[mounts["/fsx"]] == "fsx-claim"
+        env = {e["name"]: e["value"] for e in container["env"]}
+        for key, value in neuron_env(recipe, environ={}).items():  # what the recipe's neuron: section implies
+            assert env[key] == value, key
+        assert "--cache_dir=/fsx/neuron-cache" in env["NEURON_CC_FLAGS"] and "--optlevel=1" in env["NEURON_CC_FLAGS"]
+        assert env["FI_PROVIDER"] == "efa" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def runner_dryrun(*args: str) -> list[dict]:
+    """The same through TorchX's Python API in this process (what ``--dryrun`` calls): the tasks."""
+    from torchx.runner import get_runner
+
+    with get_runner() as runner:
+        info = runner.dryrun_component(f"{COMPONENT}:finetune", list(args), scheduler="kubernetes",
+                                       cfg={"queue": "default"}, workspace=None)
+    return yaml.safe_load(str(info))["spec"]["tasks"]
+
+
+def test_torchx_kubernetes_dryrun_gpu_spec_with_c10d():
+    tasks = runner_dryrun(
+        "--recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--image", "nxd-finetune:cuda",
+        "--nnodes", "2", "--nproc_per_node", "4", "--accelerator", "gpu", "--", "parallel.tp=4")
+    assert len(tasks) == 2
+    container = tasks[0]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert "aws.amazon.com/neuron" not in container["resources"]["limits"]
+    argv = shlex.split(container["command"][2])
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    # the c10d store on the first pod: TorchX sets TORCHX_RANK0_HOST in every pod
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "${TORCHX_RANK0_HOST:=localhost}:29500"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "TORCHX_RANK0_HOST" in env and not any(k.startswith("NEURON_") for k in env)
+
+
+def test_torchx_component_checks_the_layout(tmp_path):
+    from nxd_finetune.cluster.components import finetune
+
+    quickstart = str(ROOT / "recipes" / "quickstart.yaml")
+    with pytest.raises(NxdError, match=r"parallel.nproc=4 but the job has 1 node\(s\) x 2 process\(es\) = 2"):
+        finetune("parallel.nproc=4", recipe=quickstart, nproc_per_node=2)
+    with pytest.raises(NxdError, match="not divisible by tp\\*pp=4\\*1=4"):
+        finetune("parallel.tp=4", recipe=quickstart, nproc_per_node=2)
+    app = finetune("parallel.tp=2", recipe=quickstart, nproc_per_node=2)
+    assert "--rdzv-endpoint localhost:0" in app.roles[0].args[1]  # one node: any free port
+
+
+# ----------------------------------------------------------------------------- nxd-finetune k8s
+
+
+def k8s(capsys, *args: str) -> list[dict]:
+    from nxd_finetune.cli import main
+
+    try:
+        main(["k8s", *args])
+    except SystemExit as e:  # typer exits 0 after a command
+        assert e.code in (0, None), capsys.readouterr().err
+    return list(yaml.safe_load_all(capsys.readouterr().out))
+
+
+def test_k8s_pytorchjob_follows_the_recipe(capsys, neuron_recipe):
+    (job,) = k8s(capsys, "pytorchjob", str(neuron_recipe), "parallel.nproc=64", "training.max_steps=20",
+                 "--nodes", "2", "--image", "repo/nxd-finetune:neuron", "--efa", "8", "--instance-type",
+                 "trn1.32xlarge", "--pvc", "fsx-claim", "--max-restarts", "1", "--recipe-path", "/fsx/recipes/sft.yaml",
+                 "--name", "sft-run", "--namespace", "ml", "--cpu", "120", "--memory", "480Gi")
+    recipe = load_recipe(neuron_recipe, ["parallel.nproc=64", "training.max_steps=20"])
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"] == {"name": "sft-run", "namespace": "ml",
+                               "labels": {"app.kubernetes.io/name": "nxd-finetune"}}
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 1
+    for spec in specs.values():
+        pod = spec["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["name"] == "pytorch" and c["image"] == "repo/nxd-finetune:neuron"
+        argv = c["command"] + c["args"]
+        nodes, per_node = int(argv[argv.index("--nnodes") + 1]), int(argv[argv.index("--nproc-per-node") + 1])
+        par = recipe.parallel
+        assert nodes * per_node == par.tp * par.pp * par.dp == 64 and per_node == 32
+        assert argv[argv.index("--rdzv-endpoint") + 1] == "$(MASTER_ADDR):$(MASTER_PORT)"
+        assert argv[argv.index("--max-restarts") + 1] == "1"
+        assert argv[argv.index("-m"):] == ["-m", "nxd_finetune", "run", "/fsx/recipes/sft.yaml", "parallel.nproc=64",
+                                           "training.max_steps=20"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"pytorchjob-port": 23456}
+        res = c["resources"]
+        assert res["limits"] == res["requests"] == {"aws.amazon.com/neuron": "16", "vpc.amazonaws.com/efa": "8",
+                                                    "cpu": "120", "memory": "480Gi"}
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert {k: env[k] for k in neuron_env(recipe, environ={})} == neuron_env(recipe, environ={})
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert mounts["shared"] == "/fsx" and volumes["shared"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"] == "/dev/shm"
+        assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn1.32xlarge"}
+
+
+def test_k8s_gpu_pytorchjob_and_precompile_job(capsys, neuron_recipe, tmp_path):
+    (job,) = k8s(capsys, "pytorchjob", str(ROOT / "recipes" / "quickstart.yaml"), "parallel.nproc=8",
+                 "parallel.tp=4", "--nodes", "1", "--accelerator", "gpu", "--image", "nxd-finetune:cuda")
+    assert "Worker" not in job["spec"]["pytorchReplicaSpecs"]
+    c = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "8"} and "nodeSelector" not in c
+
+    out = tmp_path / "precompile.yaml"
+    k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=64", "--nodes", "2", "--pvc", "fsx-claim",
+        "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml", "-o", str(out))
+    (pre,) = yaml.safe_load_all(out.read_text())
+    assert pre["apiVersion"] == "batch/v1" and pre["kind"] == "Job" and pre["spec"]["backoffLimit"] == 0
+    c = pre["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] + c["args"] == ["nxd-finetune", "precompile", "/fsx/recipes/sft.yaml", "parallel.nproc=64",
+                                        "--nproc", "32", "--steps", "3"]
+    assert c["resources"]["limits"] == {"aws.amazon.com/neuron": "16"}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert "--cache_dir=/fsx/neuron-cache" in env["NEURON_CC_FLAGS"]  # where the training job will look
+
+
+def test_k8s_refuses_a_layout_that_does_not_split(capsys, neuron_recipe):
+    from nxd_finetune.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=64", "--nodes", "3"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: parallel.nproc=64 (tp 8 x pp 1 x dp 8) does not split over 3 nodes; "
+                                       "set parallel.nproc to a multiple of 3\n")
+    with pytest.raises(SystemExit):
+        main(["k8s", "precompile-job", str(neuron_recipe), "parallel.nproc=16", "--nodes", "4"])
+    assert "one node runs 4 process(es), not a multiple of tp*pp=8*1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=8", "--name", "Bad_Name"])
+    assert "job name 'Bad_Name' is not a Kubernetes name" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- container images
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of ``docker/<name>``, continuation lines joined, comments dropped."""
+    from nxd_finetune.cluster.images import parse_dockerfile
+
+    return parse_dockerfile((ROOT / "docker" / name).read_text())
+
+
+@pytest.mark.parametrize("name, base", [("Dockerfile.cpu", "python:3.11-slim"),
+                                        ("Dockerfile.neuron", "public.ecr.aws/neuron/pytorch-training-neuronx:")])
+def test_dockerfiles_install_the_project_and_run_the_cli(name, base):
+    steps = dockerfile(name)
+    kinds = [k for k, _ in steps]
+    assert kinds.index("ARG") < kinds.index("FROM")  # the base image is a build argument
+    args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+    assert args["BASE_IMAGE"].startswith(base)
+    assert ("FROM", "${BASE_IMAGE}") in steps
+    copied = [a.split()[:-1] for k, a in steps if k == "COPY"]
+    for sources in copied:
+        for src in sources:
+            assert (ROOT / src).exists(), src  # everything copied is in the repository
+    assert {"pyproject.toml", "nxd_finetune"} <= {s for sources in copied for s in sources}
+    runs = [a for k, a in steps if k == "RUN"]
+    assert any(re.search(r"pip install (--\S+ \S+ )*\"?\.(\[[a-z0-9,]+\])?\"?( |$)", r) for r in runs), runs
+    assert any("nxd-finetune --help" in r for r in runs), runs
+    assert steps[-1] == ("CMD", '["nxd-finetune", "--help"]')
+    if name == "Dockerfile.neuron":  # the Neuron stack of the base image is kept, not replaced
+        assert any("--constraint" in r and "torch-neuronx" in r for r in runs)
+        assert not any(re.search(r"pip install [^|&]*\btorch\b", r) for r in runs)
+
+
+def test_parse_dockerfile_joins_continuations():
+    from nxd_finetune.cluster.images import parse_dockerfile
+
+    assert parse_dockerfile("# c\nARG A=1\nRUN a \\\n  && b\n\nCMD [\"x\"]\n") == [
+        ("ARG", "A=1"), ("RUN", "a && b"), ("CMD", '["x"]')]
