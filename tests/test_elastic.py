@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxd_finetune.checkpoint.manager import FAILPOINT_ENV
+from nxd_finetune.checkpoint.writer import FAILPOINT_ENV
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.launch import free_port, launch
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
