@@ -1,0 +1,247 @@
+"""``NxdLightningModule``: a recipe's model, LoRA and data trained by a Lightning ``Trainer``.
+
+The module is a thin layer over what every ``nxd-finetune run`` process builds (NxD Training's
+``NeuronLTModule``): in ``configure_model`` (after :class:`~nxd_finetune.lightning.strategy.NxdStrategy`
+has made the process groups) it builds the rank's :class:`~nxd_finetune.sft.engine.Engine` with
+:func:`~nxd_finetune.sft.engine.build_engine` (the one assembly, ``parallelize_model``; the
+:class:`~nxd_finetune.parallel.optimizer.ParallelOptimizer`, ZeRO-1 when the strategy says so; the
+warmup + decay schedule) and the data of its data-parallel rank (``sft.loader``), with the recipe's
+``parallel`` section taking the strategy's sizes and ``training.precision`` the precision plugin's.
+
+One ``training_step`` is one optimizer step, as in ``run`` (``sft/trainer.py``): the train
+dataloader yields a step's micro-batches (``training.grad_accum`` of them, or as
+``global_batch_size`` says); the target tokens of the step are counted over every data-parallel
+rank; each micro-batch's token-summed cross-entropy (:mod:`nxd_finetune.loss`, vocab-parallel at
+tp > 1) divided by that count goes through ``manual_backward``; the optimizer step (Lightning's,
+through the precision plugin) sums the data-parallel gradients and clips; the LR scheduler steps.
+So the loss is the token mean over the global batch whatever the split into micro-batches and
+ranks. Manual optimization because automatic optimization would backward one loss per batch
+and could not see the step's global token count (NxD's module is manual too).
+
+Logged every step through ``self.log`` (progress bar, and any Lightning logger: ``CSVLogger``,
+``TensorBoardLogger``): ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens``. At the
+end of training the run's artefact is written with the recipe's ``checkpoint.save_mode`` to
+``<output.dir>/final`` by the one exporter (:func:`nxd_finetune.export.export_model`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+
+from nxd_finetune import loss as L
+from nxd_finetune.errors import NxdError
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+    from nxd_finetune.sft.engine import Engine
+    from nxd_finetune.sft.loader import TrainLoader
+
+Batch = dict[str, torch.Tensor]
+
+
+class StepStream:
+    """The train dataloader Lightning iterates: per optimizer step ``{"micro_batches": [...],
+    "n_input": int, "position": dict}``, endless (the Trainer's ``max_steps`` ends training).
+    ``position`` is the data loader's state right after the step's batches were drawn: Lightning
+    fetches a step ahead, so the module keeps the position of the step it trained for checkpoints."""
+
+    def __init__(self, loader: TrainLoader, grad_accum: int, packing: bool) -> None:
+        self.loader, self.grad_accum, self.packing = loader, grad_accum, packing
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from nxd_finetune.sft.trainer import _step_batches
+
+        for micro_batches, n_input in _step_batches(self.loader, self.grad_accum, self.packing):
+            yield {"micro_batches": micro_batches, "n_input": n_input, "position": self.loader.state_dict()}
+
+
+class NxdLightningModule(pl.LightningModule):
+    """A recipe's run as a LightningModule. ``recipe``: a :class:`~nxd_finetune.recipe.Recipe` or
+    a YAML path (with ``overrides``, ``key.path=value`` as on the command line). Train it with
+    ``Trainer(strategy=NxdStrategy(...), devices=N, max_steps=...)`` (``max_steps`` -1: the
+    recipe's ``training.max_steps``, or its epochs). The recipe's ``parallel.tp / pp / zero1 /
+    nproc`` and ``training.precision`` are replaced by the strategy's and the precision plugin's.
+    """
+
+    def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
+        super().__init__()
+        from nxd_finetune.recipe import Recipe, load_recipe
+
+        self.automatic_optimization = False
+        self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
+        self.engine: Engine | None = None
+        self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
+        self.history: list[dict[str, Any]] = []
+        from nxd_finetune.sft.trainer import TrainState
+
+        self.train_state = TrainState()
+        self._stream: StepStream | None = None
+        self._position: dict[str, Any] | None = None
+        self._tick = 0.0
+        self._model_dir: Path | None = None
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ building
+
+    @property
+    def is_logger(self) -> bool:
+        return self.engine is None or self.engine.is_logger
+
+    def _recipe_for(self, strategy: Any, device: torch.device) -> Recipe:
+        """The recipe with the strategy's layout, the plugin's precision, the trainer's max_steps."""
+        from nxd_finetune.recipe import recipe_from_dict
+
+        data = self.recipe.to_dict()
+        data["parallel"].update(nproc=strategy.world_size, tp=strategy.tensor_parallel_size,
+                                pp=strategy.pipeline_parallel_size, zero1=strategy.zero1)
+        if strategy.sequence_parallel is not None:
+            data["parallel"]["sequence_parallel"] = strategy.sequence_parallel
+        data["training"].update(precision=strategy.nxd_precision, device=device.type)
+        if self.trainer.max_steps > 0:
+            data["training"]["max_steps"] = self.trainer.max_steps
+        return recipe_from_dict(data, "lightning")
+
+    def configure_model(self) -> None:
+        """Build this rank's engine and data (collective; once)."""
+        if self.engine is not None:
+            return
+        from nxd_finetune.lightning.strategy import NxdStrategy
+        from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+        from nxd_finetune.sft.engine import build_engine
+        from nxd_finetune.sft.loader import build_dataloaders
+        from nxd_finetune.sft.trainer import _rank0_first
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, NxdStrategy):
+            raise NxdError(f"NxdLightningModule trains under Trainer(strategy=NxdStrategy(...)), "
+                           f"not {type(strategy).__name__}")
+        device = strategy.root_device
+        if device.type not in ("cpu", "cuda"):
+            raise NxdError(f"NxdLightningModule runs on cpu or cuda, not {device.type}: use `nxd-finetune run` on XLA")
+        recipe = self.recipe = self._recipe_for(strategy, device)
+        layout, host = strategy.parallel_state, strategy.host
+        assert layout is not None
+        if device.type == "cpu":
+            torch.set_flush_denormal(True)  # as run_rank: subnormal Adam moments are slow on x86
+        tcfg = recipe.training
+        with _rank0_first(layout.rank, host.world):
+            self._model_dir = resolve_model_dir(recipe.model.path)
+            self._tokenizer = load_tokenizer(recipe, self._model_dir)
+            data = build_dataloaders(recipe.data, self._tokenizer, micro_batch_size=tcfg.micro_batch_size,
+                                     dp_rank=layout.dp_rank, dp_world=recipe.parallel.dp, seed=tcfg.seed,
+                                     fixed_shape=recipe.parallel.sequence_parallel)
+        grad_accum = recipe.grad_accum_steps
+        total_steps = tcfg.max_steps or max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch
+                                                         / grad_accum))
+        if self.trainer.max_steps < 0:
+            self.trainer.fit_loop.epoch_loop.max_steps = total_steps
+        if layout.rank == 0:
+            out = Path(recipe.output.dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "recipe.yaml").write_text(recipe.to_yaml())
+        self.engine = build_engine(recipe, self._model_dir, device, total_steps, layout, host)
+        self.layers = torch.nn.ModuleList(self.engine.modules)
+        self._stream = StepStream(data.train, grad_accum, recipe.data.packing)
+
+    def configure_optimizers(self) -> Any:
+        """The engine's :class:`ParallelOptimizer` and its LR schedule (stepped every step)."""
+        assert self.engine is not None, "configure_model builds the engine first"
+        return {"optimizer": self.engine.optimizer,
+                "lr_scheduler": {"scheduler": self.engine.scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> StepStream:
+        assert self._stream is not None, "configure_model builds the data first"
+        return self._stream
+
+    # ------------------------------------------------------------------ training
+
+    def on_train_start(self) -> None:
+        self.engine.train(True)  # type: ignore[union-attr]
+        self._tick = time.perf_counter()
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """One optimizer step (module docstring); returns the step's token-mean loss over the
+        global batch (detached; the same on every rank)."""
+        e = self.engine
+        assert e is not None
+        micro: list[Batch] = [{k: v for k, v in b.items()} for b in batch["micro_batches"]]
+        n_local = sum((L.shift_labels(b["labels"]) != L.IGNORE_INDEX).sum() for b in micro)
+        counts = e.dp_sum(torch.stack([torch.as_tensor(n_local, device=e.device).to(torch.int64),
+                                       torch.tensor(int(batch["n_input"]), dtype=torch.int64, device=e.device)]))
+        n_targets = counts[0].clamp(min=1).to(torch.float32)
+        total = torch.zeros((), device=e.device)
+        for b in micro:
+            logits, targets = e.logits_and_targets(b)
+            loss = L.ce_sum(logits, targets, e.tp_group) / n_targets
+            self.manual_backward(loss)
+            total += loss.detach()
+        optimizer = self.optimizers()
+        optimizer.step()  # ParallelOptimizer: tp sums, dp sum (ZeRO-1), clipping, AdamW
+        scheduler = self.lr_schedulers()
+        scheduler.step()  # type: ignore[union-attr]
+        optimizer.zero_grad(set_to_none=True)
+        self._position = batch["position"]
+        step_loss = e.dp_sum(total)
+        self._record(step_loss, counts, e.optimizer.grad_norm, e.scheduler.get_last_lr()[0])
+        return step_loss
+
+    def _record(self, loss: torch.Tensor, counts: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
+        n_targets, n_input = (int(c) for c in counts.tolist())
+        st = self.train_state
+        st.step += 1
+        st.tokens += n_targets
+        st.input_tokens += n_input
+        now = time.perf_counter()
+        rec: dict[str, Any] = {"train_loss": float(loss), "lr": lr,
+                               "tokens_per_s": n_input / max(now - self._tick, 1e-9), "tokens": st.tokens}
+        self._tick = now
+        if grad_norm is not None:
+            rec["grad_norm"] = float(grad_norm)
+        self.history.append({"step": st.step, **rec})
+        shown = {"train_loss", "lr", "grad_norm", "tokens_per_s"}
+        self.log_dict({k: v for k, v in rec.items() if k in shown}, prog_bar=True, on_step=True, batch_size=1)
+        self.log("tokens", float(st.tokens), on_step=True, batch_size=1)
+
+    def on_train_end(self) -> None:
+        """The run's artefact (``<output.dir>/final``, the recipe's save mode) by the one exporter
+        (collective)."""
+        from nxd_finetune.export import export_model
+        from nxd_finetune.sft.trainer import export_spec
+
+        e = self.engine
+        assert e is not None and self._model_dir is not None
+        export_model(e.rank_model, Path(self.recipe.output.dir) / "final",
+                     export_spec(self.recipe, self._model_dir, self._tokenizer), config=e.config,
+                     lora=e.lora_config, lora_targets=e.lora_targets, pp_group=e.host.pp)
+
+    # ------------------------------------------------------------------ checkpoints (strategy's hooks)
+
+    def checkpoint_extra(self, rng: dict[str, Any]) -> dict[str, Any]:
+        """The ``extra`` of a checkpoint, with the keys ``run`` resumes from."""
+        import dataclasses
+
+        e = self.engine
+        assert e is not None and self._stream is not None
+        metrics = Path(self.recipe.output.dir) / "metrics.jsonl"
+        return {"train_state": dataclasses.asdict(self.train_state), "scheduler": e.scheduler.state_dict(),
+                "data": self._position if self._position is not None else self._stream.loader.state_dict(),
+                "rng": rng, "history": self.history,
+                "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
+                "recipe": self.recipe.to_yaml()}
+
+    def restore_extra(self, extra: dict[str, Any]) -> None:
+        """Counters, history and the data position of a checkpoint's ``extra`` (before training)."""
+        assert self._stream is not None
+        for key, value in extra["train_state"].items():
+            setattr(self.train_state, key, value)
+        self.history = list(extra["history"])
+        self._stream.loader.load_state_dict(extra["data"])
+        self._position = extra["data"]
