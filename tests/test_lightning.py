@@ -158,6 +158,52 @@ def test_two_process_layouts_match_run_and_checkpoints_cross_over(reference, tmp
     _check_adapter("run from lightning tp2", Path(got["output"]), reference, atol=2e-5)
 
 
+class _Steps:
+    """An iterable of optimizer steps (a plain list would be read as several dataloaders)."""
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+
+    def __iter__(self):
+        return iter(self.steps)
+
+
+def test_model_function_and_nxd_config_reproduce_run(reference, tmp_path):
+    """NxdModelModule (model function + NxD config, NxD's NeuronLTModule) at tp=2 on the run's
+    batches and schedule: the run's first 5 steps."""
+    import functools
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from nxd_finetune.lightning import NxdModelModule, NxdStrategy
+    from nxd_finetune.models import DecoderConfig, build_model
+    from nxd_finetune.sft.build import load_tokenizer, lora_config_from_recipe, resolve_model_dir
+    from nxd_finetune.sft.loader import build_dataloaders
+    from nxd_finetune.sft.schedule import lr_factor
+
+    r = load_recipe(QUICKSTART, [*BASE, "training.grad_accum=2"])
+    t, model_dir, n = r.training, resolve_model_dir(r.model.path), 5
+    data = build_dataloaders(r.data, load_tokenizer(r, model_dir), micro_batch_size=t.micro_batch_size, dp_rank=0,
+                             dp_world=1, seed=t.seed)
+    it = iter(data.train)
+    steps = _Steps([[next(it), next(it)] for _ in range(n)])
+    config = {"tensor_parallel_size": 2, "optimizer_config": {"max_grad_norm": t.grad_clip},
+              "model_init_config": {"meta_device_init": True, "checkpoint": str(model_dir)},
+              "lora_config": lora_config_from_recipe(r.lora)}
+    schedule = functools.partial(lr_factor, total_steps=STEPS, warmup_steps=t.warmup_steps, kind=t.scheduler,
+                                 min_lr_ratio=t.min_lr_ratio)
+    module = NxdModelModule(build_model, model_args=(DecoderConfig.from_hf(model_dir),),
+                            opt_kwargs={"lr": t.lr, "betas": tuple(t.betas), "eps": t.eps, "weight_decay": 0.0},
+                            scheduler_cls=torch.optim.lr_scheduler.LambdaLR, scheduler_kwargs={"lr_lambda": schedule},
+                            seed=t.seed)
+    pl.Trainer(devices=2, accelerator="cpu", strategy=NxdStrategy(nxd_config=config, start_method="fork"),
+               max_steps=n, logger=CSVLogger(tmp_path, name="csv", version=""), log_every_n_steps=1,
+               enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+               ).fit(module, train_dataloaders=steps)
+    _check_curve("model function tp2", _logged(tmp_path), reference, range(1, n + 1))
+
+
 @pytest.mark.parametrize("lightning_precision, run_precision", [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16")])
 def test_precision_plugin_runs_the_trainers_precision(quickstart_cache, tmp_path, lightning_precision, run_precision):
     """Trainer(precision=...) is the run's training.precision (2 steps, one process: bf16 is slow on CPU)."""

@@ -32,8 +32,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     raise NxdError("nxd_finetune.lightning needs Lightning 2.x: pip install 'nxd-finetune[lightning]'") from None
 
 from nxd_finetune.lightning.checkpoint import NxdModelCheckpoint
+from nxd_finetune.lightning.model_fn import NxdModelModule
 from nxd_finetune.lightning.module import NxdLightningModule
 from nxd_finetune.lightning.precision import NxdPrecision
 from nxd_finetune.lightning.strategy import NxdStrategy
 
-__all__ = ["NxdLightningModule", "NxdModelCheckpoint", "NxdPrecision", "NxdStrategy"]
+__all__ = ["NxdLightningModule", "NxdModelCheckpoint", "NxdModelModule", "NxdPrecision", "NxdStrategy"]

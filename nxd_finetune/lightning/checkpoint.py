@@ -32,7 +32,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.state import ParallelState
 
 if TYPE_CHECKING:
-    from nxd_finetune.lightning.module import NxdLightningModule
+    from nxd_finetune.lightning.base import NxdModuleBase
 
 KEEP_ALL = 1 << 30  # retention is Lightning's (ModelCheckpoint's save_top_k), not the manager's
 
@@ -67,22 +67,22 @@ def _storable(value: Any) -> Any:
     return value
 
 
-def save(module: NxdLightningModule, checkpoint: dict[str, Any], filepath: str | os.PathLike,
+def save(module: NxdModuleBase, checkpoint: dict[str, Any], filepath: str | os.PathLike,
          state: ParallelState | None, group: dist.ProcessGroup | None) -> str:
     """Write the checkpoint of ``module``'s current step under ``filepath`` (see the module
     docstring); returns its URI. Collective."""
-    engine, step = module.engine, module.train_state.step
+    step = module.train_state.step
     root, name = _root_and_step_name(filepath)
     if name is not None and F.parse_step_dir(name) != step:
         raise NxdError(f"checkpoint path {filepath} names step {F.parse_step_dir(name)}, the run is at step {step}")
     lightning_state = {k: _storable(checkpoint.get(k)) for k in ("epoch", "global_step", "callbacks")}
-    extra = module.checkpoint_extra(rng_state(engine.state, group, engine.device))
+    extra = module.checkpoint_extra(rng_state(module.parallel_state, group, module.trainer.strategy.root_device))
     extra["lightning"] = lightning_state
     manager = CheckpointManager(root, keep_last=KEEP_ALL, state=state, group=group)
-    return manager.save(step, engine.modules, engine.optimizer, extra)
+    return manager.save(step, module.rank_modules, module.parallel_optimizer, extra)
 
 
-def load(module: NxdLightningModule, path: str | os.PathLike, state: ParallelState | None,
+def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | None,
          group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Restore ``module`` (parameters, optimizer, data position, counters, history, RNG) and the
     trainer's step counter from the checkpoint at ``path`` (or the newest under a root); returns
@@ -98,10 +98,9 @@ def load(module: NxdLightningModule, path: str | os.PathLike, state: ParallelSta
     ref = manager.resolve("latest" if is_root else text)
     if ref is None:
         raise CheckpointError(f"no complete checkpoint under {text}")
-    engine = module.engine
-    extra = manager.load(ref, engine.modules, engine.optimizer)
+    extra = manager.load(ref, module.rank_modules, module.parallel_optimizer)
     module.restore_extra(extra)
-    set_rng_state(extra["rng"], engine.state, engine.device)
+    set_rng_state(extra["rng"], module.parallel_state, module.trainer.strategy.root_device)
     step = int(extra["train_state"]["step"])
     trainer = module.trainer
     loop = trainer.fit_loop.epoch_loop
@@ -110,7 +109,8 @@ def load(module: NxdLightningModule, path: str | os.PathLike, state: ParallelSta
     loop._batches_that_stepped = step
     lightning = extra.get("lightning") or {}
     out: dict[str, Any] = {"pytorch-lightning_version": pl.__version__, "state_dict": {}, "optimizer_states": [],
-                           "lr_schedulers": [extra["scheduler"]], "epoch": lightning.get("epoch") or 0,
+                           "lr_schedulers": [extra["scheduler"]] if extra.get("scheduler") else [],
+                           "epoch": lightning.get("epoch") or 0,
                            "global_step": step}
     if lightning.get("callbacks"):
         out["callbacks"] = lightning["callbacks"]

@@ -28,23 +28,22 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
+from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.parallel.optimizer import ParallelOptimizer
+from nxd_finetune.parallel.state import ParallelState
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
     from nxd_finetune.sft.loader import TrainLoader
-
-Batch = dict[str, torch.Tensor]
 
 
 class StepStream:
@@ -63,7 +62,7 @@ class StepStream:
             yield {"micro_batches": micro_batches, "n_input": n_input, "position": self.loader.state_dict()}
 
 
-class NxdLightningModule(pl.LightningModule):
+class NxdLightningModule(NxdModuleBase):
     """A recipe's run as a LightningModule. ``recipe``: a :class:`~nxd_finetune.recipe.Recipe` or
     a YAML path (with ``overrides``, ``key.path=value`` as on the command line). Train it with
     ``Trainer(strategy=NxdStrategy(...), devices=N, max_steps=...)`` (``max_steps`` -1: the
@@ -75,25 +74,15 @@ class NxdLightningModule(pl.LightningModule):
         super().__init__()
         from nxd_finetune.recipe import Recipe, load_recipe
 
-        self.automatic_optimization = False
         self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
         self.engine: Engine | None = None
         self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
-        self.history: list[dict[str, Any]] = []
-        from nxd_finetune.sft.trainer import TrainState
-
-        self.train_state = TrainState()
         self._stream: StepStream | None = None
         self._position: dict[str, Any] | None = None
-        self._tick = 0.0
         self._model_dir: Path | None = None
         self._tokenizer: Any = None
 
     # ------------------------------------------------------------------ building
-
-    @property
-    def is_logger(self) -> bool:
-        return self.engine is None or self.engine.is_logger
 
     def _recipe_for(self, strategy: Any, device: torch.device) -> Recipe:
         """The recipe with the strategy's layout, the plugin's precision, the trainer's max_steps."""
@@ -163,52 +152,39 @@ class NxdLightningModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ training
 
-    def on_train_start(self) -> None:
-        self.engine.train(True)  # type: ignore[union-attr]
-        self._tick = time.perf_counter()
+    @property
+    def rank_modules(self) -> list[torch.nn.Module]:
+        assert self.engine is not None
+        return self.engine.modules
+
+    @property
+    def parallel_optimizer(self) -> ParallelOptimizer:
+        assert self.engine is not None
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        assert self.engine is not None
+        return self.engine.scheduler
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        assert self.engine is not None
+        return self.engine.state
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """One optimizer step (module docstring); returns the step's token-mean loss over the
         global batch (detached; the same on every rank)."""
         e = self.engine
         assert e is not None
-        micro: list[Batch] = [{k: v for k, v in b.items()} for b in batch["micro_batches"]]
-        n_local = sum((L.shift_labels(b["labels"]) != L.IGNORE_INDEX).sum() for b in micro)
-        counts = e.dp_sum(torch.stack([torch.as_tensor(n_local, device=e.device).to(torch.int64),
-                                       torch.tensor(int(batch["n_input"]), dtype=torch.int64, device=e.device)]))
-        n_targets = counts[0].clamp(min=1).to(torch.float32)
-        total = torch.zeros((), device=e.device)
-        for b in micro:
-            logits, targets = e.logits_and_targets(b)
-            loss = L.ce_sum(logits, targets, e.tp_group) / n_targets
-            self.manual_backward(loss)
-            total += loss.detach()
-        optimizer = self.optimizers()
-        optimizer.step()  # ParallelOptimizer: tp sums, dp sum (ZeRO-1), clipping, AdamW
-        scheduler = self.lr_schedulers()
-        scheduler.step()  # type: ignore[union-attr]
-        optimizer.zero_grad(set_to_none=True)
-        self._position = batch["position"]
-        step_loss = e.dp_sum(total)
-        self._record(step_loss, counts, e.optimizer.grad_norm, e.scheduler.get_last_lr()[0])
-        return step_loss
 
-    def _record(self, loss: torch.Tensor, counts: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
-        n_targets, n_input = (int(c) for c in counts.tolist())
-        st = self.train_state
-        st.step += 1
-        st.tokens += n_targets
-        st.input_tokens += n_input
-        now = time.perf_counter()
-        rec: dict[str, Any] = {"train_loss": float(loss), "lr": lr,
-                               "tokens_per_s": n_input / max(now - self._tick, 1e-9), "tokens": st.tokens}
-        self._tick = now
-        if grad_norm is not None:
-            rec["grad_norm"] = float(grad_norm)
-        self.history.append({"step": st.step, **rec})
-        shown = {"train_loss", "lr", "grad_norm", "tokens_per_s"}
-        self.log_dict({k: v for k, v in rec.items() if k in shown}, prog_bar=True, on_step=True, batch_size=1)
-        self.log("tokens", float(st.tokens), on_step=True, batch_size=1)
+        def micro_loss(b: Batch, n_targets: torch.Tensor) -> torch.Tensor:
+            logits, targets = e.logits_and_targets(b)  # logits at target positions only
+            return L.ce_sum(logits, targets, e.tp_group) / n_targets
+
+        loss = self.optimizer_step_of(batch["micro_batches"], batch["n_input"], micro_loss)
+        self._position = batch["position"]
+        return loss
 
     def on_train_end(self) -> None:
         """The run's artefact (``<output.dir>/final``, the recipe's save mode) by the one exporter
@@ -225,23 +201,16 @@ class NxdLightningModule(pl.LightningModule):
     # ------------------------------------------------------------------ checkpoints (strategy's hooks)
 
     def checkpoint_extra(self, rng: dict[str, Any]) -> dict[str, Any]:
-        """The ``extra`` of a checkpoint, with the keys ``run`` resumes from."""
-        import dataclasses
-
-        e = self.engine
-        assert e is not None and self._stream is not None
+        """A checkpoint's ``extra`` with every key ``run`` resumes from."""
+        assert self._stream is not None
         metrics = Path(self.recipe.output.dir) / "metrics.jsonl"
-        return {"train_state": dataclasses.asdict(self.train_state), "scheduler": e.scheduler.state_dict(),
+        return {**super().checkpoint_extra(rng),
                 "data": self._position if self._position is not None else self._stream.loader.state_dict(),
-                "rng": rng, "history": self.history,
-                "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
-                "recipe": self.recipe.to_yaml()}
+                "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0, "recipe": self.recipe.to_yaml()}
 
     def restore_extra(self, extra: dict[str, Any]) -> None:
         """Counters, history and the data position of a checkpoint's ``extra`` (before training)."""
         assert self._stream is not None
-        for key, value in extra["train_state"].items():
-            setattr(self.train_state, key, value)
-        self.history = list(extra["history"])
+        super().restore_extra(extra)
         self._stream.loader.load_state_dict(extra["data"])
         self._position = extra["data"]

@@ -26,6 +26,7 @@ so ``training_step`` could not hand the loss to ``manual_backward`` or the preci
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 from collections.abc import Generator, Mapping
@@ -37,6 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 
+from nxd_finetune.api import NxDConfig
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.precision import NxdPrecision
 from nxd_finetune.parallel.host import HostGroups
@@ -47,10 +49,10 @@ class NxdStrategy(DDPStrategy):
     """Tensor parallel, data parallel and ZeRO-1 for an
     :class:`~nxd_finetune.lightning.module.NxdLightningModule` (NxD Training's ``NeuronXLAStrategy``).
 
-    ``tensor_parallel_size`` / ``pipeline_parallel_size`` / ``zero1``, or ``nxd_config``: an
-    :class:`~nxd_finetune.api.NxDConfig` or a dict with ``neuronx_distributed_config``'s keys
-    (``tensor_parallel_size``, ``pipeline_parallel_size``, ``sequence_parallel``,
-    ``optimizer_config={"zero_one_enabled": ...}``); the data-parallel size is
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` / ``zero1``, or ``nxd_config``: a dict of
+    :func:`~nxd_finetune.api.neuronx_distributed_config`'s keyword arguments (or an
+    :class:`~nxd_finetune.api.NxDConfig`), built into :attr:`nxd_config` once the processes are up
+    (what :class:`~nxd_finetune.lightning.model_fn.NxdModelModule` builds on); the data-parallel size is
     ``devices * num_nodes / (tp * pp)``. ``start_method`` and the other keyword arguments are
     ``DDPStrategy``'s. NxdError for ``pipeline_parallel_size > 1`` (see the module docstring) and
     for non-positive sizes."""
@@ -58,13 +60,14 @@ class NxdStrategy(DDPStrategy):
     strategy_name = "nxd"
 
     def __init__(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, zero1: bool = False,
-                 nxd_config: Mapping[str, Any] | Any = None, sequence_parallel: bool | None = None,
+                 nxd_config: Mapping[str, Any] | NxDConfig | None = None, sequence_parallel: bool | None = None,
                  **kwargs: Any) -> None:
-        if nxd_config is not None:
-            tensor_parallel_size = int(nxd_config["tensor_parallel_size"])
-            pipeline_parallel_size = int(nxd_config["pipeline_parallel_size"])
-            zero1 = bool((nxd_config["optimizer_config"] or {}).get("zero_one_enabled", False))
-            sequence_parallel = bool(nxd_config["sequence_parallel"])
+        self._nxd_kwargs = _config_kwargs(nxd_config) if nxd_config is not None else None
+        if self._nxd_kwargs is not None:
+            tensor_parallel_size = int(self._nxd_kwargs.get("tensor_parallel_size", 1))
+            pipeline_parallel_size = int(self._nxd_kwargs.get("pipeline_parallel_size", 1))
+            zero1 = bool((self._nxd_kwargs.get("optimizer_config") or {}).get("zero_one_enabled", False))
+            sequence_parallel = bool(self._nxd_kwargs.get("sequence_parallel", False))
         if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
             raise NxdError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                            f"{tensor_parallel_size} and {pipeline_parallel_size}")
@@ -78,6 +81,7 @@ class NxdStrategy(DDPStrategy):
         self.zero1 = zero1
         self.sequence_parallel = sequence_parallel
         self.parallel_state: ParallelState | None = None
+        self.nxd_config: NxDConfig | None = None  # built from nxd_config once the processes are up
         self.host = HostGroups()
 
     # ------------------------------------------------------------------ processes and groups
@@ -102,7 +106,13 @@ class NxdStrategy(DDPStrategy):
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if world % (tp * pp):
             raise NxdError(f"{world} process(es) are not divisible by tp*pp = {tp}*{pp}")
-        self.parallel_state = ParallelState(ParallelDims.for_world(world, tp=tp, pp=pp))
+        if self._nxd_kwargs is not None:
+            from nxd_finetune.api import neuronx_distributed_config
+
+            self.nxd_config = neuronx_distributed_config(**self._nxd_kwargs)
+            self.parallel_state = self.nxd_config.state
+        else:
+            self.parallel_state = ParallelState(ParallelDims.for_world(world, tp=tp, pp=pp))
         self.host = HostGroups.for_state(self.parallel_state)
 
     @property
@@ -201,9 +211,26 @@ class NxdStrategy(DDPStrategy):
             shutil.rmtree(filepath) if Path(filepath).is_dir() else os.remove(filepath)
 
     def _nxd_module(self) -> Any:
-        from nxd_finetune.lightning.module import NxdLightningModule
+        from nxd_finetune.lightning.base import NxdModuleBase
 
         module = self.lightning_module
-        if not isinstance(module, NxdLightningModule):
-            raise NxdError(f"NxdStrategy trains an NxdLightningModule, not a {type(module).__name__}")
+        if not isinstance(module, NxdModuleBase):
+            raise NxdError(f"NxdStrategy trains an NxdLightningModule or NxdModelModule, not a {type(module).__name__}")
         return module
+
+
+def _config_kwargs(config: Mapping[str, Any] | NxDConfig) -> dict[str, Any]:
+    """``neuronx_distributed_config``'s keyword arguments from a dict of them or from an
+    :class:`NxDConfig` built before the processes existed (its groups are rebuilt)."""
+    if isinstance(config, NxDConfig):
+        built = {"state", "device", "model"}
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in built}
+    import inspect
+
+    from nxd_finetune.api import neuronx_distributed_config
+
+    known = set(inspect.signature(neuronx_distributed_config).parameters)
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise NxdError(f"nxd_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return dict(config)
