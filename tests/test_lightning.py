@@ -48,6 +48,16 @@ def _environment_restored():
     os.environ.update(saved)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """This process trains with one thread, as Lightning's forked workers do: on a busy 2-core
+    machine two OpenMP threads per process mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference(quickstart_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
