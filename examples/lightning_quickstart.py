@@ -52,7 +52,7 @@ def main() -> None:
         strategy=NxdStrategy(tensor_parallel_size=args.tp, zero1=args.zero1),
         logger=[CSVLogger(out, name="csv", version=""), TensorBoardLogger(out, name="tb", version="")],
         callbacks=[NxdModelCheckpoint(out / "checkpoints", every_n_train_steps=args.checkpoint_every)],
-        log_every_n_steps=10,
+        log_every_n_steps=1,
     )
     trainer.fit(module, ckpt_path=args.resume)
     if trainer.is_global_zero:
