@@ -7,9 +7,9 @@ tests/test_parallel_run.py (4 packed rows of 64 tokens per optimizer step, fp32,
 ``CSVLogger`` file (what a Lightning user sees): the loss curve within 1e-5 relative, the gradient
 norms within 1e-4, the token counts equal, the exported adapter equal to the run's (2e-5), for
 one process (in this process), tp=2 and dp=2 with ZeRO-1 (``Trainer(devices=2)``, Lightning's own
-fork launcher). Checkpoints cross over both ways from step 10: a Lightning run resumes from the
-run's checkpoint, and ``run`` resumes from the tp=2 Lightning run's (tp 2 -> 1); the steps after
-10 are the reference's. The one-process adapter loads in ``peft`` with logits equal to the CLI's.
+fork launcher). Checkpoints at step 10: the one-process Lightning run resumes from its own, a
+Lightning run (dp=2, ZeRO-1) from the run's, and ``run`` from the tp=2 Lightning run's (tp 2 -> 1);
+the steps after 10 are the reference's. The one-process adapter loads in ``peft`` with logits equal to the CLI's.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def _check_adapter(name: str, final: Path, reference: dict, atol: float) -> None
 
 
 def test_one_process_matches_run_and_its_adapter_loads_in_peft(reference, tmp_path):
-    """Trainer(devices=1): the run's curve, CSV and TensorBoard loggers, and an adapter that peft
-    loads with the CLI adapter's logits."""
+    """Trainer(devices=1): the run's curve, CSV and TensorBoard loggers, a resume from its own
+    checkpoint, and an adapter that peft loads with the CLI adapter's logits."""
     import peft
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
@@ -120,9 +120,13 @@ def test_one_process_matches_run_and_its_adapter_loads_in_peft(reference, tmp_pa
     from nxd_finetune.sft.build import resolve_model_dir
 
     out = tmp_path / "one"
-    _fit(out, 1, ["training.grad_accum=2"], tensorboard=True)
+    _fit(out, 1, ["training.grad_accum=2"], tensorboard=True, checkpoint_every=MID)
     _check_curve("1 process", _logged(out), reference, range(1, STEPS + 1))
     _check_adapter("1 process", out / "final", reference, atol=0.0)
+    again = tmp_path / "one-resumed"  # from its own checkpoint
+    _fit(again, 1, ["training.grad_accum=2"], ckpt_path=str(out / "checkpoints" / f"step-{MID:08d}"))
+    _check_curve("1 process resumed", _logged(again), reference, range(MID + 1, STEPS + 1))
+    _check_adapter("1 process resumed", again / "final", reference, atol=0.0)
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     assert {"train_loss", "lr", "grad_norm", "tokens_per_s"} <= set(events.Tags()["scalars"])
@@ -227,8 +231,10 @@ def test_precision_plugin_runs_the_trainers_precision(quickstart_cache, tmp_path
     _check_curve(lightning_precision, _logged(tmp_path / "lt"), ref, range(1, 3))
 
 
-def test_unsupported_layouts_and_precisions_are_one_line_errors():
-    from nxd_finetune.lightning import NxdPrecision, NxdStrategy
+def test_unsupported_layouts_and_precisions_are_one_line_errors(tmp_path):
+    import lightning.pytorch as pl
+
+    from nxd_finetune.lightning import NxdLightningModule, NxdPrecision, NxdStrategy
 
     with pytest.raises(NxdError, match="pipeline_parallel_size > 1 is not supported under Lightning"):
         NxdStrategy(pipeline_parallel_size=2)
@@ -239,3 +245,11 @@ def test_unsupported_layouts_and_precisions_are_one_line_errors():
         NxdPrecision("16-mixed")
     assert NxdStrategy(nxd_config={"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "sequence_parallel": True,
                                    "optimizer_config": {"zero_one_enabled": True}}).zero1
+    with pytest.raises(NxdError, match="nxd_config: unknown key"):
+        NxdStrategy(nxd_config={"tensor_parallel_sise": 2})
+    with pytest.raises(NxdError, match=r"3 process\(es\) are not divisible by tp\*pp = 2\*1"):
+        pl.Trainer(devices=3, accelerator="cpu", strategy=NxdStrategy(tensor_parallel_size=2, start_method="fork"))
+    module = NxdLightningModule(QUICKSTART, [f"output.dir={tmp_path}", f"output.registry={tmp_path / 'reg'}/x"])
+    with pytest.raises(NxdError, match="output.registry is not published under Lightning"):
+        pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False).fit(module)

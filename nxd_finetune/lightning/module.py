@@ -67,7 +67,9 @@ class NxdLightningModule(NxdModuleBase):
     a YAML path (with ``overrides``, ``key.path=value`` as on the command line). Train it with
     ``Trainer(strategy=NxdStrategy(...), devices=N, max_steps=...)`` (``max_steps`` -1: the
     recipe's ``training.max_steps``, or its epochs). The recipe's ``parallel.tp / pp / zero1 /
-    nproc`` and ``training.precision`` are replaced by the strategy's and the precision plugin's.
+    nproc`` and ``training.precision`` are replaced by the strategy's and the precision plugin's;
+    its ``checkpoint`` (but ``save_mode``), ``eval`` and ``logging`` sections are Lightning's
+    business here (callbacks, loggers) and not read; ``output.registry`` is an NxdError.
     """
 
     def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
@@ -115,6 +117,9 @@ class NxdLightningModule(NxdModuleBase):
         device = strategy.root_device
         if device.type not in ("cpu", "cuda"):
             raise NxdError(f"NxdLightningModule runs on cpu or cuda, not {device.type}: use `nxd-finetune run` on XLA")
+        if self.recipe.output.registry:
+            raise NxdError("output.registry is not published under Lightning: push the exported adapter with "
+                           "`nxd-finetune adapters push <output.dir>/final ...` after trainer.fit")
         recipe = self.recipe = self._recipe_for(strategy, device)
         layout, host = strategy.parallel_state, strategy.host
         assert layout is not None

@@ -91,6 +91,10 @@ class NxdStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes
 
     def _configure_launcher(self) -> None:
+        """Lightning calls it once the devices are known, before any process starts."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.world_size % (tp * pp):
+            raise NxdError(f"{self.world_size} process(es) are not divisible by tp*pp = {tp}*{pp}")
         if self.world_size == 1 and not self.cluster_environment.creates_processes_externally:  # type: ignore[union-attr]
             self._launcher = None  # one process: train here, as `run` at nproc=1
             return
@@ -102,10 +106,7 @@ class NxdStrategy(DDPStrategy):
             super().setup_distributed()
         else:
             self.set_world_ranks()
-        world = self.world_size
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if world % (tp * pp):
-            raise NxdError(f"{world} process(es) are not divisible by tp*pp = {tp}*{pp}")
+        world, tp, pp = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
         if self._nxd_kwargs is not None:
             from nxd_finetune.api import neuronx_distributed_config
 
