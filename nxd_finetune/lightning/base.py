@@ -103,6 +103,7 @@ class NxdModuleBase(pl.LightningModule):
             self.manual_backward(loss)
             total += loss.detach()
         optimizer = self.optimizers()
+        assert not isinstance(optimizer, list), "configure_optimizers returns one optimizer"
         optimizer.step()  # ParallelOptimizer: tp sums, dp sum or ZeRO-1, clipping, then its optimizer
         scheduler = self.lr_schedulers()
         if scheduler is not None:

@@ -47,7 +47,7 @@ class NxdModelCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | os.PathLike, **kwargs: Any) -> None:
         kwargs.setdefault("save_top_k", -1)
-        super().__init__(dirpath=dirpath, filename="step-{step:08d}", auto_insert_metric_name=False, **kwargs)
+        super().__init__(dirpath=Path(dirpath), filename="step-{step:08d}", auto_insert_metric_name=False, **kwargs)
 
 
 def _root_and_step_name(filepath: str | os.PathLike) -> tuple[str, str | None]:
