@@ -66,7 +66,8 @@ def reference(quickstart_cache, tmp_path_factory):
 
 
 def _fit(out: Path, devices: int, overrides: list[str], ckpt_path: str | None = None, max_steps: int = STEPS,
-         precision: str = "32-true", checkpoint_every: int | None = None, tensorboard: bool = False, **strategy):
+         precision: str = "32-true", checkpoint_every: int | None = None, tensorboard: bool = False,
+         validate_every: int | None = None, **strategy):
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -80,16 +81,20 @@ def _fit(out: Path, devices: int, overrides: list[str], ckpt_path: str | None = 
         else []
     pl.Trainer(devices=devices, accelerator="cpu", strategy=NxdStrategy(start_method="fork", **strategy),
                precision=precision, max_steps=max_steps, logger=loggers, log_every_n_steps=1, callbacks=callbacks,
-               enable_checkpointing=bool(callbacks), enable_model_summary=False,
-               enable_progress_bar=devices == 1).fit(module, ckpt_path=ckpt_path)
+               enable_checkpointing=bool(callbacks), enable_model_summary=False, enable_progress_bar=devices == 1,
+               limit_val_batches=1.0 if validate_every else 0, val_check_interval=validate_every,
+               num_sanity_val_steps=0).fit(module, ckpt_path=ckpt_path)
     return module
 
 
 def _logged(out: Path) -> dict[int, dict[str, float]]:
-    """The CSVLogger's rows by optimizer step (Lightning logs step N at its row N - 1)."""
-    rows = list(csv.DictReader(open(out / "csv" / "metrics.csv")))
-    return {int(r["step"]) + 1: {k: float(v) for k, v in r.items() if v not in ("", None) and k != "step"}
-            for r in rows}
+    """The CSVLogger's rows by optimizer step (Lightning logs step N at its row N - 1; training and
+    validation metrics of a step may be separate rows)."""
+    logged: dict[int, dict[str, float]] = {}
+    for r in csv.DictReader(open(out / "csv" / "metrics.csv")):
+        logged.setdefault(int(r["step"]) + 1, {}).update(
+            {k: float(v) for k, v in r.items() if v not in ("", None) and k != "step"})
+    return logged
 
 
 def _check_curve(name: str, got: dict[int, dict[str, float]], reference: dict, steps: range) -> None:
@@ -111,8 +116,8 @@ def _check_adapter(name: str, final: Path, reference: dict, atol: float) -> None
 
 
 def test_one_process_matches_run_and_its_adapter_loads_in_peft(reference, tmp_path):
-    """Trainer(devices=1): the run's curve, CSV and TensorBoard loggers, a resume from its own
-    checkpoint, and an adapter that peft loads with the CLI adapter's logits."""
+    """Trainer(devices=1): the run's curve and final eval, CSV and TensorBoard loggers, a resume from
+    its own checkpoint, and an adapter that peft loads with the CLI adapter's logits."""
     import peft
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
@@ -120,8 +125,11 @@ def test_one_process_matches_run_and_its_adapter_loads_in_peft(reference, tmp_pa
     from nxd_finetune.sft.build import resolve_model_dir
 
     out = tmp_path / "one"
-    _fit(out, 1, ["training.grad_accum=2"], tensorboard=True, checkpoint_every=MID)
-    _check_curve("1 process", _logged(out), reference, range(1, STEPS + 1))
+    _fit(out, 1, ["training.grad_accum=2"], tensorboard=True, checkpoint_every=MID, validate_every=STEPS)
+    logged = _logged(out)
+    _check_curve("1 process", logged, reference, range(1, STEPS + 1))
+    for key in ("eval_loss", "eval_accuracy"):  # the validation loop after step 20: the run's eval after training
+        assert logged[STEPS][key] == pytest.approx(reference["eval_after"][key], rel=1e-5), key
     _check_adapter("1 process", out / "final", reference, atol=0.0)
     again = tmp_path / "one-resumed"  # from its own checkpoint
     _fit(again, 1, ["training.grad_accum=2"], ckpt_path=str(out / "checkpoints" / f"step-{MID:08d}"))

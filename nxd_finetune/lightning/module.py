@@ -68,8 +68,9 @@ class NxdLightningModule(NxdModuleBase):
     ``Trainer(strategy=NxdStrategy(...), devices=N, max_steps=...)`` (``max_steps`` -1: the
     recipe's ``training.max_steps``, or its epochs). The recipe's ``parallel.tp / pp / zero1 /
     nproc`` and ``training.precision`` are replaced by the strategy's and the precision plugin's;
-    its ``checkpoint`` (but ``save_mode``), ``eval`` and ``logging`` sections are Lightning's
-    business here (callbacks, loggers) and not read; ``output.registry`` is an NxdError.
+    its ``checkpoint`` (but ``save_mode``) and ``logging`` sections and ``eval.every_n_steps`` are
+    Lightning's business here (callbacks, loggers, ``val_check_interval``) and not read; the eval
+    set is the validation dataloader (``eval.max_batches`` per rank); ``output.registry`` is an NxdError.
     """
 
     def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
@@ -81,6 +82,8 @@ class NxdLightningModule(NxdModuleBase):
         self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
         self._stream: StepStream | None = None
         self._position: dict[str, Any] | None = None
+        self._eval: Any = None  # the recipe's eval loader (None: no eval data)
+        self._eval_stats: torch.Tensor | None = None
         self._model_dir: Path | None = None
         self._tokenizer: Any = None
 
@@ -144,6 +147,7 @@ class NxdLightningModule(NxdModuleBase):
         self.engine = build_engine(recipe, self._model_dir, device, total_steps, layout, host)
         self.layers = torch.nn.ModuleList(self.engine.modules)
         self._stream = StepStream(data.train, grad_accum, recipe.data.packing)
+        self._eval = data.eval
 
     def configure_optimizers(self) -> Any:
         """The engine's :class:`ParallelOptimizer` and its LR schedule (stepped every step)."""
@@ -190,6 +194,35 @@ class NxdLightningModule(NxdModuleBase):
         loss = self.optimizer_step_of(batch["micro_batches"], batch["n_input"], micro_loss)
         self._position = batch["position"]
         return loss
+
+    # ------------------------------------------------------------------ eval (Trainer's val_check_interval)
+
+    def val_dataloader(self) -> Any:
+        """The recipe's eval set, each rank its share (an empty list without ``data.eval``)."""
+        return self._eval if self._eval is not None else []
+
+    def on_validation_epoch_start(self) -> None:
+        assert self.engine is not None
+        self._eval_stats = torch.zeros(3, device=self.engine.device)
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        """``[loss sum, correct, targets]`` of a batch, summed (``eval.max_batches`` per rank, as ``run``)."""
+        limit = self.recipe.eval.max_batches
+        if limit is not None and batch_idx >= limit:
+            return
+        assert self.engine is not None and self._eval_stats is not None
+        self._eval_stats += self.engine.eval_stats(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        """``eval_loss``, ``eval_ppl``, ``eval_accuracy`` over every dp rank's share, as ``run``'s."""
+        assert self.engine is not None and self._eval_stats is not None
+        loss_sum, correct, n = self.engine.dp_sum(self._eval_stats).tolist()
+        if n == 0 or self.trainer.sanity_checking:
+            return
+        loss = loss_sum / n
+        rec = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
+        self.history.append({"step": self.train_state.step, **rec})
+        self.log_dict(rec, prog_bar=True, batch_size=1)
 
     def on_train_end(self) -> None:
         """The run's artefact (``<output.dir>/final``, the recipe's save mode) by the one exporter
