@@ -170,7 +170,7 @@ def train(
     return history
 
 
-def _step_batches(
+def step_batches(
     train_loader: TrainLoader, grad_accum: int, packing: bool
 ) -> Iterator[tuple[list[dict[str, torch.Tensor]], int]]:
     """Group the endless micro-batch stream into optimizer steps. Unpacked rows hold one sample
@@ -338,7 +338,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
 
     # lazy: nothing is drawn before a resume restores the data position through it
-    steps = runtime.batches(_step_batches(data.train, grad_accum, recipe.data.packing),
+    steps = runtime.batches(step_batches(data.train, grad_accum, recipe.data.packing),
                             snapshot=data.train.state_dict, restore=data.train.load_state_dict)
     state = TrainState()
     # checkpoints record the position of the batches handed out, not of those prefetched

@@ -1,0 +1,254 @@
+"""``NxdLightningModule``: a recipe's model, LoRA and data trained by a Lightning ``Trainer``.
+
+The module is a thin layer over what every ``nxd-finetune run`` process builds (NxD Training's
+``NeuronLTModule``): in ``configure_model`` (after :class:`~nxd_finetune.lightning.strategy.NxdStrategy`
+has made the process groups) it builds the rank's :class:`~nxd_finetune.sft.engine.Engine` with
+:func:`~nxd_finetune.sft.engine.build_engine` (the one assembly, ``parallelize_model``; the
+:class:`~nxd_finetune.parallel.optimizer.ParallelOptimizer`, ZeRO-1 when the strategy says so; the
+warmup + decay schedule) and the data of its data-parallel rank (``sft.loader``), with the recipe's
+``parallel`` section taking the strategy's sizes and ``training.precision`` the precision plugin's.
+
+One ``training_step`` is one optimizer step, as in ``run`` (``sft/trainer.py``): the train
+dataloader yields a step's micro-batches (``training.grad_accum`` of them, or as
+``global_batch_size`` says); the target tokens of the step are counted over every data-parallel
+rank; each micro-batch's token-summed cross-entropy (:mod:`nxd_finetune.loss`, vocab-parallel at
+tp > 1) divided by that count goes through ``manual_backward``; the optimizer step (Lightning's,
+through the precision plugin) sums the data-parallel gradients and clips; the LR scheduler steps.
+So the loss is the token mean over the global batch whatever the split into micro-batches and
+ranks. Manual optimization because automatic optimization would backward one loss per batch
+and could not see the step's global token count (NxD's module is manual too).
+
+Logged every step through ``self.log`` (progress bar, and any Lightning logger: ``CSVLogger``,
+``TensorBoardLogger``): ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens``. At the
+end of training the run's artefact is written with the recipe's ``checkpoint.save_mode`` to
+``<output.dir>/final`` by the one exporter (:func:`nxd_finetune.export.export_model`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nxd_finetune import loss as L
+from nxd_finetune.errors import NxdError
+from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.parallel.optimizer import ParallelOptimizer
+from nxd_finetune.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
+    from nxd_finetune.sft.engine import Engine
+    from nxd_finetune.sft.loader import TrainLoader
+
+
+class StepStream:
+    """The train dataloader Lightning iterates: per optimizer step ``{"micro_batches": [...],
+    "n_input": int, "position": dict}``, endless (the Trainer's ``max_steps`` ends training).
+    ``position`` is the data loader's state right after the step's batches were drawn: Lightning
+    fetches a step ahead, so the module keeps the position of the step it trained for checkpoints."""
+
+    def __init__(self, loader: TrainLoader, grad_accum: int, packing: bool) -> None:
+        self.loader, self.grad_accum, self.packing = loader, grad_accum, packing
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from nxd_finetune.sft.trainer import step_batches
+
+        for micro_batches, n_input in step_batches(self.loader, self.grad_accum, self.packing):
+            yield {"micro_batches": micro_batches, "n_input": n_input, "position": self.loader.state_dict()}
+
+
+class NxdLightningModule(NxdModuleBase):
+    """A recipe's run as a LightningModule. ``recipe``: a :class:`~nxd_finetune.recipe.Recipe` or
+    a YAML path (with ``overrides``, ``key.path=value`` as on the command line). Train it with
+    ``Trainer(strategy=NxdStrategy(...), devices=N, max_steps=...)`` (``max_steps`` -1: the
+    recipe's ``training.max_steps``, or its epochs). The recipe's ``parallel.tp / pp / zero1 /
+    nproc`` and ``training.precision`` are replaced by the strategy's and the precision plugin's;
+    its ``checkpoint`` (but ``save_mode``) and ``logging`` sections and ``eval.every_n_steps`` are
+    Lightning's business here (callbacks, loggers, ``val_check_interval``) and not read; the eval
+    set is the validation dataloader (``eval.max_batches`` per rank); ``output.registry`` is an NxdError.
+    """
+
+    def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
+        super().__init__()
+        from nxd_finetune.recipe import Recipe, load_recipe
+
+        self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
+        self.engine: Engine | None = None
+        self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
+        self._stream: StepStream | None = None
+        self._position: dict[str, Any] | None = None
+        self._eval: Any = None  # the recipe's eval loader (None: no eval data)
+        self._eval_stats: torch.Tensor | None = None
+        self._model_dir: Path | None = None
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ building
+
+    def _recipe_for(self, strategy: Any, device: torch.device) -> Recipe:
+        """The recipe with the strategy's layout, the plugin's precision, the trainer's max_steps."""
+        from nxd_finetune.recipe import recipe_from_dict
+
+        data = self.recipe.to_dict()
+        data["parallel"].update(nproc=strategy.world_size, tp=strategy.tensor_parallel_size,
+                                pp=strategy.pipeline_parallel_size, zero1=strategy.zero1)
+        if strategy.sequence_parallel is not None:
+            data["parallel"]["sequence_parallel"] = strategy.sequence_parallel
+        data["training"].update(precision=strategy.nxd_precision, device=device.type)
+        if self.trainer.max_steps > 0:
+            data["training"]["max_steps"] = self.trainer.max_steps
+        return recipe_from_dict(data, "lightning")
+
+    def configure_model(self) -> None:
+        """Build this rank's engine and data (collective; once)."""
+        if self.engine is not None:
+            return
+        from nxd_finetune.lightning.strategy import NxdStrategy
+        from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+        from nxd_finetune.sft.engine import build_engine
+        from nxd_finetune.sft.loader import build_dataloaders
+        from nxd_finetune.sft.trainer import rank0_first
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, NxdStrategy):
+            raise NxdError(f"NxdLightningModule trains under Trainer(strategy=NxdStrategy(...)), "
+                           f"not {type(strategy).__name__}")
+        device = strategy.root_device
+        if device.type not in ("cpu", "cuda"):
+            raise NxdError(f"NxdLightningModule runs on cpu or cuda, not {device.type}: use `nxd-finetune run` on XLA")
+        if self.recipe.output.registry:
+            raise NxdError("output.registry is not published under Lightning: push the exported adapter with "
+                           "`nxd-finetune adapters push <output.dir>/final ...` after trainer.fit")
+        recipe = self.recipe = self._recipe_for(strategy, device)
+        layout, host = strategy.parallel_state, strategy.host
+        assert layout is not None
+        if device.type == "cpu":
+            torch.set_flush_denormal(True)  # as run_rank: subnormal Adam moments are slow on x86
+        tcfg = recipe.training
+        with rank0_first(layout.rank, host.world):
+            self._model_dir = resolve_model_dir(recipe.model.path)
+            self._tokenizer = load_tokenizer(recipe, self._model_dir)
+            data = build_dataloaders(recipe.data, self._tokenizer, micro_batch_size=tcfg.micro_batch_size,
+                                     dp_rank=layout.dp_rank, dp_world=recipe.parallel.dp, seed=tcfg.seed,
+                                     fixed_shape=recipe.parallel.sequence_parallel)
+        grad_accum = recipe.grad_accum_steps
+        total_steps = tcfg.max_steps or max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch
+                                                         / grad_accum))
+        if self.trainer.max_steps < 0:
+            self.trainer.fit_loop.epoch_loop.max_steps = total_steps
+        if layout.rank == 0:
+            out = Path(recipe.output.dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "recipe.yaml").write_text(recipe.to_yaml())
+        self.engine = build_engine(recipe, self._model_dir, device, total_steps, layout, host)
+        self.layers = torch.nn.ModuleList(self.engine.modules)
+        self._stream = StepStream(data.train, grad_accum, recipe.data.packing)
+        self._eval = data.eval
+
+    def configure_optimizers(self) -> Any:
+        """The engine's :class:`ParallelOptimizer` and its LR schedule (stepped every step)."""
+        assert self.engine is not None, "configure_model builds the engine first"
+        return {"optimizer": self.engine.optimizer,
+                "lr_scheduler": {"scheduler": self.engine.scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> StepStream:
+        assert self._stream is not None, "configure_model builds the data first"
+        return self._stream
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def rank_modules(self) -> list[torch.nn.Module]:
+        assert self.engine is not None
+        return self.engine.modules
+
+    @property
+    def parallel_optimizer(self) -> ParallelOptimizer:
+        assert self.engine is not None
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        assert self.engine is not None
+        return self.engine.scheduler
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        assert self.engine is not None
+        return self.engine.state
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """One optimizer step (module docstring); returns the step's token-mean loss over the
+        global batch (detached; the same on every rank)."""
+        e = self.engine
+        assert e is not None
+
+        def micro_loss(b: Batch, n_targets: torch.Tensor) -> torch.Tensor:
+            logits, targets = e.logits_and_targets(b)  # logits at target positions only
+            return L.ce_sum(logits, targets, e.tp_group) / n_targets
+
+        loss = self.optimizer_step_of(batch["micro_batches"], batch["n_input"], micro_loss)
+        self._position = batch["position"]
+        return loss
+
+    # ------------------------------------------------------------------ eval (Trainer's val_check_interval)
+
+    def val_dataloader(self) -> Any:
+        """The recipe's eval set, each rank its share (an empty list without ``data.eval``)."""
+        return self._eval if self._eval is not None else []
+
+    def on_validation_epoch_start(self) -> None:
+        assert self.engine is not None
+        self._eval_stats = torch.zeros(3, device=self.engine.device)
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        """``[loss sum, correct, targets]`` of a batch, summed (``eval.max_batches`` per rank, as ``run``)."""
+        limit = self.recipe.eval.max_batches
+        if limit is not None and batch_idx >= limit:
+            return
+        assert self.engine is not None and self._eval_stats is not None
+        self._eval_stats += self.engine.eval_stats(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        """``eval_loss``, ``eval_ppl``, ``eval_accuracy`` over every dp rank's share, as ``run``'s."""
+        assert self.engine is not None and self._eval_stats is not None
+        loss_sum, correct, n = self.engine.dp_sum(self._eval_stats).tolist()
+        if n == 0 or self.trainer.sanity_checking:
+            return
+        loss = loss_sum / n
+        rec = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
+        self.history.append({"step": self.train_state.step, **rec})
+        self.log_dict(rec, prog_bar=True, batch_size=1)
+
+    def on_train_end(self) -> None:
+        """The run's artefact (``<output.dir>/final``, the recipe's save mode) by the one exporter
+        (collective)."""
+        from nxd_finetune.export import export_model
+        from nxd_finetune.sft.trainer import export_spec
+
+        e = self.engine
+        assert e is not None and self._model_dir is not None
+        export_model(e.rank_model, Path(self.recipe.output.dir) / "final",
+                     export_spec(self.recipe, self._model_dir, self._tokenizer), config=e.config,
+                     lora=e.lora_config, lora_targets=e.lora_targets, pp_group=e.host.pp)
+
+    # ------------------------------------------------------------------ checkpoints (strategy's hooks)
+
+    def checkpoint_extra(self, rng: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's ``extra`` with every key ``run`` resumes from."""
+        assert self._stream is not None
+        metrics = Path(self.recipe.output.dir) / "metrics.jsonl"
+        return {**super().checkpoint_extra(rng),
+                "data": self._position if self._position is not None else self._stream.loader.state_dict(),
+                "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0, "recipe": self.recipe.to_yaml()}
+
+    def restore_extra(self, extra: dict[str, Any]) -> None:
+        """Counters, history and the data position of a checkpoint's ``extra`` (before training)."""
+        assert self._stream is not None
+        super().restore_extra(extra)
+        self._stream.loader.load_state_dict(extra["data"])
+        self._position = extra["data"]
