@@ -14,7 +14,7 @@ The timed pass records wall time and this process's CPU time (user + system, all
 
 - ours: the trainer's own loop, ``sft.trainer.train`` over ``sft.engine.build_engine`` (the engine
   every ``nxd-finetune run`` uses: loss at target positions only, ParallelOptimizer with AdamW and
-  clipping, LR schedule), fed by ``build_dataloaders`` and the trainer's ``_step_batches``.
+  clipping, LR schedule), fed by ``build_dataloaders`` and the trainer's ``step_batches``.
 - hf: ``LlamaForCausalLM.from_pretrained`` (sdpa attention) + ``peft.get_peft_model``, micro-batches
   padded to the longest sample by ``DataCollatorForSeq2Seq`` (what HF users do) or flattened by
   ``DataCollatorWithFlattening``; loss normalised by the step's target tokens
@@ -82,7 +82,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from nxd_finetune.sft.engine import build_engine
     from nxd_finetune.sft.loader import build_dataloaders
     from nxd_finetune.sft.metrics import MetricsWriter
-    from nxd_finetune.sft.trainer import TrainState, _step_batches, train
+    from nxd_finetune.sft.trainer import TrainState, step_batches, train
 
     rss_imports = _rss_mb()
     recipe = recipe_from_dict(recipe_dict(spec["shape"], spec["packing"], spec["micro_batch_size"],
@@ -104,10 +104,10 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     def loop(steps: Any, until: int) -> list[dict[str, Any]]:
         return train(engine, steps, until, recipe, metrics, None, state, False)
 
-    first = loop(_step_batches(data.train, ga, recipe.data.packing), 1)  # step 1: loss check
-    loop(_step_batches(data.train, ga, recipe.data.packing), warmup)
+    first = loop(step_batches(data.train, ga, recipe.data.packing), 1)  # step 1: loss check
+    loop(step_batches(data.train, ga, recipe.data.packing), warmup)
     data.train.load_state_dict(start)  # the timed pass is epoch 0 from its start
-    clock = StepClock(_step_batches(data.train, ga, recipe.data.packing))
+    clock = StepClock(step_batches(data.train, ga, recipe.data.packing))
     last = loop(clock, warmup + epoch_steps)
     return {**_timing(clock), "first_loss": first[-1]["train_loss"], "last_loss": last[-1]["train_loss"],
             "rss_after_imports_mb": rss_imports, "rss_after_model_mb": rss_model,
