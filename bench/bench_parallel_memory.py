@@ -105,7 +105,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     from nxd_finetune.sft.build import load_tokenizer
     from nxd_finetune.sft.engine import build_engine
     from nxd_finetune.sft.loader import build_dataloaders
-    from nxd_finetune.sft.trainer import _step_batches
+    from nxd_finetune.sft.trainer import step_batches
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -118,7 +118,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     st = engine.state
     data = build_dataloaders(recipe.data, load_tokenizer(recipe, model_dir), micro_batch_size=1, dp_rank=st.dp_rank,
                              dp_world=st.dp_size, seed=0)
-    batches = _step_batches(data.train, recipe.grad_accum_steps, True)
+    batches = step_batches(data.train, recipe.grad_accum_steps, True)
     grads_mb, t0 = 0.0, time.perf_counter()
     for _ in range(steps):
         mbs, _ = next(batches)

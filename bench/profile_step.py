@@ -33,7 +33,7 @@ def batch_for(shape: str, packing: bool, mbs: int, index: int) -> dict[str, torc
     for _ in range(index):
         next(it)
     batch = next(it)
-    if not packing:  # as the trainer's _step_batches: unpacked rows keep the is_causal path
+    if not packing:  # as the trainer's step_batches: unpacked rows keep the is_causal path
         batch.pop("segment_ids")
     return batch
 
