@@ -2,7 +2,8 @@
 
 Builds (once, under ``bench/.cache/models/``) a Llama-3.2-1B-shaped checkpoint: hidden 2048, 16
 layers, 32/8 heads, ffn 8192, vocab 128256, tied embeddings, llama3 rope scaling, random init, bf16,
-1 GB safetensors shards (3.0 GB: transformers writes the tied head too). Then, each in a fresh process, alternating, ``--reps`` times:
+1 GB safetensors shards (3.0 GB: transformers writes the tied head too). Then, each in a fresh
+process, alternating, ``--reps`` times:
 
 - *read*: every shard file read start to end in 64 MiB blocks (what loading must at least do);
 - *load*: what a 1-process ``nxd-finetune run`` does to get the weights: the model built on the
