@@ -41,6 +41,9 @@ NprocOpt = Annotated[int | None, typer.Option("--nproc", help="Number of process
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``nxd-finetune``, ``python -m nxd_finetune``)."""
+    from nxd_finetune.errors import show_warnings_as_lines
+
+    show_warnings_as_lines()
     try:
         app(args=argv, prog_name="nxd-finetune")
     except NxdError as e:

@@ -135,6 +135,9 @@ def _build(out_dir: Path) -> None:
         model = LlamaForCausalLM(config)
         with torch.no_grad():
             model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the quickstart's console
     model.save_pretrained(out_dir, safe_serialization=True)
 
 

@@ -68,7 +68,6 @@ BAD = [
     (with_(parallel={"nproc": 3, "pp": 3, "pp_cuts": [16, 8]}),
      ["parallel.pp_cuts=[16, 8] must be strictly increasing"]),
     (with_(training={"max_steps": 100, "epochs": 2}), ["training.max_steps=100 and training.epochs=2.0 are both set"]),
-    (with_(training={"max_steps": 10, "warmup_steps": 20}), ["training.warmup_steps=20 exceeds training.max_steps=10"]),
     (with_(parallel={"nproc": 8, "tp": 2}, training={"micro_batch_size": 2, "global_batch_size": 20}),
      ["training.global_batch_size=20 is not divisible by micro_batch_size*dp=2*4=8"]),
     (with_(parallel={"nproc": 2}, training={"micro_batch_size": 2, "global_batch_size": 16, "grad_accum": 2}),
@@ -266,3 +265,26 @@ def test_check_against_model_with_decoder_config():
     check_against_model(recipe_from_dict(with_(parallel={"nproc": 4, "tp": 4})), cfg)
     with pytest.raises(RecipeError, match="parallel.tp=8 does not divide the model's num_attention_heads=28"):
         check_against_model(recipe_from_dict(with_(parallel={"nproc": 8, "tp": 8})), cfg)
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_one_line(tmp_path, capsys):
+    """A short trial run needs no second override: warmup is clamped to the run, and the CLI says
+    so in one ``warning:`` line (no Python source line)."""
+    import warnings
+
+    from nxd_finetune.cli import main
+    from nxd_finetune.errors import NxdWarning
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(with_(training={"max_steps": 10, "warmup_steps": 20})))
+    with pytest.warns(NxdWarning, match="warmup_steps=20 exceeds training.max_steps=10: warmup clamped to 10"):
+        assert load_recipe(path).training.warmup_steps == 10
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with pytest.raises(SystemExit):
+            main(["validate", str(path), "model.path=/nonexistent"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "warmup" in ln]
+    assert lines == ["warning: training.warmup_steps=20 exceeds training.max_steps=10: warmup clamped to 10 step(s)"]
+    assert "sections.py" not in err and "warnings.warn" not in err

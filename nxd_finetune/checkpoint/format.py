@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nxd_finetune.errors import NxdError
+from nxd_finetune.errors import NxdError, NxdWarning
 
 FORMAT = "nxd-finetune-checkpoint"
 VERSION = 1
@@ -47,7 +47,7 @@ class CheckpointError(NxdError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model / optimizer."""
 
 
-class CheckpointWarning(UserWarning):
+class CheckpointWarning(NxdWarning):
     """A checkpoint was skipped (corrupt); an older complete one is used instead."""
 
 

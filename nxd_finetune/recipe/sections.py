@@ -5,12 +5,13 @@ failure is a ``ValueError`` whose text becomes the one-line :class:`RecipeError`
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nxd_finetune.errors import NxdError, RecipeError
+from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.recipe.messages import suggest
 from nxd_finetune.sft.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 
@@ -173,8 +174,10 @@ class TrainingSection(_Section):
         if self.max_steps is None and self.epochs is None:
             self.epochs = 1.0
         if self.max_steps is not None and self.warmup_steps > self.max_steps:
-            raise ValueError(f"training.warmup_steps={self.warmup_steps} exceeds "
-                             f"training.max_steps={self.max_steps}")
+            # as other trainers: a short trial run needs no second override
+            warnings.warn(f"training.warmup_steps={self.warmup_steps} exceeds training.max_steps="
+                          f"{self.max_steps}: warmup clamped to {self.max_steps} step(s)", NxdWarning, stacklevel=2)
+            self.warmup_steps = self.max_steps
         return self
 
     def grad_accum_steps(self, dp: int) -> int:

@@ -228,8 +228,10 @@ def export_spec(recipe: Recipe, model_dir: Path, tokenizer: Any) -> ExportSpec:
 
 
 def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
+    from nxd_finetune.errors import show_warnings_as_lines
     from nxd_finetune.recipe import recipe_from_dict
 
+    show_warnings_as_lines()  # a worker's warnings as one line too
     return run_rank(recipe_from_dict(recipe_dict))
 
 
