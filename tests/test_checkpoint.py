@@ -232,8 +232,10 @@ def test_truncated_or_altered_file_falls_back_to_the_previous_checkpoint(tmp_pat
     with pytest.raises(CheckpointError, match="sha256"):
         mgr.resolve("step-00000002")  # asked for by name: an error, not a fallback
     (tmp_path / "step-00000001" / "extra.json").write_text("{}")
-    with pytest.warns(CheckpointWarning):
-        assert mgr.resolve("latest") is None
+    with pytest.warns(CheckpointWarning), pytest.raises(
+            CheckpointError, match=r"no usable checkpoint in .*: step-00000003, step-00000002, step-00000001 failed "
+                                   r"verification; .*--no-resume"):
+        mgr.resolve("latest")  # checkpoints there, none usable: not a silent fresh start
 
 
 # ----------------------------------------------------------------------------- async

@@ -181,7 +181,8 @@ class CheckpointManager:
     def resolve(self, which: str | os.PathLike | None = "latest") -> CheckpointRef | None:
         """The checkpoint to resume from. ``None`` -> None (start fresh). ``"latest"`` -> the newest
         complete checkpoint whose files all match the manifest (corrupt ones are skipped with a
-        :class:`CheckpointWarning`), or None when there is none. A step directory name
+        :class:`CheckpointWarning`), None when there is none, CheckpointError when there are
+        complete checkpoints but none verifies (a silent fresh start would discard them). A step directory name
         (``step-00000042``) or a path / URI of one checkpoint -> that checkpoint, verified;
         CheckpointError if it is incomplete or corrupt. Collective in a multi-process world:
         rank 0 verifies, the others follow its choice."""
@@ -190,8 +191,13 @@ class CheckpointManager:
         self.wait()
         text = os.fspath(which)
         if text == "latest":
-            mine = self._pick_latest() if self.rank == 0 else None  # verified (S3: files already fetched)
-            step = self._broadcast_int(-1 if mine is None else mine.step)
+            skipped: list[str] = []
+            mine = self._pick_latest(skipped) if self.rank == 0 else None  # verified (S3: files already fetched)
+            step = self._broadcast_int(-2 if skipped and mine is None else -1 if mine is None else mine.step)
+            if step == -2:  # checkpoints there, none usable: starting over would lose them silently
+                names = ", ".join(skipped) if skipped else "see rank 0's warnings"
+                raise CheckpointError(f"no usable checkpoint in {self.uri}: {names} failed verification; "
+                                      "resume one by name (--resume), or start over with --no-resume")
             if step < 0:
                 return None
             return mine or self._ref(self.storage, f"{self.uri}/{F.step_dir(step)}", F.step_dir(step))
@@ -219,7 +225,9 @@ class CheckpointManager:
             raise
         return ref
 
-    def _pick_latest(self) -> CheckpointRef | None:
+    def _pick_latest(self, skipped: list[str]) -> CheckpointRef | None:
+        """The newest complete checkpoint that verifies; the names of those that did not go to
+        ``skipped``."""
         for step, complete in reversed(list_checkpoints(self.storage)):
             if not complete:
                 continue
@@ -227,6 +235,7 @@ class CheckpointManager:
             try:
                 return self._verified(self._ref(self.storage, f"{self.uri}/{name}", name))
             except (CheckpointError, StorageError) as e:
+                skipped.append(name)
                 warnings.warn(f"skipping checkpoint {self.uri}/{name}: {e}; trying an older one",
                               CheckpointWarning, stacklevel=3)
         return None
