@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:  # the machine's limits, not the user's input: one line, exit 1
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = f" writing {e.filename}" if e.filename else ""
+        target = e.filename2 or e.filename  # a copy names its destination second
+        where = f" writing {target}" if target else ""
         print(f"error: no space left on device{where}", file=sys.stderr)
         sys.exit(1)
 

@@ -162,8 +162,20 @@ class CheckpointManager:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            if self.rank == 0 and self._pending_step is not None:
+                self._discard(self._pending_step)
             raise CheckpointError(f"saving checkpoint {F.step_dir(self._pending_step or 0)} under {self.uri} "
                                   f"failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left (it has no manifest, so it never counted);
+        best effort: the save's own error is the one reported."""
+        try:
+            if self.storage.exists(f"{F.step_dir(step)}/{F.MANIFEST}"):
+                return  # the save completed before failing (e.g. in pruning): keep it
+            delete_checkpoint(self.storage, step)
+        except (OSError, StorageError):
+            pass
 
     def _broadcast_int(self, value: int) -> int:
         if not self._multi:

@@ -1,0 +1,71 @@
+"""A full disk ends in one line with nothing half-written: a registry push, a pull, and a run whose
+checkpoint cannot be saved, each on a 512 KiB tmpfs (skipped where this process may not mount one)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nxd_finetune.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def adapter(quickstart_cache, tmp_path) -> Path:
+    """A 1.2 MB adapter of the quickstart model (r16, all linear layers)."""
+    from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter
+    from nxd_finetune.models import load_pretrained
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    model = load_pretrained(resolve_model_dir("builtin:tiny-llama"))
+    cfg = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    inject_lora(model, cfg)
+    return save_adapter(model, cfg, tmp_path / "adapter", base_model_name_or_path=None)
+
+
+def cli(capsys, *args) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    return info.value.code or 0, [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+
+
+def test_push_and_pull_on_a_full_disk(full_disk, adapter, tmp_path, capsys):
+    code, lines = cli(capsys, "adapters", "push", adapter, full_disk / "reg" / "bot")
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: no space left on device"), lines
+    code, lines = cli(capsys, "adapters", "ls", full_disk / "reg")
+    assert code == 0  # no version became visible
+    assert not [p for p in (full_disk / "reg").rglob("*") if p.is_file()]  # nothing partial left
+
+    ok = tmp_path / "reg"
+    assert cli(capsys, "adapters", "push", adapter, ok / "bot")[0] == 0
+    code, lines = cli(capsys, "adapters", "pull", f"{ok}/bot:1", full_disk / "pulled")
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: no space left on device writing {full_disk}"), lines  # the destination
+    assert [p.name for p in full_disk.iterdir()] == ["reg"]  # no pulled/ and no temp directory
+
+
+def test_run_whose_checkpoint_does_not_fit(full_disk, quickstart_cache, capsys):
+    out = full_disk / "run"
+    code, lines = cli(capsys, "run", ROOT / "recipes" / "quickstart.yaml", f"output.dir={out}",
+                      "training.max_steps=2", "checkpoint.every_n_steps=1", "logging.progress=false",
+                      "eval.before=false")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: saving checkpoint step-00000001 under") and "No space left" in lines[0]
+    assert not list((out / "checkpoints").iterdir())  # the failed save left no step directory
+    assert not (out / "final").exists()
