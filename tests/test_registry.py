@@ -394,6 +394,26 @@ def test_s3_multipart_upload(s3_endpoint, tmp_path):
     assert same_files(src, tmp_path / "back")
 
 
+def test_s3_failed_multipart_upload_is_aborted(s3_endpoint, tmp_path):
+    """An upload that fails after its first part leaves no incomplete multipart upload behind."""
+    from nxd_finetune.storage.s3 import S3Storage
+
+    prefix = uuid.uuid4().hex[:12]
+    st = S3Storage(BUCKET, prefix, multipart_threshold=5 << 20, multipart_chunksize=5 << 20,
+                   max_concurrency=1)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(11 << 20))
+
+    def fail_after_first_part(n: int) -> None:
+        raise RuntimeError("network gone")
+
+    with pytest.raises(Exception, match="network gone"):
+        st.put_file(big, "big.bin", progress=fail_after_first_part)
+    uploads = s3_client(s3_endpoint).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)
+    assert uploads.get("Uploads", []) == []
+    assert st.list() == []
+
+
 def test_s3_missing_credentials_one_line(s3_endpoint, monkeypatch, adapter):
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k, raising=False)
