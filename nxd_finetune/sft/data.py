@@ -138,6 +138,8 @@ def _load_one(source: str, hf_cache: str | None):
     import datasets
 
     datasets.disable_progress_bars()  # our own progress and summary only; no third-party bars
+    # its parse errors are logged before they are raised: ours is the one line that names the culprit
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     path = Path(source)
     try:
         if path.is_dir():

@@ -1,0 +1,181 @@
+"""A corpus of bad inputs: each ends in exactly one ``error:`` line naming the culprit, the exit
+code 2, no traceback, and nothing written where the command would have written.
+
+The CLI runs in-process (``nxd_finetune.cli.main``) for speed; every case gets a fresh directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nxd_finetune.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+SHORT = ["training.max_steps=1", "logging.progress=false", "eval.before=false"]
+
+
+def _recipe(tmp: Path, text: str) -> Path:
+    path = tmp / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def _rows(tmp: Path, name: str, rows: list) -> Path:
+    path = tmp / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _quickstart_with(tmp: Path, **sections) -> Path:
+    data = yaml.safe_load(QUICKSTART.read_text())
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    # the quickstart's relative data paths: make them absolute, the recipe now lives in tmp
+    for split in ("train", "eval"):
+        if isinstance(data["data"].get(split), str) and not Path(data["data"][split]).is_absolute() \
+                and not data["data"][split].startswith("/"):
+            candidate = QUICKSTART.parent / data["data"][split]
+            if candidate.exists():
+                data["data"][split] = str(candidate)
+    if data["data"].get("eval") is None:
+        data["eval"] = {**(data.get("eval") or {}), "every_n_steps": None}
+    return _recipe(tmp, yaml.safe_dump(data))
+
+
+# name -> fn(tmp) -> (argv, substring of the one error line)
+CASES = {
+    # ---- recipe files and overrides
+    "recipe missing": lambda t: (["run", t / "nope.yaml"], "nope.yaml"),
+    "recipe is a list": lambda t: (["run", _recipe(t, "- a\n- b\n")], "r.yaml"),
+    "recipe empty": lambda t: (["run", _recipe(t, "")], "r.yaml"),
+    "recipe binary": lambda t: (["run", _recipe(t, "\x00\x01\x02garbage: [")], "r.yaml"),
+    "yaml syntax": lambda t: (["validate", _recipe(t, "model: {path: x\n")], "r.yaml"),
+    "unknown section": lambda t: (["validate", QUICKSTART, "modle.path=x"], "modle"),
+    "unknown nested key": lambda t: (["validate", QUICKSTART, "training.learning_rat=0.1"], "learning_rat"),
+    "override without =": lambda t: (["validate", QUICKSTART, "training.lr"], "training.lr"),
+    "max_steps not a number": lambda t: (["run", QUICKSTART, "training.max_steps=abc"], "training.max_steps"),
+    "negative rank": lambda t: (["validate", QUICKSTART, "lora.rank=-4"], "lora.rank"),
+    "zero alpha": lambda t: (["validate", QUICKSTART, "lora.alpha=0"], "lora.alpha"),
+    "lr zero": lambda t: (["validate", QUICKSTART, "training.lr=0"], "training.lr"),
+    "bad precision": lambda t: (["validate", QUICKSTART, "training.precision=fp8"], "training.precision"),
+    "bad scheduler": lambda t: (["validate", QUICKSTART, "training.scheduler=cyclic"], "training.scheduler"),
+    "bad save mode": lambda t: (["validate", QUICKSTART, "checkpoint.save_mode=zip"], "checkpoint.save_mode"),
+    "bad data format": lambda t: (["validate", QUICKSTART, "data.format=xml"], "data.format"),
+    "max_seq_len 1": lambda t: (["validate", QUICKSTART, "data.max_seq_len=1"], "data.max_seq_len"),
+    "steps and epochs": lambda t: (["validate", QUICKSTART, "training.max_steps=5", "training.epochs=2"],
+                                   "training.epochs"),
+    "nproc not divisible": lambda t: (["validate", QUICKSTART, "parallel.nproc=3", "parallel.tp=2"],
+                                      "not divisible by tp*pp"),
+    "tp does not divide heads": lambda t: (["validate", QUICKSTART, "parallel.nproc=3", "parallel.tp=3"], "tp"),
+    "sequence parallel without tp": lambda t: (["validate", QUICKSTART, "parallel.sequence_parallel=true"],
+                                               "sequence_parallel"),
+    "resume and no-resume": lambda t: (["run", QUICKSTART, "--resume", "x", "--no-resume"], "--no-resume"),
+    "bad checkpoint module": lambda t: (["run", QUICKSTART, *SHORT, f"output.dir={t / 'out'}",
+                                         "parallel.activation_checkpointing=selective",
+                                         "parallel.checkpoint_modules=[Attn]"], "Attn"),
+    # ---- model files
+    "model dir missing": lambda t: (["validate", QUICKSTART, f"model.path={t / 'nomodel'}"], "nomodel"),
+    "unknown builtin": lambda t: (["validate", QUICKSTART, "model.path=builtin:huge-llama"], "builtin:huge-llama"),
+    "unsupported architecture": lambda t: (
+        ["validate", QUICKSTART, f"model.path={_model_dir(t, {'architectures': ['GPT2LMHeadModel']})}"],
+        "GPT2LMHeadModel"),
+    "config not json": lambda t: (["validate", QUICKSTART, f"model.path={_model_dir(t, None)}"], "config.json"),
+    # ---- datasets
+    "data file missing": lambda t: (["validate", _quickstart_with(t, data={"train": str(t / "nope.jsonl")})],
+                                    "nope.jsonl"),
+    "data columns missing": lambda t: (
+        ["validate", _quickstart_with(t, data={"train": str(_rows(t, "d.jsonl", [{"text": "hi"}] * 3)),
+                                               "eval": None})], "messages"),
+    "data malformed line": lambda t: (
+        ["run", _quickstart_with(t, data={"train": str(_bad_jsonl(t)), "eval": None}), *SHORT,
+         f"output.dir={t / 'out'}"], "line 3"),
+    "data unsupported type": lambda t: (
+        ["validate", _quickstart_with(t, data={"train": str(_touch(t / "d.txt")), "eval": None})], "d.txt"),
+    "eval without data": lambda t: (["validate", QUICKSTART, "data.eval=null", "data.eval_fraction=0.0",
+                                     "eval.every_n_steps=5"], "eval.every_n_steps"),
+    # ---- adapters and merge
+    "merge missing adapter": lambda t: (["merge", "--adapter", t / "noadapter", "--base", "builtin:tiny-llama",
+                                         "--out", t / "merged"], "noadapter"),
+    "merge pickle adapter": lambda t: (["merge", "--adapter", _pickle_adapter(t), "--base", "builtin:tiny-llama",
+                                        "--out", t / "merged"], "adapter"),
+    "merge bad dtype": lambda t: (["merge", "--adapter", t, "--base", "builtin:tiny-llama", "--out", t / "m",
+                                   "--dtype", "fp8"], "fp8"),
+    "init_from missing": lambda t: (["run", QUICKSTART, *SHORT, f"output.dir={t / 'out'}",
+                                     f"lora.init_from={t / 'gone'}"], "gone"),
+    # ---- registry refs
+    "push missing dir": lambda t: (["adapters", "push", t / "nodir", f"{t}/reg/bot"], "nodir"),
+    "push bad name": lambda t: (["adapters", "push", t, f"{t}/reg/Bad Name!"], "Bad Name!"),
+    "push not an adapter": lambda t: (["adapters", "push", _touch(t / "a" / "x.json"), f"{t}/reg/bot"], "adapter"),
+    "pull missing version": lambda t: (["adapters", "pull", f"{t}/reg/bot:7", t / "pulled"], "bot"),
+    "pull bad tag syntax": lambda t: (["adapters", "pull", f"{t}/reg/bot@", t / "pulled"], "invalid tag"),
+    "show unknown name": lambda t: (["adapters", "show", f"{t}/reg/nobody"], "nobody"),
+    "tag missing version": lambda t: (["adapters", "tag", f"{t}/reg/bot:3", "prod"], "bot"),
+}
+
+
+def _model_dir(tmp: Path, config: dict | None) -> Path:
+    """A model directory with the quickstart's tokenizer and the given ``config.json``."""
+    import shutil
+
+    from nxd_finetune.sft.build import resolve_model_dir
+
+    d = tmp / "model"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(resolve_model_dir("builtin:tiny-llama") / name, d / name)
+    (d / "config.json").write_text("{not json" if config is None else json.dumps(config))
+    return d
+
+
+def _bad_jsonl(tmp: Path) -> Path:
+    good = json.dumps({"messages": [{"role": "user", "content": "Is 2 even?"},
+                                    {"role": "assistant", "content": "even"}]})
+    path = tmp / "bad.jsonl"
+    path.write_text(f"{good}\n{good}\n{{\"messages\": [\n{good}\n")
+    return path
+
+
+def _touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+    return path
+
+
+def _pickle_adapter(tmp: Path) -> Path:
+    d = tmp / "pickled"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                       "target_modules": ["q_proj"]}))
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_line(name, tmp_path, capsys, quickstart_cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    case = tmp_path / "case"
+    case.mkdir()
+    argv, culprit = CASES[name](case)
+    before = {p for p in case.rglob("*")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert info.value.code == 2, (name, err)
+    assert "Traceback" not in err, (name, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, err)
+    assert culprit in lines[0], (name, culprit, lines[0])
+    created = {p for p in case.rglob("*")} - before
+    assert not [p for p in created if p.is_file() and p.name not in ("recipe.yaml", "metrics.jsonl")], \
+        (name, sorted(map(str, created)))
+    assert not [p for p in created if p.name in ("final", "summary.json")], name
+
+
+def test_the_corpus_has_at_least_40_cases():
+    assert len(CASES) >= 40
