@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint typecheck setup-xla test-xla setup-vllm test-vllm
+.PHONY: setup quickstart test test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ quickstart: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# the randomized SIGKILL test with 20 trials (make test runs 5); a few minutes
+test-soak: setup
+	NXD_FINETUNE_SOAK_TRIALS=20 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/test_kill_soak.py
 
 # ruff, then the type checker (mypy, configured in pyproject.toml: the nxd_finetune package)
 lint: setup
