@@ -21,7 +21,7 @@ def full_disk(tmp_path):
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     yield mnt
-    subprocess.run(["umount", str(mnt)], capture_output=True)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: a handle still open must not keep it
 
 
 @pytest.fixture
