@@ -35,13 +35,11 @@ def _quickstart_with(tmp: Path, **sections) -> Path:
     data = yaml.safe_load(QUICKSTART.read_text())
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    # the quickstart's relative data paths: make them absolute, the recipe now lives in tmp
+    # the quickstart's relative data paths: absolute, since the recipe now lives in tmp
     for split in ("train", "eval"):
-        if isinstance(data["data"].get(split), str) and not Path(data["data"][split]).is_absolute() \
-                and not data["data"][split].startswith("/"):
-            candidate = QUICKSTART.parent / data["data"][split]
-            if candidate.exists():
-                data["data"][split] = str(candidate)
+        value = data["data"].get(split)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            data["data"][split] = str(QUICKSTART.parent / value)
     if data["data"].get("eval") is None:
         data["eval"] = {**(data.get("eval") or {}), "every_n_steps": None}
     return _recipe(tmp, yaml.safe_dump(data))

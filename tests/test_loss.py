@@ -131,7 +131,7 @@ def test_vocab_parallel_chunked_equals_the_full_vocabulary_loss():
                                rtol=0, atol=5e-6 * ref_hidden_grad.abs().max().item())
 
 
-def test_engine_chunked_path_equals_the_default(quickstart_cache):
+def test_engine_chunked_path_equals_the_default(quickstart_cache, monkeypatch):
     """``training.loss_chunk_tokens`` on the quickstart model: the same loss and gradients as the
     default (one chunk), through ``Engine.forward_backward`` and ``eval_stats``."""
     from nxd_finetune.recipe import load_recipe
@@ -146,6 +146,16 @@ def test_engine_chunked_path_equals_the_default(quickstart_cache):
     labels = ids.clone()
     labels[:, :20] = IGNORE_INDEX
     batch = {"input_ids": ids, "labels": labels}
+    import nxd_finetune.loss as loss_mod
+
+    chunked_calls: list[int] = []
+    real = loss_mod.chunked_ce_sum
+
+    def counted(*args, **kwargs):
+        chunked_calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss_mod, "chunked_ce_sum", counted)
     results = []
     for rows in (None, 16):
         engine.loss_chunk_rows = rows
@@ -153,6 +163,7 @@ def test_engine_chunked_path_equals_the_default(quickstart_cache):
         loss = engine.forward_backward([batch], torch.tensor(88.0))
         grads = [p.grad.clone() for p in engine.trainable()]
         results.append((loss, grads, engine.eval_stats(batch)))
+    assert chunked_calls == [1]  # the chunked path ran (with rows=16 only)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
     for a, b in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
