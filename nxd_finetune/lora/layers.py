@@ -165,11 +165,19 @@ class LoraLinear(nn.Module):
         result = self.base_layer(x)
         if self.merged:
             return result
-        lora_x = x.to(self.lora_A.weight.dtype)
+        lora_x = x if self._autocast_keeps(x) else x.to(self.lora_A.weight.dtype)
         # scaling applied to the r-wide intermediate, not the out-wide product: one elementwise pass
         # over [N, r] instead of [N, out] forward and backward (bit-identical for power-of-two scaling)
         out = result + self.lora_B(self.lora_A(self.lora_dropout(lora_x)) * self.scaling)
         return out.to(result.dtype)
+
+    def _autocast_keeps(self, x: torch.Tensor) -> bool:
+        """True when autocast would cast the factors' input back to ``x``'s dtype anyway (fp32
+        factors in a bf16 model under bf16 autocast, no dropout): casting ``x`` up first would give
+        the same numbers but make ``lora_A`` keep its own rounded copy of ``x`` for backward, one
+        per LoRA module (q, k and v each), instead of the one tensor they share."""
+        return (isinstance(self.lora_dropout, nn.Identity) and torch.is_autocast_enabled(x.device.type)
+                and torch.get_autocast_dtype(x.device.type) == x.dtype)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, scaling={self.scaling:g}, merged={self.merged}"

@@ -142,7 +142,8 @@ class ColumnParallelLoraLinear(_ShardedLoraLinear):
             return base(x)
         x_in = M.gather_from_sequence(x, base.group) if base.sequence_parallel else M.copy_to_tp(x, base.group)
         y = F.linear(x_in, base.weight, base.bias)
-        y = (y + self._lora(self.lora_dropout(x_in.to(self.lora_A.weight.dtype)))).to(y.dtype)
+        lora_x = x_in if self._autocast_keeps(x_in) else x_in.to(self.lora_A.weight.dtype)
+        y = (y + self._lora(self.lora_dropout(lora_x))).to(y.dtype)
         return M.gather_from_tp(y, base.group) if base.gather_output else y
 
 
@@ -179,7 +180,8 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
         y = reduce(F.linear(x_l, base.weight), g)
         if base.bias is not None:
             y = y + base.bias
-        h = reduce(self.lora_A(self._drop_local(x_l.to(self.lora_A.weight.dtype))), g)
+        lora_x = x_l if self._autocast_keeps(x_l) else x_l.to(self.lora_A.weight.dtype)
+        h = reduce(self.lora_A(self._drop_local(lora_x)), g)
         return (y + self.lora_B(h) * self.scaling).to(y.dtype)
 
 

@@ -193,7 +193,11 @@ def make_slice_reader(model: nn.Module):
 
     For a parameter of a sharded layer it reads only this rank's slice through
     ``safe_slice[...]`` (checking the checkpoint holds the full shape the layer expects:
-    ModelLoadError otherwise); anything else is read whole. Build it after ``apply_tp_plan``
+    ModelLoadError otherwise); anything else is read whole. When the model is sharded, every
+    tensor is copied out of the memory-mapped file: a slice view would keep the whole file mapped,
+    and a column slice touches every page of its tensor, so the rank's resident memory would count
+    the other ranks' shares too (the copies hold exactly this rank's bytes, contiguous for the
+    matmuls). Unsharded models keep the zero-copy views of the mapping. Build it after ``apply_tp_plan``
     (and LoRA injection), before ``materialize``: parameters are matched by identity.
     """
     specs: dict[int, tuple[torch.Tensor, ShardSpec]] = {}
@@ -205,14 +209,14 @@ def make_slice_reader(model: nn.Module):
     def reader(key: str, safe_slice: Any, target: torch.Tensor) -> torch.Tensor:
         entry = specs.get(id(target))
         if entry is None or entry[0] is not target or entry[1].partition_dim is None:
-            return safe_slice[:]
+            return safe_slice[:] if not specs else safe_slice[:].clone()
         spec = entry[1]
         shape = tuple(safe_slice.get_shape())
         if shape != spec.full_shape:
             raise ModelLoadError(
                 f"tensor {key!r} has shape {shape} in the checkpoint, the model expects {spec.full_shape}"
             )
-        return safe_slice[spec.slices()]
+        return safe_slice[spec.slices()].clone(memory_format=torch.contiguous_format)
 
     return reader
 

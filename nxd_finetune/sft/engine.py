@@ -219,7 +219,7 @@ def checkpoint_spec(parallel: ParallelSection) -> CheckpointSpec:
     from nxd_finetune.models import llama
 
     classes: list[type[nn.Module]] = []
-    for name in parallel.checkpoint_modules or ["DecoderLayer"]:
+    for name in parallel.checkpoint_modules or ["MLP"]:
         cls = getattr(llama, name, None)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise NxdError(f"parallel.checkpoint_modules: {name!r} is not a module type of the model "

@@ -3,7 +3,8 @@
 Names say what they count: ``loss_tokens`` are the target tokens the loss was taken over (answers,
 end-of-turn), ``input_tokens`` every non-padding token fed to the model; ``input_tokens_per_s`` is
 the training throughput over input tokens. ``first_loss`` is the train loss logged at
-``first_loss_step``.
+``first_loss_step``. ``memory`` holds each rank's measured peak host memory (over the run and
+up to the end of training) and, on CUDA, its peak device memory.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def _loss(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
+def _peak(ranks: list[dict[str, Any]]) -> str:
+    top = max(ranks, key=lambda r: r["peak_host_mb"])
+    text = f"{top['peak_host_mb'] / 1024:,.2f} GiB"
+    if len(ranks) > 1:
+        text += f" (rank {top['rank']}, the highest of {len(ranks)})"
+    device = [r["peak_device_mb"] for r in ranks if r.get("peak_device_mb") is not None]
+    return text + (f"; device {max(device) / 1024:,.2f} GiB" if device else "")
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """The printed table's rows (label, value), numbers formatted for people."""
     p = summary["parallel"]
@@ -45,6 +55,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("layout", f"{p['nproc']} process(es): tp {p['tp']} x pp {p['pp']} x dp {p['dp']}"
                    + ("  zero1" if p["zero1"] else "") + ("  sp" if p["sequence_parallel"] else "")),
     ]
+    if summary.get("memory"):
+        rows.append(("peak host memory", _peak(summary["memory"])))
     for when in ("before", "after"):
         ev = summary[f"eval_{when}"]
         if ev:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.metrics import MetricsWriter, Progress
 from nxd_finetune.sft.summary import print_summary, save_summary
 
@@ -311,6 +312,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
         # ~100x slower; flushing them to zero changes no result at the loss's precision.
         torch.set_flush_denormal(True)
+        _share_cores()
     with rank0_first(rank, host.world):
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
@@ -372,12 +374,14 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
 
         write_loss_curve(metrics.path, out_dir / "loss_curve.svg", f"{recipe.model.path}: loss")
     train_time = time.perf_counter() - t0 - t_first
+    train_peak = host_peak_mb()
     final_dir = out_dir / "final"
     from nxd_finetune.export import export_model
 
     runtime.wait()
     export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer), config=engine.config,
                  lora=engine.lora_config, lora_targets=engine.lora_targets, pp_group=engine.host.pp)
+    memory = gather_peak_memory(rank_memory(rank, device, train_peak), host.world)
     if not engine.is_logger:
         return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
@@ -395,6 +399,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
+        "memory": memory,
         "checkpoints": ckpt.uri, "resumed_from": resumed.ref.uri if resumed else None,
         **runtime.report(),  # xla: graphs compiled / launched after each step
     }
@@ -404,6 +409,16 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
+
+
+def _share_cores() -> None:
+    """Split this machine's cores between the processes of the run on it (as ``torchrun`` does
+    with ``OMP_NUM_THREADS``), unless the user set ``OMP_NUM_THREADS``: 2 ranks each running
+    torch's default of every core oversubscribe the CPU (slower, and more malloc arenas)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local))
 
 
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:

@@ -1,0 +1,52 @@
+"""Each rank's measured peak memory, for ``summary.json``.
+
+Host memory is the process's resident high-water mark (``VmHWM`` of ``/proc/self/status`` on
+Linux: anonymous memory plus the pages of the memory-mapped checkpoint files it touched;
+``ru_maxrss`` elsewhere). Device memory is the allocator's peak on CUDA (``None`` on CPU/XLA).
+:func:`gather_peak_memory` is a collective over the run's host group: every rank calls it.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MiB = 2**20
+
+
+def host_peak_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (MiB if sys.platform == "darwin" else 1024), 1)
+
+
+def device_peak_mb(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / MiB, 1)
+    return None
+
+
+def rank_memory(rank: int, device: torch.device, train_peak_mb: float) -> dict[str, Any]:
+    """This rank's record: the host peak up to the end of training and over the whole run."""
+    return {"rank": rank, "peak_host_mb_training": train_peak_mb, "peak_host_mb": host_peak_mb(),
+            "peak_device_mb": device_peak_mb(device)}
+
+
+def gather_peak_memory(mine: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
+    """Every rank's record (collective over ``group``; just ``[mine]`` without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return sorted(out, key=lambda r: r["rank"])

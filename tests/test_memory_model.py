@@ -1,0 +1,154 @@
+"""The memory estimate against what the model really keeps for backward, and the pieces that keep
+less: the 16-bit RMSNorm, LoRA under autocast sharing its input, the per-rank peak in summary.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_finetune.preflight.memory import activation_bytes_per_token, estimate_memory, model_bytes_per_token
+from nxd_finetune.recipe import recipe_from_dict
+
+SEQ = 96
+
+
+def _recipe(model_dir: Path, mode: str, precision: str, ac: str, dtype: str) -> object:
+    doc: dict = {"model": {"path": str(model_dir), "dtype": dtype},
+                 "data": {"train": "/unused.jsonl", "max_seq_len": SEQ},
+                 "training": {"precision": precision, "micro_batch_size": 1, "max_steps": 1},
+                 "parallel": {"activation_checkpointing": ac}}
+    if mode == "lora":
+        doc["lora"] = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
+    else:
+        doc["lora"] = None
+    return recipe_from_dict(doc)
+
+
+def _saved_bytes(engine, ids: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward in the decoder's forward (the
+    model's own parameters and buffers left out), measured with ``saved_tensors_hooks``."""
+    from nxd_finetune.sft.engine import autocast
+
+    tensors = [t for m in engine.modules for t in [*m.parameters(), *m.buffers()]]
+    own = {t.untyped_storage().data_ptr() for t in tensors}
+    weight_shapes = {tuple(t.shape) for t in tensors if t.dim() == 2}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and tuple(t.shape) not in weight_shapes:  # autocast's weight copies: "weights"
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(engine.device, engine.precision):
+        engine.modules[0].model(ids).float().sum()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode, precision, ac, dtype", [
+    ("lora", "bf16-mixed", "none", "bf16"),
+    ("lora", "bf16-mixed", "selective", "bf16"),
+    ("lora", "bf16-mixed", "full", "bf16"),
+    ("lora", "fp32", "none", "fp32"),
+    ("sft", "fp32", "none", "fp32"),
+    ("sft", "bf16-mixed", "none", "fp32"),
+    ("sft", "bf16", "selective", "bf16"),
+])
+def test_activation_estimate_matches_saved_tensors(make_tiny_hf, mode, precision, ac, dtype):
+    """``validate``'s activation bytes per token and layer equal, within 10%, what autograd keeps
+    for a real forward of the engine's model (LoRA wrappers, checkpointing, autocast included)."""
+    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.sft.engine import build_engine
+
+    _, model_dir = make_tiny_hf("llama", hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                num_key_value_heads=2, num_hidden_layers=3)
+    recipe = _recipe(model_dir, mode, precision, ac, dtype)
+    config = DecoderConfig.from_hf(model_dir)
+    engine = build_engine(recipe, model_dir, torch.device("cpu"), 1)
+    ids = torch.randint(0, config.vocab_size, (1, SEQ))
+    measured = _saved_bytes(engine, ids)
+    kept, _ = activation_bytes_per_token(recipe, config)
+    estimated = SEQ * (kept * config.num_hidden_layers + model_bytes_per_token(recipe, config))
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)
+
+
+def test_memory_estimate_by_hand():
+    """The parts of the estimate for a small config, worked out by hand."""
+    from types import SimpleNamespace
+
+    from nxd_finetune.preflight.memory import LOSS_COPIES, RUNTIME_BYTES
+
+    cfg = SimpleNamespace(hidden_size=4, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=2, num_hidden_layers=2, vocab_size=8)
+    base = {"model": {"path": "/m"}, "data": {"train": "/t", "max_seq_len": 4}, "lora": None}
+    mem = estimate_memory(recipe_from_dict(base), cfg, total=100, trainable=100)
+    # fp32 full SFT: 4 B weights, 4 B grads, 8 B AdamW states per parameter
+    # per token and layer (m = c = 4): norms 2*4*4 + inputs 2*4*4 + attention 4*(3*4 + 2*2) + MLP 3*4*8 = 224
+    # + trainable fp32 norms 2*4*4 = 32; outside the layers 4*(4 + 2*2) = 32 per token
+    assert mem == {"runtime": RUNTIME_BYTES, "weights": 400, "gradients": 400, "optimizer": 800,
+                   "activations": 4 * (2 * (224 + 32) + 32), "loss": LOSS_COPIES * 4 * 4 * 8}
+    lora = {**base, "lora": {}, "parallel": {"nproc": 4, "tp": 2, "zero1": True, "activation_checkpointing": "full"},
+            "training": {"precision": "bf16-mixed"}, "model": {"path": "/m", "dtype": "bf16"}}
+    mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=20)
+    # frozen bf16 (80 * 2) + fp32 trainable (20 * 4) + their bf16 autocast copies (20 * 2), / tp 2
+    # full checkpointing keeps each layer's input (m*h = 8 per token) and recomputes one layer:
+    # norms 2*2*4 + inputs 2*2*4 + attention 2*(3*4 + 2*2)/2 + MLP 3*2*8/2 = 72 per token
+    # outside the layers 2*(4 + 2*2) = 16 per token
+    assert mem == {"runtime": RUNTIME_BYTES, "weights": (160 + 80 + 40) / 2, "gradients": 20 * 4 / 2,
+                   "optimizer": 20 * 8 / 2 / 2, "activations": 4 * (8 * 2 + 16 + 72),
+                   "loss": LOSS_COPIES * 4 * 4 * 4}
+
+
+def test_rmsnorm_16bit_matches_transformers():
+    """The 16-bit RMSNorm (keeps the 16-bit input instead of an fp32 copy) gives transformers'
+    LlamaRMSNorm output bit for bit and its gradients to within bf16 rounding."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from nxd_finetune.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(256, 1e-5).to(torch.bfloat16), LlamaRMSNorm(256, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.normal_(1.0, 0.1)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(3, 40, 256).to(torch.bfloat16)
+    grad = torch.randn(3, 40, 256).to(torch.bfloat16)
+    results = []
+    for norm in (ours, ref):
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        out.backward(grad)
+        results.append((out, xi.grad, norm.weight.grad))
+    (o1, gx1, gw1), (o2, gx2, gw2) = results
+    assert torch.equal(o1, o2)
+    torch.testing.assert_close(gx1.float(), gx2.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(gw1.float(), gw2.float(), atol=0, rtol=1e-2)
+
+
+def test_lora_under_autocast_shares_its_input():
+    """Under bf16 autocast, q/k/v's LoRA factors keep their shared bf16 input once, not one rounded
+    copy each (the outputs are the same numbers as with the fp32 round trip)."""
+    from nxd_finetune.lora.layers import LoraLinear
+
+    torch.manual_seed(0)
+    layers = [LoraLinear(torch.nn.Linear(64, 64).to(torch.bfloat16), r=4, lora_alpha=8) for _ in range(3)]
+    for layer in layers:
+        layer.lora_A.weight.data = layer.lora_A.weight.data.float()
+        layer.lora_B.weight.data = torch.randn_like(layer.lora_B.weight).float()
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    kept: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.shape == x.shape:
+            kept.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = [layer(x) for layer in layers]
+    assert kept == {x.untyped_storage().data_ptr()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        refs = [layer.base_layer(x) + layer.lora_B(layer.lora_A(x.float()) * layer.scaling) for layer in layers]
+    for out, ref in zip(outs, refs, strict=True):
+        assert torch.equal(out, ref.to(out.dtype))
