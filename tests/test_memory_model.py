@@ -88,7 +88,8 @@ def test_memory_estimate_by_hand():
     # per token and layer (m = c = 4): norms 2*4*4 + inputs 2*4*4 + attention 4*(3*4 + 2*2) + MLP 3*4*8 = 224
     # + trainable fp32 norms 2*4*4 = 32; outside the layers 4*(4 + 2*2) = 32 per token
     assert mem == {"runtime": RUNTIME_BYTES, "weights": 400, "gradients": 400, "optimizer": 800,
-                   "activations": 4 * (2 * (224 + 32) + 32), "loss": LOSS_COPIES * 4 * 4 * 8}
+                   "activations": 4 * (2 * (224 + 32) + 32), "loss": LOSS_COPIES * 4 * 4 * 8,
+                   "optimizer step": 0, "checkpoint save": 0}  # 2 * 4 * (V*h = 32) < activations + loss
     lora = {**base, "lora": {}, "parallel": {"nproc": 4, "tp": 2, "zero1": True, "activation_checkpointing": "full"},
             "training": {"precision": "bf16-mixed"}, "model": {"path": "/m", "dtype": "bf16"}}
     mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=20)
@@ -98,7 +99,10 @@ def test_memory_estimate_by_hand():
     # outside the layers 2*(4 + 2*2) = 16 per token
     assert mem == {"runtime": RUNTIME_BYTES, "weights": (160 + 80 + 40) / 2, "gradients": 20 * 4 / 2,
                    "optimizer": 20 * 8 / 2 / 2, "activations": 4 * (8 * 2 + 16 + 72),
-                   "loss": LOSS_COPIES * 4 * 4 * 4}
+                   "loss": LOSS_COPIES * 4 * 4 * 4, "optimizer step": 0, "checkpoint save": 0}
+    # a layout whose save (the whole trainable state on the writing rank) outweighs the activations
+    mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=80)
+    assert mem["checkpoint save"] == 80 * 12 - mem["activations"] - mem["loss"] and mem["optimizer step"] == 0
 
 
 def test_rmsnorm_16bit_matches_transformers():

@@ -145,20 +145,26 @@ def collect(params: list[LocalParam], optimizer: Any, state: Any, copy: bool = T
         return None
     group = state.tp_group if state is not None else None
     out: dict[str, torch.Tensor] = {}
+    keep = tp_rank == 0  # the other TP ranks take part in the gathers and drop the results at once
     for lp in params:
         sharded = lp.index() is not None
 
         def full(t: torch.Tensor, sharded: bool = sharded, spec: ShardSpec | None = lp.spec) -> torch.Tensor:
             return gather_shards(t, spec, group) if sharded and spec is not None else t
 
-        out[param_key(lp.name)] = _cpu(full(lp.param), copy)
+        full_param = full(lp.param)
+        if keep:
+            out[param_key(lp.name)] = _cpu(full_param, copy)
         for key, value in sorted(states.get(id(lp.param), {}).items()):
             if key == "master" and lp.param.dtype == torch.float32:
                 continue
             if value.dim() == 0:
-                out[optim_key(lp.name, key)] = _cpu(value, copy)
+                if keep:
+                    out[optim_key(lp.name, key)] = _cpu(value, copy)
             elif tuple(value.shape) == tuple(lp.param.shape):
-                out[optim_key(lp.name, key)] = _cpu(full(value), copy)
+                gathered = full(value)
+                if keep:
+                    out[optim_key(lp.name, key)] = _cpu(gathered, copy)
             else:
                 raise CheckpointError(f"optimizer state {key!r} of {lp.name} has shape {tuple(value.shape)}, "
                                       f"neither a scalar nor the parameter's {tuple(lp.param.shape)}")

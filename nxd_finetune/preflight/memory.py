@@ -40,7 +40,9 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
     - ``runtime``: :data:`RUNTIME_BYTES`, measured.
     - ``weights``: frozen parameters in their load dtype (``model.dtype``; bf16 under pure ``bf16``)
       plus trainable ones in fp32 (bf16 under pure ``bf16``), divided by ``tp * pp``; under bf16
-      autocast, plus the 16-bit copies of fp32 trainable weights autocast keeps for the step.
+      autocast, plus the 16-bit copies of fp32 trainable weights autocast keeps for the step. With
+      ``pp > 1`` a stage holds its share of the layers and a whole vocabulary matrix (the first
+      the embedding, the last the output layer, a copy of the embedding when they are tied).
     - ``gradients``: one per trainable parameter in its dtype, ``/ (tp * pp)``.
     - ``optimizer``: AdamW's two fp32 states per trainable parameter (plus an fp32 master copy of
       bf16 ones), ``/ (tp * pp)``, and ``/ dp`` under ZeRO-1.
@@ -61,6 +63,10 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
       of the micro-batch or one chunk of ``training.loss_chunk_tokens`` (the pipeline's last stage
       takes every position). With ``pp > 1``: the first stage's activations or the last stage's
       activations and loss, whichever is larger.
+    - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
+      copies of the largest trainable tensor) or a save's whole-stage tensors (gathered on the
+      writing rank at tp > 1 / ZeRO-1, copied for ``checkpoint.async_save``), whichever is
+      larger, counted where it exceeds the activations and loss it replaces.
     """
     par, tr = recipe.parallel, recipe.training
     t, pp = par.tp, par.pp
@@ -71,6 +77,10 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
     shard = t * pp
     frozen = total - trainable
     weights = (frozen * m + trainable * train_bytes) / shard
+    if pp > 1:  # the embedding (first stage) and the output layer (last stage; a copy when tied)
+        vocab_params = config.vocab_size * config.hidden_size
+        n_vocab = vocab_params * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+        weights += (vocab_params - n_vocab / pp) * (m if recipe.lora is not None else train_bytes) / t
     if c == 2 and train_bytes == 4:
         weights += trainable * 2 / shard  # autocast's cached bf16 copies
     grads = trainable * train_bytes / shard
@@ -92,8 +102,21 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
             loss = 0
         else:
             activations = last
-    return {"runtime": float(RUNTIME_BYTES), "weights": weights, "gradients": grads, "optimizer": optimizer,
-            "activations": activations, "loss": float(loss)}
+    parts = {"runtime": float(RUNTIME_BYTES), "weights": weights, "gradients": grads, "optimizer": optimizer,
+             "activations": activations, "loss": float(loss)}
+    # Between steps the activations are gone, and two things can need more: AdamW's per-tensor
+    # temporaries (CPU steps one tensor at a time: about two fp32 copies of the largest one, the
+    # vocabulary matrix in full SFT; ZeRO-1 steps in 4M-element chunks) and a checkpoint save, which
+    # gathers the stage's trainable tensors and optimizer states whole on its writing rank (tp > 1,
+    # ZeRO-1) or copies them for a background write.
+    largest = config.vocab_size * config.hidden_size / t if recipe.lora is None and not par.zero1 else 0
+    step_temp = 2 * 4 * largest
+    saves_whole = t > 1 or recipe.checkpoint.async_save or (par.zero1 and par.dp > 1)
+    save = trainable / pp * (train_bytes + 8 + (4 if train_bytes == 2 else 0)) if saves_whole else 0.0
+    during = activations + loss
+    parts["optimizer step"] = max(0.0, step_temp - during) if step_temp >= save else 0.0
+    parts["checkpoint save"] = max(0.0, save - during) if save > step_temp else 0.0
+    return parts
 
 
 def model_bytes_per_token(recipe: Recipe, config: Any) -> float:
