@@ -133,8 +133,16 @@ def _resolved_targets(cfg: LoraConfig, names: list[str]) -> list[str] | str:
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` into ``<path>.tmp``, then rename it to ``path``. A failed write (a full disk)
+    removes the temp file and names ``path`` in the OSError (a failed ``write(2)`` names none)."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    try:
+        write(tmp)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     os.replace(tmp, path)
 
 
