@@ -163,11 +163,14 @@ def merge(
         "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB, 2GiB.")] = "5GB",
     base_revision: Annotated[str | None, typer.Option(
         "--base-revision", help="The base's revision, checked against the one the adapter records.")] = None,
+    allow_other_base: Annotated[bool, typer.Option(
+        "--allow-other-base", help="Merge even when the adapter records another base (other config or "
+                                   "weights); a warning instead of an error.")] = False,
 ) -> None:
     """Fold a LoRA adapter into its base: a plain HF checkpoint, loadable by transformers alone.
 
     Streams tensor by tensor (peak memory about one shard plus the adapter). Exit code 2 with one
-    line when the adapter does not fit the base.
+    line when the adapter does not fit the base or was trained on another base.
     """
     from nxd_finetune.lora.merge import merge_adapter, parse_size
     from nxd_finetune.models import resolve_dtype
@@ -180,7 +183,7 @@ def merge(
     base_dir = resolve_model_dir(base)
     with fetch_adapter(adapter, "--adapter") as fetched:
         merge_adapter(fetched.path, base_dir, out, dtype=dtype, max_shard_bytes=shard_bytes,
-                      base_revision=base_revision, progress=True)
+                      base_revision=base_revision, progress=True, allow_other_base=allow_other_base)
     typer.echo(f"merged {fetched.lineage or adapter} into {base_dir} -> {out}")
 
 

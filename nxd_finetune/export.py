@@ -8,8 +8,9 @@ Two steps, for every world size:
 2. :func:`write_final` -- rank 0 writes the save mode into a temporary sibling of the output
    directory and renames it into place (complete or absent):
 
-   - ``adapter``: a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and the
-     tokenizer files;
+   - ``adapter``: a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, whose
+     metadata records the base's identity, :mod:`nxd_finetune.lora.identity`) and the tokenizer
+     files;
    - ``base_and_adapter``: ``base/`` = the source checkpoint as it is (its ``config.json``,
      ``generation_config.json``, safetensors and index, byte for byte) + tokenizer, ``adapter/``
      as above. Trained biases (``lora.bias``) travel in the adapter, which PEFT loads over the base;
@@ -116,9 +117,12 @@ def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: De
     out_dir = Path(out_dir)
 
     def adapter(out: Path) -> None:
+        from nxd_finetune.lora.identity import base_identity
+
         assert lora is not None
         write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
-                            revision=spec.revision, config_hash=config.config_hash())
+                            revision=spec.revision, config_hash=config.config_hash(),
+                            identity=base_identity(config, spec.source_dir))
 
     if out_dir.exists():  # a previous run's artefact in this output directory
         shutil.rmtree(out_dir)

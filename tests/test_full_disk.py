@@ -69,3 +69,35 @@ def test_run_whose_checkpoint_does_not_fit(full_disk, quickstart_cache, capsys):
     assert lines[0].startswith("error: saving checkpoint step-00000001 under") and "No space left" in lines[0]
     assert not list((out / "checkpoints").iterdir())  # the failed save left no step directory
     assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize("save_mode", ["adapter", "merged"])
+def test_run_whose_final_export_does_not_fit(full_disk, quickstart_cache, capsys, save_mode):
+    """Training fits (no checkpoints; metrics are small) but the 1.2 MB adapter (or the merged
+    checkpoint) does not: one line, exit 1, no final/, no partial directory, no *.tmp file."""
+    out = full_disk / "run"
+    code, lines = cli(capsys, "run", ROOT / "recipes" / "quickstart.yaml", f"output.dir={out}",
+                      "training.max_steps=1", "training.warmup_steps=0", "logging.progress=false",
+                      "eval.before=false", "eval.every_n_steps=null", "data.eval=null",
+                      f"checkpoint.save_mode={save_mode}", f"checkpoint.dir={full_disk.parent / 'ckpt'}")
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: no space left on device writing {out}/"), lines
+    assert (out / "metrics.jsonl").is_file() and not (out / "final").exists()  # trained, then the export failed
+    left = [p.name for p in out.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+    assert not left, left  # no .final.partial-*, .nxd-adapter-* or *.tmp
+
+
+def test_adapter_files_written_in_place_leave_no_tmp(full_disk, adapter):
+    """``write_adapter_files`` straight into a directory (the API's ``save_adapter``): a full disk
+    raises ENOSPC naming the file and leaves no ``*.tmp`` behind."""
+    import errno
+
+    from nxd_finetune.lora import read_adapter, write_adapter_files
+
+    cfg, tensors = read_adapter(adapter)
+    with pytest.raises(OSError) as info:
+        write_adapter_files(full_disk / "direct", cfg, {f"base_model.model.{k}": t for k, t in tensors.items()},
+                            [], None)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(full_disk / "direct" /
+                                                                          "adapter_model.safetensors")
+    assert not list((full_disk / "direct").iterdir())

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nxd_finetune.cli import main
+from nxd_finetune.errors import NxdWarning
 from nxd_finetune.lora import lora_modules, read_adapter
 from nxd_finetune.lora.io import adapter_config_hash
 from nxd_finetune.recipe import load_recipe
@@ -155,7 +156,7 @@ def test_a_different_lora_is_one_error_line(trained, tmp_path, capsys, override,
     assert len(lines) == 1 and lines[0].startswith("error: lora.init_from ") and needle in lines[0], err
 
 
-def test_a_different_base_warns(trained, tmp_path, caplog):
+def test_an_adapter_without_base_fingerprint_warns(trained, tmp_path):
     final, _ = trained
     edited = tmp_path / "edited"
     edited.mkdir()
@@ -164,8 +165,8 @@ def test_a_different_base_warns(trained, tmp_path, caplog):
     weights = edited / "adapter_model.safetensors"
     save_file(load_file(weights), weights, metadata={"format": "pt", "nxd_config_hash": "f" * 16})
     rec = recipe(tmp_path, f"lora.init_from={edited}")
-    build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 1)
-    assert any("config hash ffffffffffffffff" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    with pytest.warns(NxdWarning, match="no base fingerprint.*config hash ffffffffffffffff"):
+        build_engine(rec, resolve_model_dir(rec.model.path), torch.device("cpu"), 1)
 
 
 def test_missing_source_is_one_line(cache, tmp_path, capsys):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nxd_finetune.cli import main
+from nxd_finetune.errors import NxdWarning
 from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter, trainable_parameters
 from nxd_finetune.lora.merge import merge_adapter, parse_size
 from nxd_finetune.models import load_pretrained
@@ -65,7 +66,7 @@ def our_adapter(base: Path, out: Path, cfg: LoraConfig) -> Path:
     model = load_pretrained(base)
     inject_lora(model, cfg)
     randomize(trainable_parameters(model), seed=1)
-    save_adapter(model, cfg, out, base_model_name_or_path=str(base))
+    save_adapter(model, cfg, out, base_model_name_or_path=str(base), base_dir=base)
     return out
 
 
@@ -249,17 +250,18 @@ def test_truncated_base_checkpoint_is_one_line_at_merge_and_run(quickstart_cache
     assert not (tmp_path / "run" / "final").exists()
 
 
-def test_warns_when_base_config_differs(make_tiny_hf, tmp_path, caplog):
+def test_warns_when_base_config_differs(make_tiny_hf, tmp_path):
     base = sharded_base(make_tiny_hf, tmp_path)
     adapter = our_adapter(base, tmp_path / "adapter", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "revision": "v1"}))
     weights = adapter / "adapter_model.safetensors"
     save_file(load_file(weights), weights, metadata={"format": "pt", "nxd_config_hash": "0" * 16})
-    merge_adapter(adapter, base, tmp_path / "out", base_revision="v2")
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any("config hash 0000000000000000" in w for w in warnings)
-    assert any("'v1'" in w and "'v2'" in w for w in warnings)
+    with pytest.warns(NxdWarning) as record:
+        merge_adapter(adapter, base, tmp_path / "out", base_revision="v2")
+    (line,) = [str(w.message) for w in record if w.category is NxdWarning]
+    assert "no base fingerprint" in line and "config hash 0000000000000000" in line
+    assert "'v1'" in line and "'v2'" in line
 
 
 def test_parse_size():

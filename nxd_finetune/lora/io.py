@@ -31,6 +31,7 @@ from torch import nn
 
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
+from nxd_finetune.lora.identity import CONFIG_HASH_KEY, base_identity
 from nxd_finetune.lora.inject import (
     OUTPUT_LAYER,
     inject_lora,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 PEFT_PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-CONFIG_HASH_KEY = "nxd_config_hash"  # safetensors metadata: the hash of the base config
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -133,8 +133,16 @@ def _resolved_targets(cfg: LoraConfig, names: list[str]) -> list[str] | str:
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` into ``<path>.tmp``, then rename it to ``path``. A failed write (a full disk)
+    removes the temp file and names ``path`` in the OSError (a failed ``write(2)`` names none)."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    try:
+        write(tmp)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     os.replace(tmp, path)
 
 
@@ -150,6 +158,7 @@ def save_adapter(
     state: ParallelState | None = None,
     tensors: dict[str, torch.Tensor] | None = None,
     target_names: list[str] | None = None,
+    base_dir: str | Path | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
 
@@ -158,7 +167,9 @@ def save_adapter(
     ``model.config.config_hash()`` when the model has one) goes into the safetensors header's
     metadata under ``nxd_config_hash``, where PEFT does not look (:func:`adapter_config_hash` reads
     it), so ``adapter_config.json`` holds PEFT's keys only. ``extra_config`` keys are added to the
-    JSON (PEFT warns about keys it does not know). Returns the
+    JSON (PEFT warns about keys it does not know). ``base_dir``: the checkpoint the model was
+    loaded from; its identity (:func:`nxd_finetune.lora.identity.base_identity`) is recorded too,
+    so ``lora.init_from`` and ``merge`` can refuse another base. Returns the
     directory. Raises AdapterError when the model holds no LoRA layer.
 
     ``state``: the ``ParallelState`` of a tensor-parallel model. The tensors are gathered
@@ -190,8 +201,9 @@ def save_adapter(
     if not _is_writer(state):
         _adapter_config(cfg, base_model_name_or_path, revision, names, extra_config)  # same errors on every rank
         return Path(out_dir)
+    identity = base_identity(config, base_dir) if base_dir is not None and config is not None else None
     return write_adapter_files(out_dir, cfg, sd, names, base_model_name_or_path, revision=revision,
-                               config_hash=config_hash, extra_config=extra_config)
+                               config_hash=config_hash, extra_config=extra_config, identity=identity)
 
 
 def _adapter_config(cfg: LoraConfig, base_model_name_or_path: str | None, revision: str | None,
@@ -215,15 +227,18 @@ def write_adapter_files(
     revision: str | None = None,
     config_hash: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    identity: dict[str, str] | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` from full tensors under PEFT
     file keys (no model needed): what :func:`save_adapter` and the run's exporter write.
-    ``target_names``: the wrapped modules of the whole model (resolves ``all-linear``)."""
+    ``target_names``: the wrapped modules of the whole model (resolves ``all-linear``).
+    ``identity``: the base's :func:`~nxd_finetune.lora.identity.base_identity`, written into the
+    safetensors metadata (with ``config_hash``) where PEFT does not look."""
     out = Path(out_dir)
     d = _adapter_config(cfg, base_model_name_or_path, revision, target_names, extra_config)
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", **({CONFIG_HASH_KEY: config_hash} if config_hash else {})}
+    metadata = {"format": "pt", **(identity or {}), **({CONFIG_HASH_KEY: config_hash} if config_hash else {})}
     _write_atomic(out / WEIGHTS_NAME, lambda p: p.write_bytes(_safetensors_bytes(cpu, metadata)))
     _write_atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(d, indent=2, sort_keys=True)))
     return out

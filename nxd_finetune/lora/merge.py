@@ -20,8 +20,6 @@ config injected, so target matching and expected tensor names are those of ``inj
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,13 +27,12 @@ import torch
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdError
 from nxd_finetune.lora.config import LoraConfig
+from nxd_finetune.lora.identity import check_base
 from nxd_finetune.lora.inject import base_param_name, inject_lora, untied_config
 from nxd_finetune.lora.io import (
-    CONFIG_NAME,
     PEFT_PREFIX,
     TOKENIZER_FILES,
     _needs_untie,
-    adapter_config_hash,
     adapter_state_dict,
     read_adapter,
     save_tokenizer,
@@ -49,8 +46,6 @@ from nxd_finetune.models import (
 )
 from nxd_finetune.models.loading import open_checkpoint_file
 from nxd_finetune.storage.atomic import publish_dir
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's "5GB"
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -68,21 +63,6 @@ class MergePlan:
     replace: dict[str, torch.Tensor]
     sources: dict[str, str]
     config: DecoderConfig
-
-
-def base_mismatches(adapter_dir: str | Path, config: DecoderConfig, revision: str | None = None) -> list[str]:
-    """Why the adapter may have been trained on another base: one line per difference between
-    adapter records (:func:`~nxd_finetune.lora.io.adapter_config_hash`, the ``revision`` of its
-    ``adapter_config.json``) and ``config``'s hash / ``revision``. Fields either side leaves empty are
-    not compared (PEFT records no hash)."""
-    raw = json.loads((Path(adapter_dir) / CONFIG_NAME).read_text())
-    out = []
-    recorded, actual = adapter_config_hash(adapter_dir), config.config_hash()
-    if recorded and recorded != actual:
-        out.append(f"the adapter was trained on a base with config hash {recorded}, this base has {actual}")
-    if raw.get("revision") and revision and raw["revision"] != revision:
-        out.append(f"the adapter records base revision {raw['revision']!r}, this base is at {revision!r}")
-    return out
 
 
 def _base_shapes(index: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -212,6 +192,7 @@ def merge_adapter(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     base_revision: str | None = None,
     progress: bool = False,
+    allow_other_base: bool = False,
 ) -> Path:
     """Write ``base_dir`` + the adapter in ``adapter_dir`` as a merged HF checkpoint in ``out_dir``.
 
@@ -221,8 +202,10 @@ def merge_adapter(
     shards of at most ``max_shard_bytes`` (one larger tensor gets a shard alone) with
     ``model.safetensors.index.json``, and the base's tokenizer files when present. ``dtype``
     (``fp32|bf16|fp16`` or a torch dtype): of every tensor (default: each base tensor's own).
-    Differences between the base and what the adapter records (config hash, ``base_revision``)
-    are logged as warnings. Raises AdapterError / ModelLoadError (see :func:`plan_merge`).
+    An adapter trained on another base (:func:`nxd_finetune.lora.identity.check_base`: other
+    config keys, or the same config with other weights) raises AdapterError unless
+    ``allow_other_base``; a missing fingerprint or another ``base_revision`` is a warning.
+    Raises AdapterError / ModelLoadError (see :func:`plan_merge`).
     """
     from nxd_finetune.models import resolve_dtype
 
@@ -238,8 +221,8 @@ def merge_adapter(
         plan = plan_merge(cfg, tensors, config, shapes)
     except (AdapterError, ModelLoadError) as e:
         raise type(e)(f"adapter {adapter_dir} does not fit base {base_dir}: {e}") from None
-    for line in base_mismatches(adapter_dir, config, base_revision):
-        log.warning("warning: %s; merging anyway", line)
+    check_base(adapter_dir, config, base_dir, where="merge", allow=allow_other_base,
+               allow_hint="pass --allow-other-base", revision=base_revision)
     dtypes = {k: d for k, (_, d) in shapes.items()}
     with publish_dir(out) as tmp:
         stream = _with_progress(_merged_tensors(plan, index, dtypes, out_dtype), len(plan.sources), progress)
@@ -279,4 +262,4 @@ def parse_size(text: str | int) -> int:
     return int(value * units[unit])
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "MergePlan", "base_mismatches", "merge_adapter", "parse_size", "plan_merge"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "MergePlan", "merge_adapter", "parse_size", "plan_merge"]

@@ -83,3 +83,20 @@ def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None)
             targets = inject_lora(model, lora_config_from_recipe(recipe.lora))
     params = list(model.parameters())  # deduplicated, so tied embeddings count once
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), targets
+
+
+def check_init_from_adapter(recipe: Recipe, config: Any, model_dir: Path) -> None:
+    """``lora.init_from``: the checks ``run`` makes before loading the adapter
+    (:func:`nxd_finetune.sft.init_from.check_init_from`: LoRA ``peft_type``, the recipe's LoRA, the
+    same base), so ``validate`` refuses what ``run`` refuses with the same line."""
+    if recipe.lora is None or not recipe.lora.init_from:
+        return
+    from nxd_finetune.registry.fetch import fetch_adapter
+    from nxd_finetune.sft.build import lora_config_from_recipe
+    from nxd_finetune.sft.init_from import check_init_from
+
+    source = recipe.lora.init_from
+    with fetch_adapter(source, "lora.init_from") as fetched:
+        check_init_from(fetched.path, lora_config_from_recipe(recipe.lora), source, config=config,
+                        model_dir=model_dir, revision=recipe.model.revision,
+                        allow_other_base=recipe.lora.allow_other_base)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.preflight.data import check_data
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
-from nxd_finetune.preflight.model import count_parameters, find_model_dir
+from nxd_finetune.preflight.model import check_init_from_adapter, count_parameters, find_model_dir
 
 if TYPE_CHECKING:
     from nxd_finetune.models import DecoderConfig
@@ -34,7 +34,8 @@ class Preflight:
 def run_checks(recipe: Recipe) -> Preflight:
     """Check ``recipe`` without training: every local data file's first rows against the format,
     the model's config, tokenizer and checkpoint tensors, the model-dependent rules
-    (:func:`nxd_finetune.recipe.check_against_model`) and the LoRA targets. Raises the one-line
+    (:func:`nxd_finetune.recipe.check_against_model`), the LoRA targets and ``lora.init_from`` (as
+    ``run`` checks it: :func:`.model.check_init_from_adapter`). Raises the one-line
     NxdError subclass of the first problem (DataError, ModelLoadError, RecipeError, AdapterError)."""
     from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import check_against_model
@@ -47,6 +48,7 @@ def run_checks(recipe: Recipe) -> Preflight:
     config = DecoderConfig.from_hf(model_dir)
     check_against_model(recipe, config)
     total, trainable, targets = count_parameters(recipe, config, model_dir)
+    check_init_from_adapter(recipe, config, model_dir)
     memory = estimate_memory(recipe, config, total, trainable)
     return Preflight(recipe, model_dir, config, total, trainable, targets, memory)
 

@@ -73,7 +73,8 @@ class DataSection(_Section):
 
 class LoraSection(_Section):
     """LoRA hyper-parameters (PEFT semantics). ``target_modules``: module names, a regex string or
-    ``"all-linear"``. ``init_from``: an adapter directory to start from."""
+    ``"all-linear"``. ``init_from``: an adapter to start from (directory, registry REF or
+    ``s3://`` prefix); it must have been trained on this base unless ``allow_other_base``."""
 
     rank: PosInt = 8
     alpha: float = Field(default=16.0, gt=0)
@@ -84,11 +85,14 @@ class LoraSection(_Section):
     init_lora_weights: Literal["default", "gaussian"] = "default"
     modules_to_save: StrList = []
     init_from: str | None = None
+    allow_other_base: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> LoraSection:
         if self.target_modules in ([], ""):
             raise ValueError("lora.target_modules is empty")
+        if self.allow_other_base and not self.init_from:
+            raise ValueError("lora.allow_other_base is set but lora.init_from is not (it only concerns init_from)")
         return self
 
 

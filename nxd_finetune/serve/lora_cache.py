@@ -167,7 +167,7 @@ def check_base(adapter_dir: Path, base_model: str, ref: str) -> None:
     a local model directory of a supported architecture, has another one. Bases that are not local
     directories (hub ids) or not of a supported architecture are not checked: vLLM checks shapes."""
     from nxd_finetune.errors import ModelLoadError
-    from nxd_finetune.lora.merge import base_mismatches
+    from nxd_finetune.lora.identity import base_mismatches
     from nxd_finetune.models.config import DecoderConfig
 
     if not (Path(base_model) / "config.json").is_file():

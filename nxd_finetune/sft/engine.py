@@ -229,7 +229,7 @@ def checkpoint_spec(parallel: ParallelSection) -> CheckpointSpec:
 
 
 def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, targets: list[str],
-                lineage: list[str | None]) -> ModelHooks:
+                lineage: list[str | None], model_dir: Path, warn: bool) -> ModelHooks:
     """Freeze the base and inject LoRA (its names -> ``targets``); after the weights: the adapter's
     master dtype (fp32 unless pure bf16) and ``lora.init_from`` (its lineage -> ``lineage[0]``)."""
     from nxd_finetune.lora import base_param_name, cast_adapter_params, inject_lora
@@ -249,7 +249,8 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
             # the whole (partly unmaterialised) model: the adapter file names every layer; this
             # rank's stages share their modules with it, so they receive their factors
             lineage[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
-                                        revision=recipe.model.revision)
+                                        model_dir=model_dir, revision=recipe.model.revision,
+                                        allow_other_base=recipe.lora.allow_other_base, warn=warn)
 
     return ModelHooks(inject=inject, checkpoint_key=base_param_name, loaded=loaded)
 
@@ -301,7 +302,7 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
         from nxd_finetune.sft.build import lora_config_from_recipe
 
         lora_cfg = lora_config_from_recipe(recipe.lora)
-        hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage)
+        hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
                            activation_checkpointing=checkpoint_spec(par))

@@ -16,6 +16,9 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
   conversation prefix by prefix: turn ``i`` spans from the end of
   ``render(messages[:i], add_generation_prompt=True)`` to the end of ``render(messages[:i+1])``, so
   it includes the template's end-of-turn marker (what the model must learn to emit to stop).
+  TRL's convention (``return_assistant_tokens_mask`` on ``{% generation %}`` templates): when the
+  turn ends with a special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) followed by whitespace
+  (ChatML's ``"\n"``), that whitespace is not trained; the end-of-turn token is.
   Templates for which these renders are not prefixes of each other raise DataError.
   Optional ``fields.role`` / ``fields.content`` rename the keys inside messages (ShareGPT's
   ``from``/``value``); the roles ``human``/``gpt`` are read as ``user``/``assistant``.
@@ -27,7 +30,10 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
 
 BOS: the non-chat formats prepend the tokenizer's BOS when the tokenizer itself adds one to plain
 text (as Llama's do); chat templates write their own. EOS: appended (and trained with the answer) to
-every non-chat sample, and to a chat sample whose rendering does not already end with ``eos_token``.
+every non-chat sample, and to a chat sample whose rendering ends neither with ``eos_token`` nor with
+the template's own end-of-turn token (the special token closing its assistant turns): no eos is
+added after a template's end-of-turn, even where the tokenizer's eos is another token (Llama 3's
+``<|eot_id|>`` vs ``<|end_of_text|>``), as in TRL.
 With ``train_on_prompt`` every token of the text is trained.
 """
 
@@ -145,11 +151,30 @@ def _normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, 
     return messages
 
 
+def special_tokens(tokenizer) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text (eos, bos, additional and added special tokens)."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token.content))
+    return tuple(sorted(t for t in found if t))
+
+
+def _turn_end(through: str, start: int, specials: tuple[str, ...]) -> int:
+    """Where an assistant turn's trained span ends: the end of ``through``, less the whitespace the
+    template prints after a closing special token (TRL's assistant mask stops at that token)."""
+    stripped = through.rstrip()
+    if len(stripped) > start and stripped.endswith(specials):
+        return len(stripped)
+    return len(through)
+
+
 def _render_messages(
     row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
 ) -> Rendered:
     messages = _normalize_messages(row[columns["messages"]], columns)
     text = render_chat(tokenizer, messages, chat_template)
+    specials = special_tokens(tokenizer)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -170,9 +195,11 @@ def _render_messages(
                 f"{i} is not a prefix of the full rendering), so assistant turns cannot be located; "
                 "set data.chat_template to a prefix-stable template"
             )
-        spans.append((len(before), len(through)))
+        spans.append((len(before), _turn_end(through, len(before), specials)))
     eos = tokenizer.eos_token
-    add_eos = bool(eos) and not text.rstrip().endswith(eos)
+    # the template's own end-of-turn tokens: the special tokens that close its assistant turns
+    end_of_turn = tuple(t for t in specials if any(text[:end].endswith(t) for _, end in spans))
+    add_eos = bool(eos) and not text.rstrip().endswith((eos, *end_of_turn))
     ends_with_answer = bool(messages) and messages[-1]["role"] == "assistant"
     if train_on_prompt:
         spans = [(0, len(text))]

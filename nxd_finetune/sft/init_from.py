@@ -5,24 +5,28 @@ adapter prefix (:func:`nxd_finetune.registry.fetch.fetch_adapter`). The adapter 
 same LoRA as the recipe: rank, alpha, rsLoRA, bias mode, ``modules_to_save`` and the set of
 modules ``target_modules`` selects in this model (compared after matching, so ``all-linear`` and
 the explicit list of the same layers agree). Any difference is one AdapterError line naming the
-recipe field and both values; a base model that differs from the one the adapter records (config
-hash, revision) is only a warning.
+recipe field and both values. A base model that differs from the one the adapter records
+(:func:`nxd_finetune.lora.identity.check_base`: config keys, or the same config with other
+weights) is one AdapterError line too, unless ``lora.allow_other_base: true``; an adapter that
+records no base fingerprint, or another revision, is a warning.
+
+:func:`check_init_from` is the whole check without loading anything; ``run`` (through
+:func:`init_lora_from`) and ``validate`` both call it, so they refuse the same adapters with the
+same line.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+from pathlib import Path
 
 from torch import nn
 
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora import LoraConfig, find_targets, load_adapter
+from nxd_finetune.lora.identity import check_base
 from nxd_finetune.lora.io import CONFIG_NAME
-from nxd_finetune.lora.merge import base_mismatches
 from nxd_finetune.models import DecoderConfig, build_model
-
-log = logging.getLogger(__name__)
 
 
 def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: DecoderConfig, source: str) -> None:
@@ -50,26 +54,39 @@ def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: Dec
         )
 
 
+def check_init_from(adapter_dir: Path, recipe_cfg: LoraConfig, source: str, *, config: DecoderConfig,
+                    model_dir: Path, revision: str | None = None, allow_other_base: bool = False,
+                    warn: bool = True) -> None:
+    """Check the fetched adapter in ``adapter_dir`` before anything is loaded: a LoRA adapter
+    (``peft_type``), the same LoRA as the recipe (:func:`check_same_lora`) and the same base
+    (:func:`~nxd_finetune.lora.identity.check_base`). One AdapterError line naming ``source``."""
+    try:
+        adapter_cfg = LoraConfig.from_peft_dict(json.loads((adapter_dir / CONFIG_NAME).read_text()))
+    except (AdapterError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"lora.init_from {source}: {e}") from None
+    check_same_lora(recipe_cfg, adapter_cfg, config, source)
+    check_base(adapter_dir, config, model_dir, where=f"lora.init_from {source}", allow=allow_other_base,
+               allow_hint="set lora.allow_other_base: true", revision=revision, warn=warn)
+
+
 def init_lora_from(
-    model: nn.Module, recipe_cfg: LoraConfig, source: str, *, config: DecoderConfig, revision: str | None = None
+    model: nn.Module, recipe_cfg: LoraConfig, source: str, *, config: DecoderConfig, model_dir: Path,
+    revision: str | None = None, allow_other_base: bool = False, warn: bool = True,
 ) -> str | None:
     """Load the adapter ``source`` names into ``model`` (already injected with ``recipe_cfg``).
 
-    Checks the adapter against the recipe (:func:`check_same_lora`) and, through ``load_adapter``,
-    every tensor's name and shape before anything is copied; values are cast to the parameters'
-    dtype (fp32 master weights stay fp32). Returns the lineage: the pinned registry REF the adapter
-    was pulled from, or None for a directory. Raises AdapterError / RegistryError with one line.
+    Checks the adapter (:func:`check_init_from`; ``model_dir``: the base checkpoint, whose
+    fingerprint is compared; ``warn``: print its warnings, e.g. on rank 0 only) and, through
+    ``load_adapter``, every tensor's name and shape before anything is copied; values are cast to
+    the parameters' dtype (fp32 master weights stay fp32). Returns the lineage: the pinned
+    registry REF the adapter was pulled from, or None for a directory. Raises AdapterError /
+    RegistryError with one line.
     """
     from nxd_finetune.registry.fetch import fetch_adapter
 
     with fetch_adapter(source, "lora.init_from") as fetched:
-        try:
-            adapter_cfg = LoraConfig.from_peft_dict(json.loads((fetched.path / CONFIG_NAME).read_text()))
-        except (AdapterError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AdapterError(f"lora.init_from {source}: {e}") from None
-        check_same_lora(recipe_cfg, adapter_cfg, config, source)
-        for line in base_mismatches(fetched.path, config, revision):
-            log.warning("warning: lora.init_from %s: %s; starting from it anyway", source, line)
+        check_init_from(fetched.path, recipe_cfg, source, config=config, model_dir=model_dir, revision=revision,
+                        allow_other_base=allow_other_base, warn=warn)
         try:
             load_adapter(model, fetched.path, inject=False)
         except AdapterError as e:

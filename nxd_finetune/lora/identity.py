@@ -1,0 +1,198 @@
+"""The identity of an adapter's base model, and the check that an adapter is used on that base.
+
+An adapter written by nxd-finetune records its base in the safetensors header's metadata, where
+PEFT does not look (the file stays a plain PEFT adapter):
+
+- ``nxd_config_hash``: :meth:`DecoderConfig.config_hash` (a short hash, also shown by the registry);
+- ``nxd_base_config``: the model-defining config fields (:func:`identity_config`) as JSON, so a
+  mismatch can name the keys that differ;
+- ``nxd_base_weights``: :func:`weights_fingerprint` of the base checkpoint.
+
+``lora.init_from`` and ``nxd-finetune merge`` call :func:`check_base`: a different base is one
+AdapterError line (config keys that differ, or same config but other weights) unless the caller
+allows it on purpose; an adapter that records no fingerprint (older files, PEFT's adapters) is one
+``warning:`` line (:class:`~nxd_finetune.errors.NxdWarning`) and is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from nxd_finetune.errors import AdapterError, ModelLoadError, NxdWarning
+from nxd_finetune.models import DecoderConfig
+
+CONFIG_HASH_KEY = "nxd_config_hash"
+BASE_CONFIG_KEY = "nxd_base_config"
+BASE_WEIGHTS_KEY = "nxd_base_weights"
+SAMPLE_BYTES = 4096  # of each tensor's data, from its start and from its end
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+
+
+def identity_config(config: DecoderConfig) -> dict[str, Any]:
+    """The fields that define the model (every :class:`DecoderConfig` field and HF's
+    ``model_type``), JSON-normalised. Keys such as ``transformers_version`` or the file dtype are
+    left out: a base re-saved by another transformers release is the same base."""
+    d: dict[str, Any] = {k: v for k, v in dataclasses.asdict(config).items() if k != "raw"}
+    d["model_type"] = config.to_hf().get("model_type")
+    return json.loads(json.dumps(d, sort_keys=True))
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over the base checkpoint's tensors in name order: each tensor's name, dtype and shape
+    (from the safetensors headers) and the first and last :data:`SAMPLE_BYTES` of its data.
+
+    Why samples and not the header bytes alone: two checkpoints of one config (a base and its
+    instruct model, two random inits) have identical headers; every tensor's values differ, so
+    its first bytes do. Reading 8 KiB per tensor keeps this fast for GB checkpoints (a few hundred
+    small reads). The order is by tensor name, so resharding a checkpoint (or other safetensors
+    metadata) keeps the fingerprint; another dtype changes it. Raises ModelLoadError for an
+    unreadable checkpoint."""
+    from nxd_finetune.models import checkpoint_index
+
+    index = checkpoint_index(model_dir)
+    headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+    for path in sorted(set(index.values()), key=lambda p: p.name):
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                headers[path] = (8 + n, json.loads(f.read(n)))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read checkpoint file {path}: {e}") from None
+    h = hashlib.sha256()
+    handles = {path: open(path, "rb") for path in headers}  # noqa: SIM115 (closed below)
+    try:
+        for name in sorted(index):
+            path = index[name]
+            start_of_data, header = headers[path]
+            info = header.get(name)
+            if not isinstance(info, dict):
+                raise ModelLoadError(f"checkpoint file {path} lacks tensor {name!r} its index names")
+            begin, end = (start_of_data + o for o in info["data_offsets"])
+            h.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+            f = handles[path]
+            spans = [(begin, end)] if end - begin <= 2 * SAMPLE_BYTES else [
+                (begin, begin + SAMPLE_BYTES), (end - SAMPLE_BYTES, end)]
+            for a, b in spans:
+                f.seek(a)
+                h.update(f.read(b - a))
+    finally:
+        for f in handles.values():
+            f.close()
+    return h.hexdigest()
+
+
+def base_identity(config: DecoderConfig, model_dir: str | Path) -> dict[str, str]:
+    """The safetensors metadata entries that record ``model_dir`` (with ``config``) as the base."""
+    return {
+        CONFIG_HASH_KEY: config.config_hash(),
+        BASE_CONFIG_KEY: json.dumps(identity_config(config), sort_keys=True, separators=(",", ":")),
+        BASE_WEIGHTS_KEY: weights_fingerprint(model_dir),
+    }
+
+
+def _recorded(adapter_dir: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(adapter_dir / WEIGHTS_NAME), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    except (OSError, SafetensorError):
+        meta = {}
+    if not meta.get(CONFIG_HASH_KEY):  # older adapters kept the hash in adapter_config.json
+        try:
+            old = json.loads((adapter_dir / CONFIG_NAME).read_text()).get(CONFIG_HASH_KEY)
+        except (OSError, ValueError):
+            old = None
+        if old:
+            meta[CONFIG_HASH_KEY] = old
+    return meta
+
+
+def _config_difference(recorded: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    keys = sorted(k for k in set(recorded) | set(actual) if recorded.get(k) != actual.get(k))
+    if not keys:
+        return None
+    shown = ", ".join(f"{k} ({recorded.get(k)!r} vs {actual.get(k)!r})" for k in keys[:4])
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return f"config differs in {shown}{more} (adapter's base vs this base)"
+
+
+def base_difference(adapter_dir: str | Path, config: DecoderConfig, model_dir: str | Path) -> str | None:
+    """What differs between the base the adapter records and ``model_dir`` (``config``): the config
+    keys, or ``same config but other weights``; None when they are the same base. Raises
+    AdapterError when the adapter records no fingerprint (see :func:`check_base`)."""
+    meta = _recorded(Path(adapter_dir))
+    if not meta.get(BASE_WEIGHTS_KEY) or not meta.get(BASE_CONFIG_KEY):
+        raise AdapterError("the adapter records no base fingerprint")
+    try:
+        recorded_config = json.loads(meta[BASE_CONFIG_KEY])
+    except ValueError:
+        raise AdapterError(f"the adapter's {BASE_CONFIG_KEY} metadata is not JSON") from None
+    diff = _config_difference(recorded_config, identity_config(config))
+    if diff is not None:
+        return diff
+    if meta[BASE_WEIGHTS_KEY] != weights_fingerprint(model_dir):
+        return "same config but other weights"
+    return None
+
+
+def base_mismatches(adapter_dir: str | Path, config: DecoderConfig, revision: str | None = None) -> list[str]:
+    """The served-base check (:mod:`nxd_finetune.serve.lora_cache`, no checkpoint to fingerprint):
+    one line per difference between the config hash / ``revision`` the adapter records and
+    ``config``'s / ``revision``. Fields either side leaves empty are not compared."""
+    adapter_dir = Path(adapter_dir)
+    out = []
+    recorded, actual = _recorded(adapter_dir).get(CONFIG_HASH_KEY), config.config_hash()
+    if recorded and recorded != actual:
+        out.append(f"the adapter was trained on a base with config hash {recorded}, this base has {actual}")
+    raw_revision = _recorded_revision(adapter_dir)
+    if raw_revision and revision and raw_revision != revision:
+        out.append(f"the adapter records base revision {raw_revision!r}, this base is at {revision!r}")
+    return out
+
+
+def _recorded_revision(adapter_dir: Path) -> str | None:
+    try:
+        return json.loads((adapter_dir / CONFIG_NAME).read_text()).get("revision") or None
+    except (OSError, ValueError):
+        return None
+
+
+def check_base(adapter_dir: str | Path, config: DecoderConfig, model_dir: str | Path, *, where: str,
+               allow: bool, allow_hint: str, revision: str | None = None, warn: bool = True) -> None:
+    """Refuse an adapter trained on another base than ``model_dir``: one AdapterError line
+    ``<where>: the adapter was trained on another base than <model_dir>: <difference>; <allow_hint>
+    to use it anyway``. With ``allow`` the difference is a warning instead. An adapter without a
+    fingerprint, or whose ``revision`` differs from ``revision``, is one ``warning:`` line
+    (NxdWarning; only with ``warn``, e.g. on one rank of many)."""
+    adapter_dir = Path(adapter_dir)
+    notes = []
+    meta = _recorded(adapter_dir)
+    if not meta.get(BASE_WEIGHTS_KEY):
+        note = "the adapter records no base fingerprint (an older or PEFT adapter), so its base is not checked"
+        recorded_hash, actual = meta.get(CONFIG_HASH_KEY), config.config_hash()
+        if recorded_hash and recorded_hash != actual:
+            note += f"; it was trained on a base with config hash {recorded_hash}, this base has {actual}"
+        notes.append(note)
+    else:
+        diff = base_difference(adapter_dir, config, model_dir)
+        if diff is not None and not allow:
+            raise AdapterError(f"{where}: the adapter was trained on another base than {model_dir}: {diff}; "
+                               f"{allow_hint} to use it anyway")
+        if diff is not None:
+            notes.append(f"the adapter was trained on another base: {diff}")
+    raw_revision = _recorded_revision(adapter_dir)
+    if raw_revision and revision and raw_revision != revision:
+        notes.append(f"the adapter records base revision {raw_revision!r}, this base is at {revision!r}")
+    if notes and warn:
+        warnings.warn(f"{where}: {'; '.join(notes)}; using it anyway", NxdWarning, stacklevel=2)
+
+
+__all__ = ["BASE_CONFIG_KEY", "BASE_WEIGHTS_KEY", "base_difference", "base_identity", "base_mismatches", "check_base",
+           "identity_config", "weights_fingerprint"]
