@@ -11,6 +11,7 @@ import torch
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import data as data_mod
+from nxd_finetune.sft import tokenize as tokenize_mod
 from nxd_finetune.sft.data import DataSpec, TokenizedDataset, load_rows, prepare_datasets, tokenize_rows
 from nxd_finetune.sft.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 from nxd_finetune.sft.loader import build_dataloaders
@@ -218,6 +219,30 @@ def test_truncation_and_drop_are_counted(bpe_tok):
     assert ds.stats["trainable_tokens"] == sum(
         sum(t != IGNORE_INDEX for t in ds[i]["labels"][1:]) for i in range(len(ds))
     )
+
+
+
+def test_worker_processes_give_the_same_samples(bpe_tok, tmp_path):
+    """``data.num_proc``: forked workers over contiguous shares give the same arrays, counts and
+    order as one process, with truncated and dropped samples in several shares."""
+    long_text = "The cat sees the dog. " * 20
+    rows = []
+    for i in range(2 * tokenize_mod._CHUNK + 37):
+        kind = i % 7
+        prompt = long_text if kind == 3 else f"Question {i}:"
+        answer = long_text if kind == 5 else f" answer {i % 13}"
+        rows.append({"prompt": prompt, "completion": answer})
+    path = tmp_path / "rows.jsonl"
+    _write_rows(path, rows)
+    loaded = load_rows(str(path))
+    results = [tokenize_rows(loaded, DataSpec(format="prompt_completion", max_seq_len=24, num_proc=n), bpe_tok)
+               for n in (1, 2, 3)]
+    one = results[0]
+    assert one.stats["truncated"] > 0 and one.stats["dropped"] > 0
+    for other in results[1:]:
+        assert torch.equal(one.input_ids, other.input_ids) and torch.equal(one.labels, other.labels)
+        assert torch.equal(one.offsets, other.offsets) and one.stats == other.stats
+    assert tokenize_mod.worker_count("auto", 100) == 1 and tokenize_mod.worker_count(4, 2) == 2
 
 
 # ---------------------------------------------------------------- loading and cache

@@ -55,6 +55,7 @@ class DataSection(_Section):
     cache_dir: str | None = None
     shuffle: bool = True
     max_samples: PosInt | None = None
+    num_proc: PosInt | Literal["auto"] = "auto"  # tokenizing processes (auto: a core each, large sets)
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:

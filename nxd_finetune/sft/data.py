@@ -1,7 +1,8 @@
 """Load dataset rows, tokenize them once, and cache the result on disk.
 
-Flow: :func:`load_rows` (``datasets``) -> :func:`tokenize_rows` (formats.py: render, tokenize, mask;
-truncate to ``max_seq_len``; drop samples left with nothing to train) -> :class:`TokenizedDataset`
+Flow: :func:`load_rows` (``datasets``) -> ``tokenize.tokenize_rows`` (formats.py: render, tokenize,
+mask; truncate to ``max_seq_len``; drop samples left with nothing to train; ``data.num_proc``
+worker processes) -> :class:`TokenizedDataset`
 (flat int32 tensors + offsets) -> cached as safetensors by :func:`prepare_datasets`.
 
 The cache key hashes the tokenizer (``backend_tokenizer.to_str()``, special tokens, chat template),
@@ -19,23 +20,21 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from nxd_finetune.errors import DataError
-from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import formats
+from nxd_finetune.sft.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 EVAL_SPLIT_SEED = 0  # eval_fraction split: fixed, so train/eval never mix across runs or seeds
-_CHUNK = 1000
 
 
 @dataclasses.dataclass
@@ -54,6 +53,7 @@ class DataSpec:
     cache_dir: str | None = None
     shuffle: bool = True
     max_samples: int | None = None
+    num_proc: int | str = "auto"
 
     @classmethod
     def of(cls, section: Any) -> DataSpec:
@@ -187,103 +187,6 @@ def load_rows(spec: str | Sequence[str], base_dir: str | Path | None = None, hf_
         return datasets.concatenate_datasets(parts)
     except Exception as e:
         raise DataError(f"data sources {', '.join(sources)} do not share the same columns: {e}".splitlines()[0]) from e
-
-
-class TokenizedDataset:
-    """Tokenized samples stored flat: ``input_ids``/``labels`` int32 [N_tokens], ``offsets`` int64 [n+1].
-
-    Sample ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``; ``stats`` holds the counts of
-    :func:`tokenize_rows`.
-    """
-
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, stats: dict[str, int]):
-        self.input_ids, self.labels, self.offsets, self.stats = input_ids, labels, offsets, stats
-
-    @classmethod
-    def from_samples(cls, samples: Sequence[tuple[list[int], list[int]]], stats: dict[str, int]) -> TokenizedDataset:
-        lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
-        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        flat_ids = [t for ids, _ in samples for t in ids]
-        flat_labels = [t for _, labels in samples for t in labels]
-        return cls(
-            torch.tensor(flat_ids, dtype=torch.int32), torch.tensor(flat_labels, dtype=torch.int32), offsets, stats
-        )
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.offsets[1:] - self.offsets[:-1]
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist()}
-
-    def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``i`` as (input_ids, labels) int32 views."""
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.input_ids[a:b], self.labels[a:b]
-
-    def save(self, path: Path) -> None:
-        save_file(
-            {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets},
-            str(path),
-            metadata={"stats": json.dumps(self.stats)},
-        )
-
-    @classmethod
-    def load(cls, path: Path) -> TokenizedDataset:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            stats = json.loads(f.metadata()["stats"])
-        t = load_file(str(path))
-        return cls(t["input_ids"], t["labels"], t["offsets"], stats)
-
-
-def token_stats(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[str, int]:
-    """``samples``, ``tokens`` and ``trainable_tokens`` (labels other than -100 after position 0:
-    position 0 is never a target once labels are shifted)."""
-    n = tokens = trainable = 0
-    for ids, labels in samples:
-        n += 1
-        tokens += len(ids)
-        trainable += sum(1 for t in labels[1:] if t != IGNORE_INDEX)
-    return {"samples": n, "tokens": tokens, "trainable_tokens": trainable}
-
-
-def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
-    """Tokenize a ``datasets.Dataset`` (or list of dict rows) in ``spec.format``.
-
-    Samples longer than ``max_seq_len`` are truncated (keeping the start) and counted in
-    ``stats["truncated"]``; samples with no trainable token left are dropped and counted in
-    ``stats["dropped"]``. Raises DataError for missing columns or malformed rows.
-    """
-    column_names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0]) if rows else []
-    columns = formats.resolve_columns(column_names, spec.format, spec.fields)
-    adds_bos = formats.adds_bos(tokenizer) if spec.format != "messages" else False
-    kept: list[tuple[list[int], list[int]]] = []
-    truncated = dropped = 0
-    for start in range(0, len(rows), _CHUNK):
-        chunk = rows[start : start + _CHUNK]
-        if isinstance(chunk, Mapping):  # datasets slices are column-major
-            chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
-        rendered = [
-            formats.render_row(row, spec.format, columns, tokenizer, chat_template, spec.train_on_prompt, adds_bos)
-            for row in chunk
-        ]
-        for ids, labels in formats.tokenize_rendered(tokenizer, rendered):
-            if len(ids) > spec.max_seq_len:
-                truncated += 1
-                ids, labels = ids[: spec.max_seq_len], labels[: spec.max_seq_len]
-            if all(t == IGNORE_INDEX for t in labels[1:]):
-                dropped += 1
-                continue
-            kept.append((ids, labels))
-    stats = {**token_stats(kept), "truncated": truncated, "dropped": dropped}
-    return TokenizedDataset.from_samples(kept, stats)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -1,0 +1,215 @@
+"""Tokenizing rows into :class:`TokenizedDataset` (flat int32 arrays + offsets), in one process
+or in forked workers over contiguous shares (``data.num_proc``); :mod:`.data` loads and caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nxd_finetune.loss import IGNORE_INDEX
+from nxd_finetune.sft import formats
+
+if TYPE_CHECKING:
+    from nxd_finetune.sft.data import DataSpec
+
+_CHUNK = 1000
+
+
+class TokenizedDataset:
+    """Tokenized samples stored flat: ``input_ids``/``labels`` int32 [N_tokens], ``offsets`` int64 [n+1].
+
+    Sample ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``; ``stats`` holds the counts of
+    :func:`tokenize_rows`.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor, stats: dict[str, int]):
+        self.input_ids, self.labels, self.offsets, self.stats = input_ids, labels, offsets, stats
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[tuple[list[int], list[int]]], stats: dict[str, int]) -> TokenizedDataset:
+        lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
+        offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        flat_ids = [t for ids, _ in samples for t in ids]
+        flat_labels = [t for _, labels in samples for t in labels]
+        return cls(
+            torch.tensor(flat_ids, dtype=torch.int32), torch.tensor(flat_labels, dtype=torch.int32), offsets, stats
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist()}
+
+    def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``i`` as (input_ids, labels) int32 views."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[a:b], self.labels[a:b]
+
+    def save(self, path: Path) -> None:
+        save_file(
+            {"input_ids": self.input_ids, "labels": self.labels, "offsets": self.offsets},
+            str(path),
+            metadata={"stats": json.dumps(self.stats)},
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> TokenizedDataset:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            stats = json.loads(f.metadata()["stats"])
+        t = load_file(str(path))
+        return cls(t["input_ids"], t["labels"], t["offsets"], stats)
+
+
+def token_stats(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[str, int]:
+    """``samples``, ``tokens`` and ``trainable_tokens`` (labels other than -100 after position 0:
+    position 0 is never a target once labels are shifted)."""
+    n = tokens = trainable = 0
+    for ids, labels in samples:
+        n += 1
+        tokens += len(ids)
+        trainable += sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+    return {"samples": n, "tokens": tokens, "trainable_tokens": trainable}
+
+
+def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
+    """Tokenize a ``datasets.Dataset`` (or list of dict rows) in ``spec.format``.
+
+    Samples longer than ``max_seq_len`` are truncated (keeping the start) and counted in
+    ``stats["truncated"]``; samples with no trainable token left are dropped and counted in
+    ``stats["dropped"]``. Raises DataError for missing columns or malformed rows.
+
+    Rows go through the tokenizer ``_CHUNK`` at a time (one batched call each) and every chunk's
+    tokens go straight into int32 arrays, so memory holds the rows, the finished arrays and one
+    chunk. ``spec.num_proc`` worker processes (forked; ``auto``: one per core once there are
+    :data:`ROWS_PER_PROC` rows per process) each take a contiguous share of the rows; the result is
+    the same, in the same order, whatever the number of processes.
+    """
+    column_names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0]) if rows else []
+    columns = formats.resolve_columns(column_names, spec.format, spec.fields)
+    job = _TokenizeJob(rows, spec, tokenizer, chat_template, columns)
+    procs = worker_count(spec.num_proc, len(rows))
+    if procs == 1:
+        parts = [job.run(0, len(rows))]
+    else:
+        import multiprocessing
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no Rust thread pool warning
+        bounds = [len(rows) * i // procs for i in range(procs + 1)]
+        global _JOB
+        _JOB = job
+        try:
+            with multiprocessing.get_context("fork").Pool(procs) as pool:
+                parts = pool.starmap(_run_job, zip(bounds[:-1], bounds[1:], strict=True))
+        finally:
+            _JOB = None
+    return _join(parts)
+
+
+ROWS_PER_PROC = 2000
+"""``data.num_proc: auto`` starts a process per core only where each gets at least this many rows
+(below that, starting them costs more than it saves)."""
+
+
+def worker_count(num_proc: int | str, rows: int) -> int:
+    """Processes for tokenizing ``rows`` rows: ``num_proc`` as given, or under ``auto`` one per
+    available core, at most one per :data:`ROWS_PER_PROC` rows (at least 1)."""
+    if num_proc != "auto":
+        return max(1, min(int(num_proc), max(rows, 1)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, rows // ROWS_PER_PROC))
+
+
+@dataclasses.dataclass
+class _Part:
+    """One contiguous share of the rows, tokenized: flat ids/labels, per-sample lengths, counts."""
+
+    ids: Any  # numpy int32 [tokens]
+    labels: Any  # numpy int32 [tokens]
+    lengths: Any  # numpy int64 [samples]
+    truncated: int
+    dropped: int
+
+
+@dataclasses.dataclass
+class _TokenizeJob:
+    rows: Any
+    spec: DataSpec
+    tokenizer: Any
+    chat_template: str | None
+    columns: dict[str, str]
+
+    def run(self, begin: int, end: int) -> _Part:
+        """Rows ``[begin, end)``, ``_CHUNK`` at a time, into int32 arrays."""
+        import numpy as np
+
+        spec = self.spec
+        adds_bos = formats.adds_bos(self.tokenizer) if spec.format != "messages" else False
+        ids_parts, label_parts, length_parts = [], [], []
+        truncated = dropped = 0
+        for start in range(begin, end, _CHUNK):
+            chunk = self.rows[start : min(start + _CHUNK, end)]
+            if isinstance(chunk, Mapping):  # datasets slices are column-major
+                chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
+            rendered = [
+                formats.render_row(row, spec.format, self.columns, self.tokenizer, self.chat_template,
+                                   spec.train_on_prompt, adds_bos)
+                for row in chunk
+            ]
+            kept_ids: list[int] = []
+            kept_labels: list[int] = []
+            for ids, labels in formats.tokenize_rendered(self.tokenizer, rendered):
+                if len(ids) > spec.max_seq_len:
+                    truncated += 1
+                    ids, labels = ids[: spec.max_seq_len], labels[: spec.max_seq_len]
+                if all(t == IGNORE_INDEX for t in labels[1:]):
+                    dropped += 1
+                    continue
+                kept_ids.extend(ids)
+                kept_labels.extend(labels)
+                length_parts.append(len(ids))
+            ids_parts.append(np.asarray(kept_ids, dtype=np.int32))
+            label_parts.append(np.asarray(kept_labels, dtype=np.int32))
+        empty = np.zeros(0, dtype=np.int32)
+        return _Part(np.concatenate(ids_parts) if ids_parts else empty,
+                     np.concatenate(label_parts) if label_parts else empty,
+                     np.asarray(length_parts, dtype=np.int64), truncated, dropped)
+
+
+_JOB: _TokenizeJob | None = None  # the job forked workers inherit (not pickled: the rows stay shared)
+
+
+def _run_job(begin: int, end: int) -> _Part:
+    assert _JOB is not None
+    return _JOB.run(begin, end)
+
+
+def _join(parts: list[_Part]) -> TokenizedDataset:
+    import numpy as np
+
+    ids = torch.from_numpy(np.concatenate([p.ids for p in parts]))
+    labels = torch.from_numpy(np.concatenate([p.labels for p in parts]))
+    lengths = torch.from_numpy(np.concatenate([p.lengths for p in parts]))
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    starts = offsets[:-1]
+    # trainable tokens: labels other than -100 after each sample's first position
+    trainable = int((labels != IGNORE_INDEX).sum()) - int((labels[starts] != IGNORE_INDEX).sum()) if len(lengths) else 0
+    stats = {"samples": len(lengths), "tokens": int(lengths.sum()), "trainable_tokens": trainable,
+             "truncated": sum(p.truncated for p in parts), "dropped": sum(p.dropped for p in parts)}
+    return TokenizedDataset(ids, labels, offsets, stats)
