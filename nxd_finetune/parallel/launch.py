@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -200,6 +201,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _lost_peer(text: str) -> bool:
+    """A collective that failed because a peer went away: a consequence, never the root cause
+    while another rank's own failure is known."""
+    return any(marker in text for marker in _LOST_PEER)
+
+
+LOST_PEER_GRACE_S = 2.0
+
+
+class _RootCauseFirst:
+    """A worker function that, when its collective lost a peer, waits :data:`LOST_PEER_GRACE_S`
+    before raising: the agent then sees the peer's own failure (a kill, a crash) first and reports
+    that, not the connection error it caused. Picklable for ``spawn``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)  # the agent names the entrypoint
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except Exception as e:
+            if _lost_peer(str(e)):
+                time.sleep(LOST_PEER_GRACE_S)
+            raise
+
+
 def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -> str:
     """One line for the root-cause (earliest) failure of a ``ChildFailedError``.
 
@@ -208,7 +240,9 @@ def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -
     often share one (the error file is written before the raising process exits, so before its
     peers fail). Error files under ``log_dir`` count too: a rank that raised but had not exited
     when the agent stopped the others is not among ``err.failures``; only the last attempt's
-    files are read (earlier attempts failed and were restarted)."""
+    files are read (earlier attempts failed and were restarted). A rank whose collective lost its
+    peer's connection comes after every other failure, whatever its time: a killed peer's time is
+    the agent's whole-second stamp, which can come later than the survivor's error file."""
     found: dict[int, tuple[float, str]] = {}  # rank -> (when, text)
     for rank, failure in err.failures.items():
         path = failure.error_file
@@ -234,7 +268,7 @@ def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -
         message = message.get("message", "") if isinstance(message, dict) else str(message)
         if message.strip():
             found[rank] = (os.path.getmtime(path), message.strip().splitlines()[0])
-    rank = min(found, key=lambda r: (found[r][0], r))
+    rank = min(found, key=lambda r: (_lost_peer(found[r][1]), found[r][0], r))
     more = len(found) - 1
     gave_up = f"; gave up after {max_restarts} restart(s)" if max_restarts else ""
     return (f"worker rank {rank} failed: {found[rank][1]}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
@@ -316,7 +350,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "
         one_line = _RepeatedFailuresOneLine()
         logging.getLogger(ELASTIC_PROCS_LOGGER).addFilter(one_line)
         try:
-            results = elastic_launch(config, fn)(*args)
+            results = elastic_launch(config, _RootCauseFirst(fn))(*args)
         except ChildFailedError as e:
             raise NxdError(_failure_line(e, log_dir, max_restarts)) from None
         finally:
