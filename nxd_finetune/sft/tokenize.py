@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,30 +96,32 @@ def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = N
     ``stats["dropped"]``. Raises DataError for missing columns or malformed rows.
 
     Rows go through the tokenizer ``_CHUNK`` at a time (one batched call each) and every chunk's
-    tokens go straight into int32 arrays, so memory holds the rows, the finished arrays and one
-    chunk. ``spec.num_proc`` worker processes (forked; ``auto``: one per core once there are
-    :data:`ROWS_PER_PROC` rows per process) each take a contiguous share of the rows; the result is
-    the same, in the same order, whatever the number of processes.
+    tokens are appended to int32 files in a temporary directory, read at the end into tensors
+    allocated once: memory holds the rows, the finished arrays and one chunk. ``spec.num_proc``
+    worker processes (forked; ``auto``: one per core once there are :data:`ROWS_PER_PROC` rows per
+    process) each take a contiguous share of the rows; the result is the same, in the same order,
+    whatever the number of processes.
     """
     column_names = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0]) if rows else []
     columns = formats.resolve_columns(column_names, spec.format, spec.fields)
-    job = _TokenizeJob(rows, spec, tokenizer, chat_template, columns)
     procs = worker_count(spec.num_proc, len(rows))
-    if procs == 1:
-        parts = [job.run(0, len(rows))]
-    else:
-        import multiprocessing
+    with tempfile.TemporaryDirectory(prefix="nxd-tokenize-") as spill:
+        job = _TokenizeJob(rows, spec, tokenizer, chat_template, columns, spill)
+        if procs == 1:
+            parts = [job.run(0, len(rows))]
+        else:
+            import multiprocessing
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no Rust thread pool warning
-        bounds = [len(rows) * i // procs for i in range(procs + 1)]
-        global _JOB
-        _JOB = job
-        try:
-            with multiprocessing.get_context("fork").Pool(procs) as pool:
-                parts = pool.starmap(_run_job, zip(bounds[:-1], bounds[1:], strict=True))
-        finally:
-            _JOB = None
-    return _join(parts)
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers: no Rust pool warning
+            bounds = [len(rows) * i // procs for i in range(procs + 1)]
+            global _JOB
+            _JOB = job
+            try:
+                with multiprocessing.get_context("fork").Pool(procs) as pool:
+                    parts = pool.starmap(_run_job, zip(bounds[:-1], bounds[1:], strict=True))
+            finally:
+                _JOB = None
+        return _join(parts)
 
 
 ROWS_PER_PROC = 2000
@@ -137,10 +140,12 @@ def worker_count(num_proc: int | str, rows: int) -> int:
 
 @dataclasses.dataclass
 class _Part:
-    """One contiguous share of the rows, tokenized: flat ids/labels, per-sample lengths, counts."""
+    """One contiguous share of the rows, tokenized: its ids and labels spilled to two int32 files
+    (``tokens`` each), per-sample lengths, counts."""
 
-    ids: Any  # numpy int32 [tokens]
-    labels: Any  # numpy int32 [tokens]
+    ids_path: str
+    labels_path: str
+    tokens: int
     lengths: Any  # numpy int64 [samples]
     truncated: int
     dropped: int
@@ -153,17 +158,39 @@ class _TokenizeJob:
     tokenizer: Any
     chat_template: str | None
     columns: dict[str, str]
+    spill_dir: str
 
     def run(self, begin: int, end: int) -> _Part:
-        """Rows ``[begin, end)``, ``_CHUNK`` at a time, into int32 arrays."""
+        """Rows ``[begin, end)``, ``_CHUNK`` at a time, each chunk's int32 tokens appended to this
+        share's two files (memory holds one chunk, whatever the number of rows)."""
         import numpy as np
 
         spec = self.spec
         adds_bos = formats.adds_bos(self.tokenizer) if spec.format != "messages" else False
-        ids_parts, label_parts, length_parts = [], [], []
+        length_parts: list[int] = []
+        truncated = dropped = tokens = 0
+        ids_path = os.path.join(self.spill_dir, f"{begin}.ids")
+        labels_path = os.path.join(self.spill_dir, f"{begin}.labels")
+        ids_file, labels_file = open(ids_path, "wb"), open(labels_path, "wb")
+        with ids_file, labels_file:
+            for start in range(begin, end, _CHUNK):
+                got = self._chunk(start, min(start + _CHUNK, end), adds_bos, length_parts)
+                truncated, dropped = truncated + got[2], dropped + got[3]
+                tokens += len(got[0])
+                np.asarray(got[0], dtype=np.int32).tofile(ids_file)
+                np.asarray(got[1], dtype=np.int32).tofile(labels_file)
+        return _Part(ids_path, labels_path, tokens, np.asarray(length_parts, dtype=np.int64), truncated, dropped)
+
+    def _chunk(self, start: int, stop: int, adds_bos: bool,
+               lengths: list[int]) -> tuple[list[int], list[int], int, int]:
+        """Rows ``[start, stop)``: their kept tokens and labels, flat (lengths appended to
+        ``lengths``), and the truncated and dropped counts."""
+        spec = self.spec
         truncated = dropped = 0
-        for start in range(begin, end, _CHUNK):
-            chunk = self.rows[start : min(start + _CHUNK, end)]
+        kept_ids: list[int] = []
+        kept_labels: list[int] = []
+        if start < stop:
+            chunk = self.rows[start:stop]
             if isinstance(chunk, Mapping):  # datasets slices are column-major
                 chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
             rendered = [
@@ -171,8 +198,6 @@ class _TokenizeJob:
                                    spec.train_on_prompt, adds_bos)
                 for row in chunk
             ]
-            kept_ids: list[int] = []
-            kept_labels: list[int] = []
             for ids, labels in formats.tokenize_rendered(self.tokenizer, rendered):
                 if len(ids) > spec.max_seq_len:
                     truncated += 1
@@ -182,13 +207,8 @@ class _TokenizeJob:
                     continue
                 kept_ids.extend(ids)
                 kept_labels.extend(labels)
-                length_parts.append(len(ids))
-            ids_parts.append(np.asarray(kept_ids, dtype=np.int32))
-            label_parts.append(np.asarray(kept_labels, dtype=np.int32))
-        empty = np.zeros(0, dtype=np.int32)
-        return _Part(np.concatenate(ids_parts) if ids_parts else empty,
-                     np.concatenate(label_parts) if label_parts else empty,
-                     np.asarray(length_parts, dtype=np.int64), truncated, dropped)
+                lengths.append(len(ids))
+        return kept_ids, kept_labels, truncated, dropped
 
 
 _JOB: _TokenizeJob | None = None  # the job forked workers inherit (not pickled: the rows stay shared)
@@ -200,10 +220,18 @@ def _run_job(begin: int, end: int) -> _Part:
 
 
 def _join(parts: list[_Part]) -> TokenizedDataset:
+    """The shares' files read into one pair of int32 tensors (allocated once, at their final size)."""
     import numpy as np
 
-    ids = torch.from_numpy(np.concatenate([p.ids for p in parts]))
-    labels = torch.from_numpy(np.concatenate([p.labels for p in parts]))
+    total = sum(p.tokens for p in parts)
+    ids = torch.empty(total, dtype=torch.int32)
+    labels = torch.empty(total, dtype=torch.int32)
+    at = 0
+    for p in parts:
+        for path, out in ((p.ids_path, ids), (p.labels_path, labels)):
+            with open(path, "rb") as f:
+                f.readinto(memoryview(out[at:at + p.tokens].numpy()))  # type: ignore[arg-type]
+        at += p.tokens
     lengths = torch.from_numpy(np.concatenate([p.lengths for p in parts]))
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
