@@ -118,8 +118,17 @@ def test_cached_copy_is_reused_rechecked_and_never_stale(tmp_path):
         tmp_path / "a/adapter_model.safetensors"
     ).read_bytes()
 
-    remove(f"{reg}/bot:1")  # version 1 pushed again with other content: a new copy
-    push(make_adapter(tmp_path / "b", seed=5), f"{reg}/bot")
+    # version 1 published again with other content (as a registry that reused numbers could):
+    # the cache holds copies by content, so it fetches a new one
+    remove(f"{reg}/bot:1")
+    assert push(make_adapter(tmp_path / "b", seed=5), f"{reg}/bot").version == 2  # numbers are never reused
+    storage = open_registry(reg).storage
+    keys = sorted(storage.list("bot/2/"), key=lambda k: k.endswith("manifest.json"))  # manifest last
+    for key in keys:
+        data = storage.get_bytes(key)
+        if key.endswith("manifest.json"):
+            data = json.dumps({**json.loads(data), "version": 1}).encode()
+        storage.put_bytes("bot/1/" + key.rsplit("/", 1)[1], data)
     other = cache.fetch("bot:1")
     assert other.path != first.path and (other.path / "adapter_model.safetensors").read_bytes() == (
         tmp_path / "b/adapter_model.safetensors"

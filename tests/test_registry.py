@@ -193,6 +193,36 @@ def test_tags_and_remove(reg_uri, tmp_path):
     assert reg.list_names() == [] and not reg.storage.exists("bot/aliases/latest.json")
 
 
+def test_removed_numbers_are_never_reused(reg_uri, tmp_path):
+    """Removing the highest version retires its number: the next push gets a new one, so a REF to
+    the removed version (lineage, a copied tag) can never name other weights."""
+    for seed in range(3):
+        push(make_adapter(tmp_path / f"a{seed}", seed=seed), f"{reg_uri}/bot")
+    remove(f"{reg_uri}/bot:3")
+    assert push(make_adapter(tmp_path / "b", seed=7), f"{reg_uri}/bot").version == 4
+    remove(f"{reg_uri}/bot:4")
+    remove(f"{reg_uri}/bot:1")
+    reg = open_registry(reg_uri)
+    assert reg.versions("bot") == [2] and reg.retired("bot") == [1, 3, 4]
+    assert push(make_adapter(tmp_path / "c", seed=8), f"{reg_uri}/bot").version == 5
+    with pytest.raises(RegistryError, match=r"bot:4 does not exist \(versions: 2, 5\)"):
+        show(f"{reg_uri}/bot:4")
+
+
+def test_push_refuses_what_run_and_merge_refuse(tmp_path):
+    """An adapter ``lora.init_from`` / ``merge`` would refuse (not LoRA, DoRA) is refused at push,
+    with one line naming the directory, and nothing is published."""
+    reg = str(tmp_path / "reg")
+    for name, change in (("ia3", {"peft_type": "IA3"}), ("dora", {"use_dora": True})):
+        d = make_adapter(tmp_path / name)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(RegistryError) as e:
+            push(d, f"{reg}/bot")
+        assert str(d) in str(e.value) and "\n" not in str(e.value)
+    assert not Path(reg).exists() or open_registry(reg).list_names() == []
+
+
 def test_corrupted_object_fails_loudly_without_dest(reg_uri, adapter, tmp_path, request):
     v = push(adapter, f"{reg_uri}/bot")
     data = bytearray((adapter / "adapter_model.safetensors").read_bytes())

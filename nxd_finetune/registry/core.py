@@ -5,6 +5,7 @@ Layout under the root::
     <name>/<version>/adapter_config.json, adapter_model.safetensors, [other allowed files], manifest.json
     <name>/<version>/.claim-<gen>.json      only while a push is in flight
     <name>/aliases/<tag>.json               {"version": N}; "latest" is rewritten after every push/rm
+    <name>/retired/<N>.json                 a removed version's number: never given out again
 
 Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
 conditional create, so a push killed at any point leaves no visible version.
@@ -44,6 +45,7 @@ PushProgress = Callable[[str, int], None]
 
 _VERSION_MANIFEST_RE = re.compile(r"([^/]+)/([1-9][0-9]*)/manifest\.json")
 _MAX_ATTEMPTS = 20
+_RETIRED = "retired"  # <name>/retired/<N>.json: removed version numbers, never reused
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,15 @@ class Registry:
             if m and m.group(1) == name:
                 found.append(int(m.group(2)))
         return sorted(found)
+
+    def retired(self, name: str) -> list[int]:
+        """Version numbers of ``name`` that were removed: never given to a push again."""
+        out = []
+        for key in self.storage.list(f"{check_name(name)}/{_RETIRED}/"):
+            stem = key.rsplit("/", 1)[1].removesuffix(".json")
+            if stem.isdigit():
+                out.append(int(stem))
+        return sorted(out)
 
     def list_tags(self, name: str) -> dict[str, int]:
         """User tags of ``name`` -> version (``latest`` excluded: it is derived)."""
@@ -203,13 +214,14 @@ class Registry:
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
         versions = self.versions(name)
+        retired = self.retired(name)
         if versions and self._manifest(name, versions[-1])["files"] == entries:
             for t in tags:
                 self._write_alias(name, t, versions[-1])
             return dataclasses.replace(self.show(name, versions[-1]), reused=True)
         push_id = uuid.uuid4().hex
         for _ in range(_MAX_ATTEMPTS):
-            v, gen = self.claims.claim(name, push_id, (versions[-1] if versions else 0) + 1)
+            v, gen = self.claims.claim(name, push_id, max([0, *versions, *retired]) + 1)
             try:
                 published = self._upload_and_publish(name, v, gen, files, entries, adapter_base, meta, progress)
             except BaseException:
@@ -221,7 +233,7 @@ class Registry:
                     self._write_alias(name, t, v)
                 self._refresh_latest(name)
                 return Version(self.uri, name, v, published, tuple(sorted(tags)))
-            versions = self.versions(name)  # lost the manifest race: retry with the next number
+            versions, retired = self.versions(name), self.retired(name)  # lost the race: the next number
         raise RegistryError(f"could not publish {name} after {_MAX_ATTEMPTS} attempts (too much contention)")
 
     def _upload_and_publish(self, name, v, gen, files, entries, adapter_base, meta, progress) -> dict | None:
@@ -275,6 +287,9 @@ class Registry:
         if version is None and tag in (None, LATEST):
             raise RegistryError(f"say which version of {name} to remove: NAME:VERSION or NAME@TAG")
         found = self.show(name, version, tag)
+        # the number is retired before the version disappears: no later push takes it again, so a
+        # REF to it (lineage, a tag copied elsewhere) never names other weights
+        self.storage.put_bytes(f"{name}/{_RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
         self.storage.delete(f"{name}/{found.version}/{mf.MANIFEST}")
         self.storage.delete_prefix(f"{name}/{found.version}/")
         for t in found.tags:

@@ -85,11 +85,23 @@ def scan_adapter_dir(src: str | Path) -> dict[str, Path]:
     missing = [f for f in REQUIRED_FILES if f not in files]
     if missing:
         raise RegistryError(f"{src} is not a PEFT adapter directory: missing {', '.join(missing)}")
-    read_adapter_config(files["adapter_config.json"])
+    _check_lora(src, read_adapter_config(files["adapter_config.json"]))
     for name, path in files.items():
         if name.endswith(".safetensors"):
             check_safetensors_header(path)
     return files
+
+
+def _check_lora(src: str | Path, cfg: dict[str, Any]) -> None:
+    """What ``run`` (``lora.init_from``) and ``merge`` accept (a LoRA for a causal LM, without the
+    PEFT features we do not implement), checked before anything is uploaded."""
+    from nxd_finetune.errors import AdapterError
+    from nxd_finetune.lora.config import LoraConfig
+
+    try:
+        LoraConfig.from_peft_dict(cfg)
+    except AdapterError as e:
+        raise RegistryError(f"{src}: {e}") from None
 
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
