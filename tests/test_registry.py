@@ -143,7 +143,8 @@ def test_push_pull_show_ls(reg_uri, adapter, tmp_path):
     assert [v.version for v in reg.list_versions("support-bot")] == [1, 2]
     assert show(f"{reg_uri}/support-bot").version == 2
     assert show(f"{reg_uri}/support-bot@latest").version == 2
-    assert json.loads(reg.storage.get_bytes("support-bot/aliases/latest.json")) == {"version": 2}
+    latest = json.loads(reg.storage.get_bytes("support-bot/aliases/latest.json"))
+    assert latest == {"version": 2, "manifest_sha256": reg._manifest_sha("support-bot", 2)}
 
     dest = tmp_path / "out" / "pulled"
     got = pull(f"{reg_uri}/support-bot:1", dest)
@@ -186,7 +187,7 @@ def test_tags_and_remove(reg_uri, tmp_path):
     assert reg.storage.list("bot/2/") == []
     remove(f"{reg_uri}/bot:3")
     assert show(f"{reg_uri}/bot").version == 1
-    assert json.loads(reg.storage.get_bytes("bot/aliases/latest.json")) == {"version": 1}
+    assert json.loads(reg.storage.get_bytes("bot/aliases/latest.json"))["version"] == 1
     with pytest.raises(RegistryError, match="say which version"):
         remove(f"{reg_uri}/bot")
     remove(f"{reg_uri}/bot:1")
@@ -207,6 +208,36 @@ def test_removed_numbers_are_never_reused(reg_uri, tmp_path):
     assert push(make_adapter(tmp_path / "c", seed=8), f"{reg_uri}/bot").version == 5
     with pytest.raises(RegistryError, match=r"bot:4 does not exist \(versions: 2, 5\)"):
         show(f"{reg_uri}/bot:4")
+
+
+def test_tags_name_the_content_they_were_given(reg_uri, tmp_path):
+    """A tag records its version's manifest sha256: pulling through a tag whose version was removed
+    behind its back, or whose manifest changed, is refused with one line; tags written before
+    (version only) still work; a tag of a version that is gone is not written."""
+    for seed in range(2):
+        push(make_adapter(tmp_path / f"a{seed}", seed=seed), f"{reg_uri}/bot")
+    tag(f"{reg_uri}/bot:1", "prod")
+    tag(f"{reg_uri}/bot:2", "canary")
+    reg = open_registry(reg_uri)
+    alias = json.loads(reg.storage.get_bytes("bot/aliases/prod.json"))
+    assert alias["version"] == 1 and len(alias["manifest_sha256"]) == 64
+    assert pull(f"{reg_uri}/bot@prod", tmp_path / "p1").version == 1
+
+    manifest = json.loads(reg.storage.get_bytes("bot/1/manifest.json"))  # content changed under the tag
+    reg.storage.put_bytes("bot/1/manifest.json", json.dumps({**manifest, "metrics": {"edited": 1}}).encode())
+    with pytest.raises(IntegrityError, match="tag 'prod' of .* names version 1, whose manifest changed"):
+        pull(f"{reg_uri}/bot@prod", tmp_path / "p2")
+    assert not (tmp_path / "p2").exists()
+
+    reg.storage.delete("bot/2/manifest.json")  # removed behind the tag's back (not through rm)
+    with pytest.raises(RegistryError, match="tag 'canary' of .* names version 2, which was removed"):
+        show(f"{reg_uri}/bot@canary")
+    with pytest.raises(RegistryError, match="bot:2 does not exist"):
+        tag(f"{reg_uri}/bot:2", "beta")
+    assert "beta" not in reg.list_tags("bot")
+
+    reg.storage.put_bytes("bot/aliases/old.json", json.dumps({"version": 1}).encode())  # an older tag
+    assert show(f"{reg_uri}/bot@old").version == 1
 
 
 def test_push_refuses_what_run_and_merge_refuse(tmp_path):

@@ -4,7 +4,8 @@ Layout under the root::
 
     <name>/<version>/adapter_config.json, adapter_model.safetensors, [other allowed files], manifest.json
     <name>/<version>/.claim-<gen>.json      only while a push is in flight
-    <name>/aliases/<tag>.json               {"version": N}; "latest" is rewritten after every push/rm
+    <name>/aliases/<tag>.json               {"version": N, "manifest_sha256": ...}; "latest" is
+                                            rewritten after every push/rm
     <name>/retired/<N>.json                 a removed version's number: never given out again
 
 Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
@@ -132,11 +133,13 @@ class Registry:
         where = f"{self.uri.rstrip('/')}/{name}"
         if version is None and tag not in (None, LATEST):
             try:
-                version = int(json.loads(self.storage.get_bytes(f"{name}/aliases/{check_tag(tag)}.json"))["version"])
+                alias = json.loads(self.storage.get_bytes(f"{name}/aliases/{check_tag(tag)}.json"))
+                version = int(alias["version"])
             except StorageNotFoundError:
                 raise RegistryError(f"{where} has no tag {tag!r}") from None
             except (ValueError, KeyError, TypeError):
                 raise RegistryError(f"{where}: alias {tag!r} is malformed") from None
+            self._check_tagged(name, tag, version, alias.get("manifest_sha256"))
         if version is not None:
             if not self.storage.exists(f"{name}/{version}/{mf.MANIFEST}"):
                 known = ", ".join(map(str, self.versions(name))) or "none"
@@ -261,13 +264,51 @@ class Registry:
             raise RegistryError("tag 'latest' is maintained automatically and cannot be set")
         return tag
 
+    def _manifest_sha(self, name: str, v: int) -> str | None:
+        """sha256 of version ``v``'s manifest bytes; None when it does not exist."""
+        import hashlib
+
+        try:
+            return hashlib.sha256(self.storage.get_bytes(f"{name}/{v}/{mf.MANIFEST}")).hexdigest()
+        except StorageNotFoundError:
+            return None
+
+    def _check_tagged(self, name: str, tag: str, v: int, sha: str | None) -> None:
+        """A tag names a version and its manifest's sha256 (tags written before that: the version
+        only): refuse one whose version is gone or whose content changed."""
+        where = f"{self.uri.rstrip('/')}/{name}"
+        current = self._manifest_sha(name, v)
+        if current is None:
+            raise RegistryError(f"tag {tag!r} of {where} names version {v}, which was removed; tag another version")
+        if sha is not None and sha != current:
+            raise IntegrityError(f"tag {tag!r} of {where} names version {v}, whose manifest changed since it was "
+                                 f"tagged (sha256 {current[:12]}.. vs {sha[:12]}..)")
+
     def _write_alias(self, name: str, tag: str, v: int) -> None:
-        self.storage.put_bytes(f"{name}/aliases/{tag}.json", mf.dumps({"version": v}))
+        """Point ``tag`` at ``v`` and the sha256 of its manifest, then check the version is still
+        there: a tag racing a removal of its version is taken back and refused, never left dangling."""
+        sha = self._manifest_sha(name, v)
+        where = f"{self.uri.rstrip('/')}/{name}:{v}"
+        if sha is None:
+            raise RegistryError(f"{where} does not exist; tag {tag!r} not set")
+        key = f"{name}/aliases/{tag}.json"
+        body = mf.dumps({"version": v, "manifest_sha256": sha})
+        self.storage.put_bytes(key, body)
+        if self._manifest_sha(name, v) != sha:
+            try:
+                if self.storage.get_bytes(key) == body:
+                    self.storage.delete(key)
+            except StorageNotFoundError:
+                pass
+            raise RegistryError(f"{where} was removed while tagging it; tag {tag!r} not set")
 
     def _refresh_latest(self, name: str) -> None:
         versions = self.versions(name)
         if versions:
-            self._write_alias(name, LATEST, versions[-1])
+            try:
+                self._write_alias(name, LATEST, versions[-1])
+            except RegistryError:
+                pass  # removed meanwhile: best effort (latest is resolved by listing)
         else:
             self.storage.delete(f"{name}/aliases/{LATEST}.json")
 
