@@ -240,6 +240,27 @@ def test_tags_name_the_content_they_were_given(reg_uri, tmp_path):
     assert show(f"{reg_uri}/bot@old").version == 1
 
 
+def test_damaged_version_is_skipped_reported_and_removable(reg_uri, tmp_path):
+    """A version whose manifest is truncated: ls, latest, pull and push's unchanged check skip it,
+    its number is not given out again, show names it as damaged in one line, rm removes it."""
+    for seed in range(3):
+        push(make_adapter(tmp_path / f"a{seed}", seed=seed), f"{reg_uri}/bot")
+    reg = open_registry(reg_uri)
+    data = reg.storage.get_bytes("bot/3/manifest.json")
+    reg.storage.put_bytes("bot/3/manifest.json", data[: len(data) // 2])
+    assert [v.version for v in reg.list_versions("bot")] == [1, 2]
+    assert show(f"{reg_uri}/bot").version == 2
+    assert pull(f"{reg_uri}/bot", tmp_path / "latest").version == 2
+    with pytest.raises(RegistryError, match=r"bot:3 is damaged \(.*\); remove it with: nxd-finetune adapters rm") as e:
+        show(f"{reg_uri}/bot:3")
+    assert "\n" not in str(e.value)
+    assert push(make_adapter(tmp_path / "a1", seed=1), f"{reg_uri}/bot").reused  # = version 2, the latest usable
+    assert push(make_adapter(tmp_path / "b", seed=9), f"{reg_uri}/bot").version == 4
+    r = CliRunner().invoke(adapters_app, ["rm", f"{reg_uri}/bot:3", "--yes"])
+    assert r.exit_code == 0 and "removed" in r.output and "bot:3" in r.output, r.output
+    assert reg.versions("bot") == [1, 2, 4] and 3 in reg.retired("bot")
+
+
 def test_push_refuses_what_run_and_merge_refuse(tmp_path):
     """An adapter ``lora.init_from`` / ``merge`` would refuse (not LoRA, DoRA) is refused at push,
     with one line naming the directory, and nothing is published."""

@@ -158,14 +158,20 @@ def rm_cmd(
     """Remove one version (tags pointing to it are dropped)."""
     from nxd_finetune.errors import NxdError
     from nxd_finetune.registry import core
+    from nxd_finetune.registry.ref import parse_ref
 
-    target = core.show(ref)  # fail early on a bad REF or a missing version
+    r = parse_ref(ref)
+    reg = core.open_registry(r.registry)
+    if r.version is None and r.tag in (None, "latest"):
+        raise NxdError(f"say which version of {r.name} to remove: NAME:VERSION or NAME@TAG")
+    version = reg.resolve(r.name, r.version, r.tag)  # fail early on a bad REF or a missing version
+    target = f"{reg.uri.rstrip('/')}/{r.name}:{version}"  # a damaged version (bad manifest) included
     if not yes:
         if not sys.stdin.isatty():
-            raise NxdError(f"refusing to remove {target.ref} without confirmation: pass --yes")
-        if not typer.confirm(f"remove {target.ref}?", default=False):
+            raise NxdError(f"refusing to remove {target} without confirmation: pass --yes")
+        if not typer.confirm(f"remove {target}?", default=False):
             raise typer.Exit(1)
-    v = core.open_registry(target.registry).remove(target.name, target.version)
+    v = reg.remove(r.name, version)
     dropped = f" (dropped tags: {', '.join(v.tags)})" if v.tags else ""
     _say(f"removed {v.ref}{dropped}")
 

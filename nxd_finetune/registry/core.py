@@ -146,16 +146,40 @@ class Registry:
                 via = f" (tag {tag!r})" if tag else ""
                 raise RegistryError(f"{where}:{version}{via} does not exist (versions: {known})")
             return version
-        versions = self.versions(name)
-        if not versions:
+        good, damaged = self._usable(name)
+        if not good:
+            if damaged:
+                raise RegistryError(f"{where} has no usable version (damaged: {', '.join(map(str, damaged))})")
             raise RegistryError(f"no adapter {name!r} in {self.uri}")
-        return versions[-1]
+        return good[-1]
+
+    def _usable(self, name: str) -> tuple[list[int], list[int]]:
+        """``(usable, damaged)`` visible versions of ``name``: a damaged one has a manifest that
+        does not parse; ``latest``, push's unchanged check and ``ls`` skip it (it keeps its number)."""
+        good, damaged = [], []
+        for v in self.versions(name):
+            try:
+                self._manifest(name, v)
+            except RegistryError:
+                if self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                    damaged.append(v)
+                continue
+            good.append(v)
+        return good, damaged
 
     def show(self, name: str, version: int | None = None, tag: str | None = None) -> Version:
         """The resolved version with its manifest and tags."""
         v = self.resolve(name, version, tag)
         tags = tuple(sorted(t for t, tv in self.list_tags(name).items() if tv == v))
-        return Version(self.uri, name, v, self._manifest(name, v), tags)
+        try:
+            manifest = self._manifest(name, v)
+        except RegistryError as e:
+            if not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                raise
+            raise RegistryError(f"{self.uri.rstrip('/')}/{name}:{v} is damaged ({e}); "
+                                f"remove it with: nxd-finetune adapters rm {self.uri.rstrip('/')}/{name}:{v} --yes"
+                                ) from None
+        return Version(self.uri, name, v, manifest, tags)
 
     def _manifest(self, name: str, v: int) -> dict[str, Any]:
         key = f"{name}/{v}/{mf.MANIFEST}"
@@ -218,10 +242,11 @@ class Registry:
         adapter_base = mf.adapter_base(files)
         versions = self.versions(name)
         retired = self.retired(name)
-        if versions and self._manifest(name, versions[-1])["files"] == entries:
+        good, _ = self._usable(name)
+        if good and self._manifest(name, good[-1])["files"] == entries:
             for t in tags:
-                self._write_alias(name, t, versions[-1])
-            return dataclasses.replace(self.show(name, versions[-1]), reused=True)
+                self._write_alias(name, t, good[-1])
+            return dataclasses.replace(self.show(name, good[-1]), reused=True)
         push_id = uuid.uuid4().hex
         for _ in range(_MAX_ATTEMPTS):
             v, gen = self.claims.claim(name, push_id, max([0, *versions, *retired]) + 1)
@@ -303,7 +328,7 @@ class Registry:
             raise RegistryError(f"{where} was removed while tagging it; tag {tag!r} not set")
 
     def _refresh_latest(self, name: str) -> None:
-        versions = self.versions(name)
+        versions, _ = self._usable(name)
         if versions:
             try:
                 self._write_alias(name, LATEST, versions[-1])
@@ -327,7 +352,13 @@ class Registry:
         """
         if version is None and tag in (None, LATEST):
             raise RegistryError(f"say which version of {name} to remove: NAME:VERSION or NAME@TAG")
-        found = self.show(name, version, tag)
+        try:
+            found = self.show(name, version, tag)
+        except RegistryError:
+            v = self.resolve(name, version, tag) if version is not None else None
+            if v is None or not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
+                raise
+            found = Version(self.uri, name, v, {})  # damaged: removable by its number
         # the number is retired before the version disappears: no later push takes it again, so a
         # REF to it (lineage, a tag copied elsewhere) never names other weights
         self.storage.put_bytes(f"{name}/{_RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
