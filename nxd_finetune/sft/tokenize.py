@@ -9,7 +9,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,8 +17,15 @@ from safetensors.torch import load_file, save_file
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import formats
 
-if TYPE_CHECKING:
-    from nxd_finetune.sft.data import DataSpec
+
+class TokenizeSpec(Protocol):
+    """The data settings tokenizing reads (``nxd_finetune.sft.data.DataSpec`` has them)."""
+
+    format: str
+    fields: dict[str, str]
+    max_seq_len: int
+    train_on_prompt: bool
+    num_proc: int | str
 
 _CHUNK = 1000
 
@@ -88,7 +95,7 @@ def token_stats(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[
     return {"samples": n, "tokens": tokens, "trainable_tokens": trainable}
 
 
-def tokenize_rows(rows, spec: DataSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
+def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
     """Tokenize a ``datasets.Dataset`` (or list of dict rows) in ``spec.format``.
 
     Samples longer than ``max_seq_len`` are truncated (keeping the start) and counted in
@@ -154,7 +161,7 @@ class _Part:
 @dataclasses.dataclass
 class _TokenizeJob:
     rows: Any
-    spec: DataSpec
+    spec: TokenizeSpec
     tokenizer: Any
     chat_template: str | None
     columns: dict[str, str]
