@@ -223,7 +223,8 @@ def precompile(
 def _mount_subcommands() -> None:
     from nxd_finetune.registry.cli import adapters_app
 
-    app.add_typer(adapters_app, name="adapters", help="Push, pull, list, show, tag and remove adapters in a registry.")
+    app.add_typer(adapters_app, name="adapters",
+                  help="Push, pull, list, show, tag, remove and gc adapters in a registry.")
     from nxd_finetune.serve.cli import register as register_serve
 
     register_serve(app)  # generate, chat, eval

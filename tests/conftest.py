@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,35 @@ def moto_s3():
             yield endpoint
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server for the session with bucket ``REGISTRY_BUCKET``; dummy credentials and the
+    endpoint are set in the environment."""
+    from tests.s3_server import DUMMY_ENV, REGISTRY_BUCKET, make_bucket, s3_server
+
+    mp = pytest.MonkeyPatch()
+    for k, v in DUMMY_ENV.items():
+        mp.setenv(k, v)
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        mp.delenv(k, raising=False)
+    with s3_server() as endpoint:
+        mp.setenv("NXD_S3_ENDPOINT_URL", endpoint)
+        make_bucket(endpoint, REGISTRY_BUCKET)
+        yield endpoint
+    mp.undo()
+
+
+@pytest.fixture(params=["local", "s3"])
+def reg_uri(request, tmp_path):
+    """A fresh, empty registry root on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "reg")
+    from tests.s3_server import REGISTRY_BUCKET
+
+    request.getfixturevalue("s3_endpoint")
+    return f"s3://{REGISTRY_BUCKET}/{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="module")

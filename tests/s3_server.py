@@ -16,6 +16,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+REGISTRY_BUCKET = "nxd-test-adapters"
+"""The bucket of the ``s3_endpoint`` / ``reg_uri`` fixtures (``tests/conftest.py``)."""
+
 DUMMY_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

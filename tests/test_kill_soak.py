@@ -2,7 +2,9 @@
 files byte-identical to an uninterrupted run's and the same loss curve, each step logged once.
 
 Phases: right after an optimizer step (before any save of that step), during a synchronous save
-(files written, manifest not), during an asynchronous save. Trials come from a fixed seed list:
+(files written, manifest not), during an asynchronous save, and while a state file is still a temp
+file (written, not yet renamed to its name). No temp file survives the resumed run, in the output
+or in the temp directory. Trials come from a fixed seed list:
 5 in ``make test``, 20 with ``NXD_FINETUNE_SOAK_TRIALS=20`` (``make test-soak``).
 """
 
@@ -11,20 +13,24 @@ from __future__ import annotations
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
 from test_checkpoint_resume import STEPS, curve, env, finish, records, resumed_from, start  # noqa: F401
 
 TRIALS = int(os.environ.get("NXD_FINETUNE_SOAK_TRIALS", "5"))
+PHASES = ["after-step", "sync-save", "async-save", "stage-write"]
 SAVE_STEPS = [s for s in range(1, STEPS + 1) if s % 2 == 0]  # checkpoint.every_n_steps=2 in RUN
 
 
 def trial(seed: int) -> tuple[str, int, bool]:
     """(failpoint phase, step, async save) of trial ``seed``."""
     rng = random.Random(seed)
-    phase = rng.choice(["after-step", "sync-save", "async-save"])
+    phase = PHASES[seed % len(PHASES)]  # every phase within any 4 consecutive seeds
     if phase == "after-step":
         return "after-step", rng.randint(1, STEPS), False
+    if phase == "stage-write":
+        return "stage-written", rng.choice(SAVE_STEPS), rng.random() < 0.5
     return "before-manifest", rng.choice(SAVE_STEPS), phase == "async-save"
 
 
@@ -51,3 +57,5 @@ def test_killed_at_a_random_point_resumes_byte_identical(env, reference, tmp_pat
         assert (out / "final" / name).read_bytes() == (reference / "final" / name).read_bytes(), (seed, name)
     assert curve(out) == curve(reference), seed
     assert [r["step"] for r in records(out) if "train_loss" in r] == list(range(1, STEPS + 1)), seed
+    assert [p for p in out.rglob(".nxdtmp-*")] == [], seed  # nothing half-written left in the output
+    assert [p for p in Path(env["TMPDIR"]).glob("nxd-ckpt-*")] == [], seed  # nor in the temp directory

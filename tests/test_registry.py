@@ -40,37 +40,12 @@ from nxd_finetune.storage import (
     StorageNotFoundError,
     open_storage,
 )
-from tests.s3_server import DUMMY_ENV, make_bucket, s3_server
+from tests.s3_server import REGISTRY_BUCKET as BUCKET
 
-BUCKET = "nxd-test-adapters"
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A moto S3 server for the session; dummy credentials and the endpoint are set in the environment."""
-    mp = pytest.MonkeyPatch()
-    for k, v in DUMMY_ENV.items():
-        mp.setenv(k, v)
-    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        mp.delenv(k, raising=False)
-    with s3_server() as endpoint:
-        mp.setenv("NXD_S3_ENDPOINT_URL", endpoint)
-        make_bucket(endpoint, BUCKET)
-        yield endpoint
-    mp.undo()
-
-
-@pytest.fixture(params=["local", "s3"])
-def reg_uri(request, tmp_path):
-    """A fresh, empty registry root on each backend."""
-    if request.param == "local":
-        return str(tmp_path / "reg")
-    request.getfixturevalue("s3_endpoint")
-    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
 
 
 def make_adapter(path: Path, seed: int = 0, pad_bytes: int = 0) -> Path:
@@ -319,33 +294,38 @@ def test_concurrent_pushes_get_distinct_versions(reg_uri, tmp_path):
     assert open_registry(reg_uri).storage.list("bot/1/.claim-") == []
 
 
-_KILL_SCRIPT = textwrap.dedent(
+_HANG_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from nxd_finetune.registry import push
+    from nxd_finetune.registry import open_registry
 
-    src, ref, marker = sys.argv[1:4]
+    src, uri, marker = sys.argv[1:4]
 
     def progress(fname, n):
         if fname.endswith(".safetensors"):
-            Path(marker).touch()  # mid-upload of the weights: the parent kills us now
+            Path(marker).touch()  # mid-upload of the weights (S3: after a part): the parent kills us now
             time.sleep(600)
 
-    push(src, ref, progress=progress)
+    opts = dict(multipart_threshold=5 << 20, multipart_chunksize=5 << 20, max_concurrency=1) \\
+        if uri.startswith("s3://") else {}
+    open_registry(uri, **opts).push(src, "bot", progress=progress)
     """
 )
 
 
-def test_push_killed_midway_leaves_no_version(reg_uri, tmp_path):
-    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=512 * 1024)
-    marker = tmp_path / "uploading"
+def worker_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+
+
+def killed_push(uri: str, src: Path, tmp_path: Path) -> None:
+    """A push SIGKILLed in the middle of uploading its weights."""
+    marker = tmp_path / f"uploading-{time.monotonic_ns()}"
     script = tmp_path / "push_and_hang.py"
-    script.write_text(_KILL_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script), str(src), f"{reg_uri}/bot", str(marker)], env=env)
+    script.write_text(_HANG_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(src), uri, str(marker)], env=worker_env(tmp_path))
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not marker.exists():
             assert proc.poll() is None, "push subprocess exited before reaching the upload"
             assert time.monotonic() < deadline, "push subprocess never started uploading"
@@ -353,6 +333,11 @@ def test_push_killed_midway_leaves_no_version(reg_uri, tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_push_killed_midway_leaves_no_version(reg_uri, tmp_path):
+    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=512 * 1024)
+    killed_push(reg_uri, src, tmp_path)
     reg = open_registry(reg_uri)
     assert reg.storage.list("bot/1/.claim-") == ["bot/1/.claim-1.json"]  # it did get that far
     assert reg.list_names() == [] and reg.versions("bot") == []

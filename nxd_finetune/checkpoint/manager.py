@@ -126,7 +126,7 @@ class CheckpointManager:
         opt = unwrap(optimizer)
         groups = group_options(opt, params)
         extra_enc = F.encode_extra(extra) if self.rank == 0 else None
-        if self.rank == 0 and self.storage.list(f"{name}/"):
+        if self.rank == 0 and (self.storage.list(f"{name}/") or self.storage.leftovers(f"{name}/")):
             delete_checkpoint(self.storage, step)  # a stale, possibly half-written save of this step
         save_id = self._broadcast_int(secrets.randbits(62) if self.rank == 0 else 0)
         tensors = collect(params, opt, self.state, copy=self.async_save)  # sync: written before the next step

@@ -128,6 +128,8 @@ def delete_checkpoint(storage: Storage, step: int) -> None:
     name = F.step_dir(step)
     storage.delete(f"{name}/{F.MANIFEST}")
     storage.delete_prefix(f"{name}/")
+    for item in storage.leftovers(f"{name}/"):  # unfinished uploads of a killed save (S3)
+        storage.drop_leftover(item)
 
 
 def retain(storage: Storage, keep_last: int) -> list[int]:
@@ -144,4 +146,11 @@ def retain(storage: Storage, keep_last: int) -> list[int]:
             delete_checkpoint(storage, step)
         except StorageError as e:
             warnings.warn(f"could not delete old checkpoint {F.step_dir(step)}: {e}", CheckpointWarning, stacklevel=2)
+    try:  # temp files / unfinished uploads of killed saves of steps before the newest complete one
+        for item in storage.leftovers(""):
+            at = F.parse_step_dir(item.key.split("/", 1)[0])
+            if at is not None and at < complete[-1]:
+                storage.drop_leftover(item)
+    except StorageError as e:
+        warnings.warn(f"could not remove leftovers of killed saves: {e}", CheckpointWarning, stacklevel=2)
     return sorted(doomed)

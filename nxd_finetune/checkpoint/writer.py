@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import signal
-import tempfile
 import time
 from typing import Any
 
@@ -72,14 +71,11 @@ class SaveJob:
 
     def _write_stage(self) -> None:
         assert self.tensors is not None  # freed only after this write
-        fd, tmp = tempfile.mkstemp(prefix="nxd-ckpt-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            save_file(self.tensors, tmp)
-            entry = F.file_entry(tmp)
-            self.storage.put_file(tmp, f"{self.name}/{F.state_file(self.pp_rank)}")
-        finally:
-            os.unlink(tmp)
+        # local: written beside its final name and renamed; remote: staged in nxd-finetune's cache
+        with self.storage.staged(f"{self.name}/{F.state_file(self.pp_rank)}") as tmp:
+            save_file(self.tensors, str(tmp))
+            entry = F.file_entry(str(tmp))
+            failpoint("stage-written", self.step)  # killed with the file not yet at its name
         sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {F.state_file(self.pp_rank): entry},
                    "tensors": sorted(self.tensors), "param_groups": self.groups}
         self.tensors = None  # free the host copy as soon as it is stored

@@ -59,10 +59,10 @@ class Claims:
         self.storage = storage
         self.ttl = ttl
 
-    def _key(self, name: str, v: int, gen: int) -> str:
+    def _key(self, name: str, v: int | str, gen: int) -> str:
         return f"{name}/{v}/.claim-{gen}.json"
 
-    def generations(self, name: str, v: int) -> list[int]:
+    def generations(self, name: str, v: int | str) -> list[int]:
         """Claim generations present at ``name/v``, ascending."""
         gens = []
         for key in self.storage.list(f"{name}/{v}/.claim-"):
@@ -86,32 +86,50 @@ class Claims:
             return not _pid_alive(holder.get("pid"))
         return False
 
-    def claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
-        """Claim the lowest free version number >= ``start``; return ``(version, generation)``."""
-        holder = {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid()}
-        v = start
-        for _ in range(10_000):
-            if self.storage.exists(f"{name}/{v}/{MANIFEST}"):
-                v += 1
-                continue
+    def _holder(self, push_id: str) -> dict[str, Any]:
+        return {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(),
+                "created": time.time()}
+
+    def take(self, name: str, v: int | str, push_id: str) -> int | None:
+        """Claim ``name/v`` if it is free (no claim, or a dead holder's): the new generation, or None
+        when a live holder has it. ``v`` may also be a non-numeric lock name (see :meth:`Registry.push`)."""
+        for _ in range(100):
             gens = self.generations(name, v)
             if gens:
                 try:
                     current = json.loads(self.storage.get_bytes(self._key(name, v, gens[-1])))
                 except StorageNotFoundError:
-                    continue  # released or published meanwhile: look again
+                    continue  # released meanwhile: look again
                 except ValueError:
                     current = None
                 if not self.is_stale(current):
-                    v += 1
-                    continue
+                    return None
             gen = gens[-1] + 1 if gens else 1
-            payload = dumps({**holder, "created": time.time()})
-            if self.storage.put_bytes(self._key(name, v, gen), payload, if_none_match=True):
-                if not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
-                    return v, gen
-                self.storage.delete(self._key(name, v, gen))  # published under our feet
+            if self.storage.put_bytes(self._key(name, v, gen), dumps(self._holder(push_id)), if_none_match=True):
+                return gen
+        return None
+
+    def drop(self, name: str, v: int | str, gen: int) -> None:
+        """Delete our own claim generation ``gen`` and the dead ones below it."""
+        for g in self.generations(name, v):
+            if g <= gen:
+                self.storage.delete(self._key(name, v, g))
+
+    def claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
+        """Claim the lowest free version number >= ``start``; return ``(version, generation)``."""
+        v = start
+        for _ in range(10_000):
+            if self.storage.exists(f"{name}/{v}/{MANIFEST}"):
                 v += 1
+                continue
+            gen = self.take(name, v, push_id)
+            if gen is None:
+                v += 1
+                continue
+            if not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
+                return v, gen
+            self.storage.delete(self._key(name, v, gen))  # published under our feet
+            v += 1
         raise RegistryError(f"could not claim a version of {name} in {self.storage.uri}")
 
     def release(self, name: str, v: int, gen: int, uploaded: Iterable[str]) -> None:

@@ -15,7 +15,7 @@ import typer
 
 adapters_app = typer.Typer(
     name="adapters",
-    help="Push, pull, list, show, tag and remove adapters in a registry (local directory or s3://bucket/prefix).",
+    help="Push, pull, list, show, tag, remove and gc adapters in a registry (local directory or s3://bucket/prefix).",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -186,3 +186,35 @@ def tag_cmd(
 
     v = core.tag(ref, tag)
     _say(f"tagged {v.ref} as {tag}")
+
+
+@adapters_app.command("gc")
+def gc_cmd(
+    registry: Annotated[str, typer.Argument(help="registry root: ./reg, s3://bucket[/prefix]")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="list what would be removed; change nothing")] \
+        = False,
+) -> None:
+    """Remove what killed pushes left: dead claims, unpublished files, temp files, incomplete S3 uploads.
+
+    A version a live push is still writing is left alone; damaged versions are reported (remove
+    them with `adapters rm REF:VERSION --yes`).
+    """
+    from nxd_finetune.registry import core
+    from nxd_finetune.registry.gc import collect
+
+    console = _console()
+    report = collect(core.open_registry(registry), dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for g in report.removed:
+        size = f" ({_size(g.size)})" if g.size is not None else ""
+        _say(f"{verb} {g.what}: {g.key}{size}", console)
+    for ref, why in report.damaged:
+        rm = f"nxd-finetune adapters rm {report.registry.rstrip('/')}/{ref} --yes"
+        _say(f"damaged {ref}: {why}; remove it with: {rm}", console)
+    for ref in report.busy:
+        _say(f"skipped {ref}: a live push is writing it", console)
+    total = f" ({_size(report.bytes)})" if report.bytes else ""
+    summary = f"{verb} {len(report.removed)} object{'s' * (len(report.removed) != 1)}{total}" if report.removed \
+        else "nothing to remove"
+    damaged = f"; {len(report.damaged)} damaged version{'s' * (len(report.damaged) != 1)}" if report.damaged else ""
+    _say(f"gc {report.registry}: {summary}{damaged}", console)

@@ -7,6 +7,8 @@ Layout under the root::
     <name>/aliases/<tag>.json               {"version": N, "manifest_sha256": ...}; "latest" is
                                             rewritten after every push/rm
     <name>/retired/<N>.json                 a removed version's number: never given out again
+    <name>/pushing/<content>/.claim-<gen>.json  a push of that content is in flight: identical
+                                            pushes take turns, so they make one version
 
 Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
 conditional create, so a push killed at any point leaves no visible version.
@@ -25,9 +27,12 @@ All user-facing failures raise one-line :class:`~nxd_finetune.errors.NxdError` s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +52,9 @@ PushProgress = Callable[[str, int], None]
 _VERSION_MANIFEST_RE = re.compile(r"([^/]+)/([1-9][0-9]*)/manifest\.json")
 _MAX_ATTEMPTS = 20
 _RETIRED = "retired"  # <name>/retired/<N>.json: removed version numbers, never reused
+_PUSHING = "pushing"  # <name>/pushing/<content>/.claim-<gen>.json: a push of that content is in flight
+_LOCK_POLL_S = 0.2
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -240,14 +248,45 @@ class Registry:
         files = mf.scan_adapter_dir(Path(src))
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
-        versions = self.versions(name)
-        retired = self.retired(name)
+        push_id = uuid.uuid4().hex
+        # pushes of identical content take turns (a lock named by the content): the first publishes,
+        # the others then find it as the latest version and reuse it
+        content = hashlib.sha256(mf.dumps(entries)).hexdigest()[:32]
+        waited = False
+        while True:
+            same = self._latest_with(name, entries)
+            if same is not None:
+                for t in tags:
+                    self._write_alias(name, t, same)
+                return dataclasses.replace(self.show(name, same), reused=True)
+            lock = self.claims.take(f"{name}/{_PUSHING}", content, push_id)
+            if lock is not None:
+                break
+            if not waited:
+                log.warning("note: an identical push of %s is in flight; waiting for it", name)
+                waited = True
+            time.sleep(_LOCK_POLL_S)
+        try:
+            if (same := self._latest_with(name, entries)) is None:
+                return self._push_new(name, files, entries, adapter_base, meta, tags, push_id, progress)
+            for t in tags:
+                self._write_alias(name, t, same)
+            return dataclasses.replace(self.show(name, same), reused=True)
+        finally:
+            try:
+                self.claims.drop(f"{name}/{_PUSHING}", content, lock)
+            except Exception:  # noqa: BLE001 - never mask the push's own outcome; gc removes it
+                pass
+
+    def _latest_with(self, name: str, entries: Mapping[str, Any]) -> int | None:
+        """The latest usable version if its files equal ``entries``, else None."""
         good, _ = self._usable(name)
         if good and self._manifest(name, good[-1])["files"] == entries:
-            for t in tags:
-                self._write_alias(name, t, good[-1])
-            return dataclasses.replace(self.show(name, good[-1]), reused=True)
-        push_id = uuid.uuid4().hex
+            return good[-1]
+        return None
+
+    def _push_new(self, name, files, entries, adapter_base, meta, tags, push_id, progress) -> Version:
+        versions, retired = self.versions(name), self.retired(name)
         for _ in range(_MAX_ATTEMPTS):
             v, gen = self.claims.claim(name, push_id, max([0, *versions, *retired]) + 1)
             try:
@@ -272,6 +311,8 @@ class Registry:
             base = key.rsplit("/", 1)[1]
             if base not in files and not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
                 self.storage.delete(key)
+        for item in self.storage.leftovers(f"{name}/{v}/"):  # its temp files / unfinished uploads
+            self.storage.drop_leftover(item)
         manifest = mf.build_manifest(name, v, adapter_base, entries, meta)
         if not self.claims.owns(name, v, gen):
             raise RegistryError(
@@ -291,8 +332,6 @@ class Registry:
 
     def _manifest_sha(self, name: str, v: int) -> str | None:
         """sha256 of version ``v``'s manifest bytes; None when it does not exist."""
-        import hashlib
-
         try:
             return hashlib.sha256(self.storage.get_bytes(f"{name}/{v}/{mf.MANIFEST}")).hexdigest()
         except StorageNotFoundError:
@@ -364,10 +403,18 @@ class Registry:
         self.storage.put_bytes(f"{name}/{_RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
         self.storage.delete(f"{name}/{found.version}/{mf.MANIFEST}")
         self.storage.delete_prefix(f"{name}/{found.version}/")
-        for t in found.tags:
-            self.storage.delete(f"{name}/aliases/{t}.json")
+        # listed again now that the manifest is gone: a tag written before that is dropped here, a
+        # tag written after it finds the version gone and takes itself back (_write_alias)
+        tags = {t for t, tv in self.list_tags(name).items() if tv == found.version} | set(found.tags)
+        for t in sorted(tags):
+            key = f"{name}/aliases/{t}.json"
+            try:
+                if int(json.loads(self.storage.get_bytes(key))["version"]) == found.version:
+                    self.storage.delete(key)  # not a tag moved elsewhere meanwhile
+            except (StorageNotFoundError, ValueError, KeyError, TypeError):
+                pass
         self._refresh_latest(name)
-        return found
+        return dataclasses.replace(found, tags=tuple(sorted(tags)))
 
 
 # -- REF-level API ------------------------------------------------------------------------------

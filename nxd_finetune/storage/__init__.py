@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from nxd_finetune.storage.base import Keys, Progress, Storage, check_key
+from nxd_finetune.storage.base import Keys, Leftover, Progress, Storage, check_key
 from nxd_finetune.storage.errors import (
     StorageAccessDeniedError,
     StorageBucketNotFoundError,
@@ -52,6 +52,7 @@ def open_storage(uri: str | os.PathLike, **options) -> Storage:
 
 __all__ = [
     "Keys",
+    "Leftover",
     "LocalStorage",
     "Progress",
     "Storage",

@@ -19,9 +19,13 @@ Contracts shared by every backend:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 from nxd_finetune.storage.errors import StorageError
 
@@ -32,6 +36,24 @@ Keys = list[str]
 
 TMP_PREFIX = ".nxdtmp-"
 """Names of temp files that writers use; never listed."""
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a killed writer left behind: a local temp file or an incomplete S3 multipart upload.
+
+    ``key``: the object it was writing (its directory tells whose it was); ``age_s``: seconds since
+    it was started; ``size``: bytes held, where known; ``handle``: the backend's own name for it
+    (the temp file's key, or the multipart upload id)."""
+
+    key: str
+    age_s: float
+    size: int | None
+    handle: str
+
+
+Leftovers = list[Leftover]
+"""Unfinished writes (an alias because ``list`` is also a method name of :class:`Storage`)."""
 
 
 def check_key(key: str, *, allow_empty: bool = False) -> str:
@@ -89,6 +111,35 @@ class Storage(ABC):
         for key in keys:
             self.delete(key)
         return len(keys)
+
+    @contextlib.contextmanager
+    def staged(self, key: str) -> Iterator[Path]:
+        """A local path to write ``key``'s content to; stored at ``key`` when the block ends
+        without an error, removed in any case.
+
+        Here (remote backends): a file under ``<cache>/staging`` (see
+        :mod:`nxd_finetune.storage.cache`), named with this process's PID, so that files of
+        killed writers are found and removed by the next staging on this machine, never left in the
+        system temp directory. A local backend stages beside ``key`` itself (no copy).
+        """
+        from nxd_finetune.storage.cache import staging_dir, sweep_staging
+
+        directory = staging_dir()
+        sweep_staging(directory)
+        path = directory / f"{os.getpid()}-{uuid.uuid4().hex}-{key.rsplit('/', 1)[-1]}"
+        try:
+            yield path
+            self.put_file(path, key)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def leftovers(self, prefix: str = "") -> Leftovers:
+        """Unfinished writes under ``prefix`` (temp files, incomplete uploads); none by default."""
+        return []
+
+    def drop_leftover(self, item: Leftover) -> None:
+        """Remove one unfinished write found by :meth:`leftovers` (already gone is not an error)."""
+        raise NotImplementedError(f"{type(self).__name__} reports no leftovers")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

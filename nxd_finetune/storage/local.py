@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from nxd_finetune.storage.base import TMP_PREFIX, Keys, Progress, Storage, check_key
+from nxd_finetune.storage.base import TMP_PREFIX, Keys, Leftover, Leftovers, Progress, Storage, check_key
 from nxd_finetune.storage.errors import StorageError, StorageNotFoundError
 
 _COPY_CHUNK = 1 << 20
@@ -39,6 +42,20 @@ class LocalStorage(Storage):
                         progress(len(chunk))
                 out.flush()
                 os.fsync(out.fileno())
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def staged(self, key: str) -> Iterator[Path]:
+        """As :meth:`Storage.staged`: a temp file beside ``key`` (``.nxdtmp-*``, never listed, found
+        by :meth:`leftovers`), synced and renamed onto ``key`` at the end."""
+        dst = self._path(key)
+        tmp = self._tmp_beside(dst)
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, dst)
         finally:
             tmp.unlink(missing_ok=True)
@@ -87,6 +104,36 @@ class LocalStorage(Storage):
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
+
+    def leftovers(self, prefix: str = "") -> Leftovers:
+        """Temp files (``.nxdtmp-<id>-<name>``) of writers that never finished, under ``prefix``."""
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / check_key(base) if base else self.root
+        now = time.time()
+        found = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for f in files:
+                if not f.startswith(TMP_PREFIX):
+                    continue
+                handle = f if rel == "." else f"{rel}/{f}"
+                target = f[len(TMP_PREFIX):].split("-", 1)[-1]
+                key = target if rel == "." else f"{rel}/{target}"
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, f))
+                except FileNotFoundError:
+                    continue  # finished meanwhile
+                found.append(Leftover(key, max(0.0, now - st.st_mtime), st.st_size, handle))
+        return sorted(found, key=lambda x: x.handle)
+
+    def drop_leftover(self, item: Leftover) -> None:
+        path = self.root / check_key(item.handle)
+        if not path.name.startswith(TMP_PREFIX):
+            raise StorageError(f"{self.uri}/{item.handle} is not a temp file")
+        path.unlink(missing_ok=True)
+        self._prune(path.parent)
 
     def list_dirs(self, prefix: str = "") -> Keys:
         if prefix and not prefix.endswith("/"):

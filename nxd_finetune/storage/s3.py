@@ -14,7 +14,8 @@ Configuration (constructor argument first, then environment, then boto3's own de
 Conditional create uses ``PutObject(IfNoneMatch='*')`` (S3 since 2024-08, honoured by moto 5.2 with
 412 PreconditionFailed); a 409 ConditionalRequestConflict (a concurrent conditional write in flight)
 is retried. A push killed during a multipart upload leaves an incomplete upload that is invisible
-but billed: give the bucket an ``AbortIncompleteMultipartUpload`` lifecycle rule.
+but billed: :meth:`S3Storage.leftovers` lists such uploads and ``nxd-finetune adapters gc`` aborts
+them (a bucket ``AbortIncompleteMultipartUpload`` lifecycle rule is a good backstop).
 
 Every botocore failure is turned into a one-line :class:`StorageError` subclass naming the URI.
 """
@@ -31,7 +32,7 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from nxd_finetune.storage.base import Keys, Progress, Storage, check_key
+from nxd_finetune.storage.base import Keys, Leftover, Leftovers, Progress, Storage, check_key
 from nxd_finetune.storage.errors import (
     StorageAccessDeniedError,
     StorageBucketNotFoundError,
@@ -248,6 +249,29 @@ class S3Storage(Storage):
         n = len(self.prefix) + len(prefix)
         pages = self._pages(prefix, Delimiter="/")
         return sorted(cp["Prefix"][n:].rstrip("/") for page in pages for cp in page.get("CommonPrefixes", []))
+
+    def leftovers(self, prefix: str = "") -> Leftovers:
+        """Incomplete multipart uploads under ``prefix`` (``handle`` is the upload id)."""
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        pages = self._call("ListMultipartUploads", prefix, list,
+                           paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix))
+        n = len(self.prefix)
+        now = time.time()
+        found = []
+        for page in pages:
+            for up in page.get("Uploads", []):
+                age = now - up["Initiated"].timestamp() if "Initiated" in up else 0.0
+                found.append(Leftover(up["Key"][n:], max(0.0, age), None, up["UploadId"]))
+        return sorted(found, key=lambda x: (x.key, x.handle))
+
+    def drop_leftover(self, item: Leftover) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(item.key), UploadId=item.handle)
+        except bce.ClientError as e:
+            if str(e.response.get("Error", {}).get("Code", "")) != "NoSuchUpload":
+                raise translate_error(e, f"{self.uri}/{item.key}", "AbortMultipartUpload") from None
+        except bce.BotoCoreError as e:
+            raise translate_error(e, f"{self.uri}/{item.key}", "AbortMultipartUpload") from None
 
     def delete(self, key: str) -> None:
         self._call("DeleteObject", key, self._client.delete_object, Bucket=self.bucket, Key=self._key(key))

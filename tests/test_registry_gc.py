@@ -1,0 +1,165 @@
+"""Registry leftovers and races with real processes, on a local directory and on moto's S3 server:
+``adapters gc``, identical pushes racing each other, ``tag`` racing ``rm``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from nxd_finetune.registry import open_registry, pull, push
+from nxd_finetune.registry.cli import adapters_app
+from nxd_finetune.registry.gc import collect
+from tests.s3_server import REGISTRY_BUCKET as BUCKET
+from tests.test_registry import killed_push, make_adapter, s3_client, same_files, worker_env
+
+MIB = 1 << 20
+
+def _uploads(endpoint: str, uri: str) -> list[str]:
+    prefix = uri[len(f"s3://{BUCKET}/"):]
+    resp = s3_client(endpoint).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)
+    return [u["Key"] for u in resp.get("Uploads", [])]
+
+
+def test_gc_removes_what_killed_pushes_left(reg_uri, tmp_path, request):
+    reg = open_registry(reg_uri)
+    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=11 * MIB)
+    killed_push(reg_uri, src, tmp_path)
+    left = reg.storage.leftovers("")
+    assert [x.key for x in left] == ["bot/1/adapter_model.safetensors"]  # temp file / incomplete upload
+    assert "bot/1/.claim-1.json" in reg.storage.list("")
+    if reg_uri.startswith("s3://"):
+        assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) != []
+
+    # what else can linger: a published version with a dead push's claim and a stray file, a
+    # content lock of a dead push, a damaged version, and a version a live push is writing
+    good = push(make_adapter(tmp_path / "good", seed=4), f"{reg_uri}/done")
+    dead = json.dumps({"host": "elsewhere", "pid": 1, "created": time.time() - 10 * 86400}).encode()
+    reg.storage.put_bytes("done/1/.claim-7.json", dead)
+    reg.storage.put_bytes("done/1/stray.bin", b"x" * 100)
+    reg.storage.put_bytes("done/pushing/0123abcd/.claim-1.json", dead)
+    push(make_adapter(tmp_path / "dmg", seed=5), f"{reg_uri}/dmg")
+    reg.storage.put_bytes("dmg/1/manifest.json", b'{"trunc')
+    live = reg.claims._holder("live-push")  # this process: alive
+    reg.storage.put_bytes("live/1/.claim-1.json", json.dumps(live).encode())
+    reg.storage.put_bytes("live/1/adapter_model.safetensors", b"partial")
+    before = reg.storage.list("")
+
+    dry = collect(reg, dry_run=True)
+    assert reg.storage.list("") == before and len(reg.storage.leftovers("")) == 1  # nothing changed
+    report = collect(reg)
+    assert sorted(g.key for g in report.removed) == sorted(g.key for g in dry.removed)
+    removed = {g.key for g in report.removed}
+    assert {"bot/1/.claim-1.json", "done/1/.claim-7.json", "done/1/stray.bin",
+            "done/pushing/0123abcd/.claim-1.json"} <= removed
+    assert [ref for ref, _ in report.damaged] == ["dmg:1"] and report.busy == ["live:1"]
+    assert reg.storage.leftovers("") == []
+    assert reg.storage.list("bot/") == [] and reg.storage.list("done/pushing/") == []
+    assert reg.storage.list("live/") == ["live/1/.claim-1.json", "live/1/adapter_model.safetensors"]
+    assert reg.storage.exists("dmg/1/manifest.json")
+    if reg_uri.startswith("s3://"):
+        assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) == []
+    pull(good.ref, tmp_path / "back")  # the published version is intact
+    assert same_files(tmp_path / "good", tmp_path / "back")
+    assert collect(reg).removed == []  # a second pass finds nothing
+
+    # from the command line: the same report, one line each, and a summary
+    killed_push(reg_uri, src, tmp_path)
+    r = CliRunner().invoke(adapters_app, ["gc", reg_uri, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "would remove claim of a dead push: bot/1/.claim-1.json" in r.output
+    assert "damaged dmg:1:" in r.output and "skipped live:1: a live push is writing it" in r.output
+    r = CliRunner().invoke(adapters_app, ["gc", reg_uri])
+    assert r.exit_code == 0, r.output  # its claim, config, weights (temp / upload) and content lock
+    assert f"gc {reg.uri}: removed 4 objects" in r.output and "1 damaged version" in r.output, r.output
+    assert reg.storage.list("bot/") == [] and reg.storage.leftovers("") == []
+
+
+def test_a_push_taking_over_a_killed_one_cleans_its_temp_files(reg_uri, tmp_path, request):
+    reg = open_registry(reg_uri)
+    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=11 * MIB)
+    killed_push(reg_uri, src, tmp_path)
+    assert len(reg.storage.leftovers("bot/1/")) == 1
+    v = push(src, f"{reg_uri}/bot")
+    assert v.version == 1  # the dead push's number, taken over
+    assert reg.storage.leftovers("") == []  # no hidden temp file / billed upload inside the version
+    if reg_uri.startswith("s3://"):
+        assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) == []
+
+
+_RACE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from nxd_finetune.errors import NxdError
+    from nxd_finetune.registry import open_registry
+
+    role, uri, go, arg = sys.argv[1:5]
+    reg = open_registry(uri)
+    while not Path(go).exists():
+        time.sleep(0.005)
+    out = []
+    if role == "push":
+        v = reg.push(arg, "bot")
+        out.append([v.version, v.reused])
+    else:
+        for i in range(1, int(arg) + 1):
+            try:
+                if role == "tag":
+                    reg.tag("bot", f"t{i}", version=i)
+                else:
+                    reg.remove("bot", version=i)
+                out.append([i, "ok"])
+            except NxdError as e:
+                out.append([i, str(e)])
+    print(json.dumps(out))
+    """
+)
+
+
+def _race(tmp_path: Path, jobs: list[list[str]]) -> list[list]:
+    """Start one process per job, release them together, return what each printed (JSON)."""
+    script = tmp_path / "race.py"
+    script.write_text(_RACE_SCRIPT)
+    go = tmp_path / f"go-{time.monotonic_ns()}"
+    env = worker_env(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(script), job[0], job[1], str(go), *job[2:]], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
+    time.sleep(1.0)  # let every process import and wait
+    go.touch()
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out))
+    return outs
+
+
+def test_identical_pushes_racing_make_one_version(reg_uri, tmp_path):
+    src = make_adapter(tmp_path / "a", seed=1, pad_bytes=256 * 1024)
+    outs = _race(tmp_path, [["push", reg_uri, str(src)] for _ in range(5)])
+    results = [o[0] for o in outs]
+    assert [v for v, _ in results] == [1] * 5
+    assert sorted(reused for _, reused in results) == [False, True, True, True, True]  # one upload
+    reg = open_registry(reg_uri)
+    assert reg.versions("bot") == [1] and reg.storage.list("bot/pushing/") == []
+    other = make_adapter(tmp_path / "b", seed=2)
+    assert push(other, f"{reg_uri}/bot").version == 2  # different content: a new version as before
+
+
+def test_tag_racing_rm_never_leaves_a_dangling_tag(reg_uri, tmp_path):
+    n = 12
+    for i in range(n):
+        push(make_adapter(tmp_path / f"v{i}", seed=100 + i), f"{reg_uri}/bot")
+    tagged, removed = _race(tmp_path, [["tag", reg_uri, str(n)], ["rm", reg_uri, str(n)]])
+    assert [r[1] for r in removed] == ["ok"] * n  # rm always wins: every version is gone
+    reg = open_registry(reg_uri)
+    assert reg.versions("bot") == [] and reg.retired("bot") == list(range(1, n + 1))
+    assert reg.list_tags("bot") == {}, "a tag outlived its version"
+    for _i, outcome in tagged:  # a refused tag says why in one line
+        assert outcome == "ok" or "removed" in outcome or "does not exist" in outcome, outcome
