@@ -232,3 +232,23 @@ def test_validate_json(capsys, assets):
     code, out, err = cli(capsys, *validate_args(assets, name, "parallel.nproc=6", "parallel.tp=3",
                                                  "parallel.sequence_parallel=false"), "--json")
     assert code == 2 and out == "" and err.startswith("error: parallel.tp=3 does not divide")
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_one_warning_line(capsys, assets):
+    """``validate`` (and ``run``, through the same check) warns in one line exactly when the recipe
+    computes in bf16 on a CPU whose oneDNN reports no native bf16; an fp32 recipe never warns."""
+    import warnings
+
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    for extra, expect in ((["training.device=cpu"], not native),
+                          (["training.device=cpu", "training.precision=fp32", "model.dtype=fp32"], False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            code, _, err = cli(capsys, *validate_args(assets, "llama3-8b-lora", *extra))
+        assert code == 0, err
+        lines = [ln for ln in err.splitlines() if "matrix instructions" in ln]
+        cap = torch.backends.cpu.get_cpu_capability()
+        want = [f"warning: this CPU ({cap}) has no native bf16 matrix instructions: bf16 matmuls take a fallback "
+                "path that can be 100x slower than fp32; for a CPU run here set training.precision=fp32 "
+                "model.dtype=fp32"]
+        assert lines == (want if expect else []), (extra, err)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.preflight.data import check_data
+from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
 from nxd_finetune.preflight.model import check_init_from_adapter, count_parameters, find_model_dir
 
@@ -50,6 +51,7 @@ def run_checks(recipe: Recipe) -> Preflight:
     total, trainable, targets = count_parameters(recipe, config, model_dir)
     check_init_from_adapter(recipe, config, model_dir)
     memory = estimate_memory(recipe, config, total, trainable)
+    check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
     return Preflight(recipe, model_dir, config, total, trainable, targets, memory)
 
 

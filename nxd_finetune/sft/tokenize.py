@@ -154,6 +154,7 @@ class _Part:
     labels_path: str
     tokens: int
     lengths: Any  # numpy int64 [samples]
+    trainable: int
     truncated: int
     dropped: int
 
@@ -175,7 +176,7 @@ class _TokenizeJob:
         spec = self.spec
         adds_bos = formats.adds_bos(self.tokenizer) if spec.format != "messages" else False
         length_parts: list[int] = []
-        truncated = dropped = tokens = 0
+        truncated = dropped = tokens = trainable = 0
         ids_path = os.path.join(self.spill_dir, f"{begin}.ids")
         labels_path = os.path.join(self.spill_dir, f"{begin}.labels")
         ids_file, labels_file = open(ids_path, "wb"), open(labels_path, "wb")
@@ -185,15 +186,18 @@ class _TokenizeJob:
                 truncated, dropped = truncated + got[2], dropped + got[3]
                 tokens += len(got[0])
                 np.asarray(got[0], dtype=np.int32).tofile(ids_file)
-                np.asarray(got[1], dtype=np.int32).tofile(labels_file)
-        return _Part(ids_path, labels_path, tokens, np.asarray(length_parts, dtype=np.int64), truncated, dropped)
+                chunk_labels = np.asarray(got[1], dtype=np.int32)
+                chunk_labels.tofile(labels_file)
+                trainable += _trainable(chunk_labels, length_parts[len(length_parts) - got[4]:])
+        return _Part(ids_path, labels_path, tokens, np.asarray(length_parts, dtype=np.int64), trainable, truncated,
+                     dropped)
 
     def _chunk(self, start: int, stop: int, adds_bos: bool,
-               lengths: list[int]) -> tuple[list[int], list[int], int, int]:
+               lengths: list[int]) -> tuple[list[int], list[int], int, int, int]:
         """Rows ``[start, stop)``: their kept tokens and labels, flat (lengths appended to
-        ``lengths``), and the truncated and dropped counts."""
+        ``lengths``), the truncated and dropped counts, and the number of samples kept."""
         spec = self.spec
-        truncated = dropped = 0
+        truncated = dropped = kept = 0
         kept_ids: list[int] = []
         kept_labels: list[int] = []
         if start < stop:
@@ -215,7 +219,8 @@ class _TokenizeJob:
                 kept_ids.extend(ids)
                 kept_labels.extend(labels)
                 lengths.append(len(ids))
-        return kept_ids, kept_labels, truncated, dropped
+                kept += 1
+        return kept_ids, kept_labels, truncated, dropped, kept
 
 
 _JOB: _TokenizeJob | None = None  # the job forked workers inherit (not pickled: the rows stay shared)
@@ -224,6 +229,18 @@ _JOB: _TokenizeJob | None = None  # the job forked workers inherit (not pickled:
 def _run_job(begin: int, end: int) -> _Part:
     assert _JOB is not None
     return _JOB.run(begin, end)
+
+
+def _trainable(labels: Any, lengths: Sequence[int]) -> int:
+    """Trainable tokens of consecutive samples of ``lengths`` whose labels are ``labels`` (a numpy
+    int32 chunk): labels other than -100 after each sample's first position. Counted per chunk so
+    that no whole-dataset mask (or the int64 copy ``bool.sum()`` makes of it) is ever allocated."""
+    import numpy as np
+
+    if not lengths:
+        return 0
+    starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+    return int(np.count_nonzero(labels != IGNORE_INDEX)) - int(np.count_nonzero(labels[starts] != IGNORE_INDEX))
 
 
 def _join(parts: list[_Part]) -> TokenizedDataset:
@@ -242,9 +259,6 @@ def _join(parts: list[_Part]) -> TokenizedDataset:
     lengths = torch.from_numpy(np.concatenate([p.lengths for p in parts]))
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    starts = offsets[:-1]
-    # trainable tokens: labels other than -100 after each sample's first position
-    trainable = int((labels != IGNORE_INDEX).sum()) - int((labels[starts] != IGNORE_INDEX).sum()) if len(lengths) else 0
-    stats = {"samples": len(lengths), "tokens": int(lengths.sum()), "trainable_tokens": trainable,
+    stats = {"samples": len(lengths), "tokens": int(lengths.sum()), "trainable_tokens": sum(p.trainable for p in parts),
              "truncated": sum(p.truncated for p in parts), "dropped": sum(p.dropped for p in parts)}
     return TokenizedDataset(ids, labels, offsets, stats)

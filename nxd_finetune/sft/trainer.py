@@ -258,6 +258,9 @@ def _preflight(recipe: Recipe) -> None:
     from nxd_finetune.sft.build import resolve_model_dir
 
     check_against_model(recipe, DecoderConfig.from_hf(resolve_model_dir(recipe.model.path)))
+    from nxd_finetune.preflight.hardware import check_cpu_formats
+
+    check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
     if recipe.output.registry:
         from nxd_finetune.registry.publish import check_publish_target
 
