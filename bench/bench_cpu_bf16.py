@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,9 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+from bench.report import cpu_model  # noqa: E402
+
 SHAPES = [(512, 2048, 2048), (512, 2048, 8192), (128, 256, 1024)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,17 +45,6 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, budget_s: float = 
     return 2 * m * k * n / best / 1e9
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def quickstart_run(precision: str, steps: int) -> dict[str, float]:
     """``nxd-finetune run recipes/quickstart.yaml`` for ``steps`` steps at ``precision``."""
     with tempfile.TemporaryDirectory(prefix="nxd-bench-bf16-") as tmp:
@@ -68,7 +59,7 @@ def quickstart_run(precision: str, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    meta = {"command": "python bench/bench_cpu_bf16.py", "cpu": cpu_name(), "cores": os.cpu_count(),
+    meta = {"command": "python bench/bench_cpu_bf16.py", "cpu": cpu_model(), "cores": os.cpu_count(),
             "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "native_fp16": bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()), "date": time.strftime("%Y-%m-%d %H:%M")}
