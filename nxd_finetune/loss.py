@@ -246,3 +246,28 @@ def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torc
     for start in range(0, max(hidden.shape[0], 1), rows):
         stats += eval_stats(head(hidden[start:start + rows]), targets[start:start + rows], tp_group)
     return stats
+
+
+def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``hidden`` ``[B, T, H]`` at the positions of shifted ``targets`` ``[B, T]`` that are
+    not ignored (``[N, H]``), and those targets (``[N]``)."""
+    flat = targets.reshape(-1)
+    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), flat.index_select(0, index)
+
+
+def chunked_step_loss(hidden: torch.Tensor, labels: torch.Tensor, n_targets: torch.Tensor | float, *,
+                      head: Callable[[torch.Tensor], torch.Tensor], rows: int, tp_group: Group = None) -> torch.Tensor:
+    """:func:`step_loss` of ``head(hidden)`` from the final hidden states ``[B, T, H]``: the head
+    and the loss run :func:`chunked_ce_sum` over the target positions (a pipeline's last stage)."""
+    h, targets = _target_rows(hidden, shift_labels(labels))
+    return chunked_ce_sum(h, head, targets, rows, tp_group) / n_targets
+
+
+@torch.no_grad()
+def chunked_hidden_stats(hidden: torch.Tensor, targets: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tensor],
+                         rows: int, tp_group: Group = None) -> torch.Tensor:
+    """:func:`eval_stats` of ``head(hidden)`` (``hidden`` ``[B, T, H]``, ``targets`` shifted
+    ``[B, T]``), the head run ``rows`` target positions at a time."""
+    h, t = _target_rows(hidden, targets)
+    return chunked_eval_stats(h, head, t, rows, tp_group)

@@ -47,6 +47,8 @@ LAYOUTS_2 = {
     "pp2-1f1b": ["parallel.pp=2", "training.grad_accum=2"],
     "pp2-interleaved": ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b",
                         "training.grad_accum=2"],
+    # the last stage runs the output layer and the loss 16 target positions at a time
+    "pp2-chunked-loss": ["parallel.pp=2", "training.grad_accum=2", "training.loss_chunk_tokens=16"],
     "dp2": ["training.grad_accum=1"],
     "dp2-zero1": ["parallel.zero1=true", "training.grad_accum=1"],
 }

@@ -377,6 +377,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head: nn.Module | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.return_hidden = False  # a pipeline's last stage whose loss runs the head itself, in chunks
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -392,6 +393,6 @@ class DecoderForCausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.lm_head is None:
+        if self.lm_head is None or self.return_hidden:
             return self.model(input_ids, position_ids, segment_ids)
         return self.lm_head(self.model(input_ids, position_ids, segment_ids, logits_index))

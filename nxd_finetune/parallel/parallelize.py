@@ -34,6 +34,7 @@ from torch import nn
 
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
+from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
@@ -86,6 +87,11 @@ class ParallelizeSpec:
     pp_schedule: str = "1f1b"
     n_microbatches: int | None = None
     activation_checkpointing: CheckpointSpec = None
+    loss_chunk_rows: int | None = None
+    """At ``pp > 1`` without sequence parallel: the last stage returns its final hidden states and
+    the default loss runs the output layer and the cross entropy this many target positions at a
+    time (:func:`loss.chunked_step_loss`), so no ``[tokens, vocab]`` logits are held; None: the
+    last stage returns logits."""
 
 
 @dataclasses.dataclass
@@ -230,6 +236,14 @@ def parallelize_model(
     if state.pp_size == 1:
         return RankModel(modules, state)
     tp_group = state.tp_group if state.tp_size > 1 else None
+    head = getattr(modules[-1], "lm_head", None) if state.is_last_stage else None
+    if spec.loss_chunk_rows is not None and not spec.sequence_parallel and head is not None \
+            and loss_fn is None and stats_fn is None:
+        last = modules[-1]
+        assert isinstance(last, DecoderForCausalLM)  # build_stages cuts only these
+        last.return_hidden = True  # the head runs in the loss, a chunk of target positions at a time
+        loss_fn = functools.partial(L.chunked_step_loss, head=head, rows=spec.loss_chunk_rows, tp_group=tp_group)
+        stats_fn = functools.partial(L.chunked_hidden_stats, head=head, rows=spec.loss_chunk_rows, tp_group=tp_group)
     runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.pp_size,
                             loss_fn=loss_fn or functools.partial(L.step_loss, tp_group=tp_group),
                             stats_fn=stats_fn or functools.partial(L.eval_stats, tp_group=tp_group))

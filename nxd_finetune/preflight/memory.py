@@ -25,11 +25,12 @@ gradient, and the 16-bit copy the head's matmul takes."""
 
 def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int) -> int:
     """Rows of logits the loss holds at once: every position of the micro-batch (the targets are
-    fewer, but depend on the data), or one chunk of ``training.loss_chunk_tokens``."""
+    fewer, but depend on the data), or one chunk of ``training.loss_chunk_tokens`` (also on a
+    pipeline's last stage; sequence parallel takes the logits of every position)."""
     from nxd_finetune.loss import chunk_rows
 
-    if recipe.parallel.pp > 1:
-        return tokens  # the pipeline's last stage takes the logits of every position
+    if recipe.parallel.sequence_parallel:
+        return tokens
     rows = chunk_rows(vocab_local, recipe.training.loss_chunk_tokens)
     return tokens if rows is None else min(tokens, rows)
 
@@ -60,8 +61,8 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
       layers and the micro-batches a pipeline stage holds (``min(pp, grad_accum)`` for 1F1B,
       ``grad_accum`` for GPipe).
     - ``loss``: :data:`LOSS_COPIES` fp32 ``[rows, vocab / tp]`` tensors, rows being every position
-      of the micro-batch or one chunk of ``training.loss_chunk_tokens`` (the pipeline's last stage
-      takes every position). With ``pp > 1``: the first stage's activations or the last stage's
+      of the micro-batch or one chunk of ``training.loss_chunk_tokens`` (every position under
+      sequence parallel). With ``pp > 1``: the first stage's activations or the last stage's
       activations and loss, whichever is larger.
     - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
       copies of the largest trainable tensor) or a save's whole-stage tensors (gathered on the

@@ -303,12 +303,12 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
 
         lora_cfg = lora_config_from_recipe(recipe.lora)
         hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
+    rows = L.chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
-                           activation_checkpointing=checkpoint_spec(par))
+                           activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows)
     rank_model = parallelize_model(build_model(config), state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
-    rows = L.chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, host, lora_cfg, targets,
                   lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows)
