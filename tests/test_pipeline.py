@@ -47,6 +47,9 @@ GRAD_CASES = {
     "lora-1f1b": ("1f1b", 1, True, False, True),
     "lora-interleaved": ("interleaved_1f1b", 2, True, False, False),
     "tied-gpipe": ("gpipe", 1, False, True, False),
+    # the last stage returns hidden states; its head runs inside the loss, 3 target positions at a time
+    "lora-1f1b-chunked": ("1f1b", 1, True, False, True, 3),
+    "tied-interleaved-chunked": ("interleaved_1f1b", 2, False, True, False, 3),
 }
 CURVE_CASES = {"full-1f1b": GRAD_CASES["full-1f1b"], "lora-interleaved": GRAD_CASES["lora-interleaved"],
                "tied-1f1b": ("1f1b", 1, False, True, False)}
@@ -133,7 +136,7 @@ def reference_eval(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
 
 def reference_grads(case: tuple) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
     """Step loss, gradients by name and eval stats of ``step_batches(1)[0]``."""
-    _, _, lora, tied, ragged = case
+    _, _, lora, tied, ragged, *_ = case  # the reference never chunks
     model = make_model(lora, tied)
     loss = reference_step(model, step_batches(0, ragged))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -196,11 +199,13 @@ def run_pp2(fn, tmp_path, monkeypatch, *args, timeout: float = 120.0) -> list[di
 
 
 def pipeline(case: tuple, rank: int) -> tuple[PipelineRunner, list[torch.nn.Module]]:
-    schedule, virtual, lora, tied, _ = case
+    schedule, virtual, lora, tied, _, *chunk = case
     state = ParallelState(ParallelDims(pp=2))
     assert state.pp_rank == rank
     stages = build_stages(make_model(lora, tied), state, virtual)
-    return PipelineRunner(stages, state, schedule, n_microbatches=4), stages
+    runner = PipelineRunner(stages, state, schedule, n_microbatches=4, loss_chunk_rows=chunk[0] if chunk else None)
+    assert getattr(stages[-1], "return_hidden", False) == (bool(chunk) and rank == 1)  # the head runs in the loss
+    return runner, stages
 
 
 # ----------------------------------------------------------------------------- unit tests

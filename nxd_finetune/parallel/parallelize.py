@@ -34,7 +34,6 @@ from torch import nn
 
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
-from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
@@ -236,17 +235,12 @@ def parallelize_model(
     if state.pp_size == 1:
         return RankModel(modules, state)
     tp_group = state.tp_group if state.tp_size > 1 else None
-    head = getattr(modules[-1], "lm_head", None) if state.is_last_stage else None
-    if spec.loss_chunk_rows is not None and not spec.sequence_parallel and head is not None \
-            and loss_fn is None and stats_fn is None:
-        last = modules[-1]
-        assert isinstance(last, DecoderForCausalLM)  # build_stages cuts only these
-        last.return_hidden = True  # the head runs in the loss, a chunk of target positions at a time
-        loss_fn = functools.partial(L.chunked_step_loss, head=head, rows=spec.loss_chunk_rows, tp_group=tp_group)
-        stats_fn = functools.partial(L.chunked_hidden_stats, head=head, rows=spec.loss_chunk_rows, tp_group=tp_group)
+    chunk_rows = None if spec.sequence_parallel or loss_fn is not None or stats_fn is not None \
+        else spec.loss_chunk_rows
     runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.pp_size,
                             loss_fn=loss_fn or functools.partial(L.step_loss, tp_group=tp_group),
-                            stats_fn=stats_fn or functools.partial(L.eval_stats, tp_group=tp_group))
+                            stats_fn=stats_fn or functools.partial(L.eval_stats, tp_group=tp_group),
+                            loss_chunk_rows=chunk_rows)
     if weights.checkpoint is None:
         runner.sync_tied_weights()  # param_init_fn drew the tied copies independently
     return RankModel(modules, state, runner)

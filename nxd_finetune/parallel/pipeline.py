@@ -43,6 +43,7 @@ of one micro-batch) and returns ``[loss sum, correct, targets]`` on every pipeli
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,7 +59,15 @@ from torch.distributed.pipelining import (
 )
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.loss import IGNORE_INDEX, count_targets, eval_stats, shift_labels, step_loss
+from nxd_finetune.loss import (
+    IGNORE_INDEX,
+    chunked_hidden_stats,
+    chunked_step_loss,
+    count_targets,
+    eval_stats,
+    shift_labels,
+    step_loss,
+)
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel.state import ParallelState
 
@@ -191,7 +200,9 @@ class PipelineRunner:
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
     (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). ``loss_fn(logits, labels,
-    n_targets)``, default :func:`nxd_finetune.loss.step_loss`. ``stats_fn(logits, targets)`` -> ``[loss
+    n_targets)``, default :func:`nxd_finetune.loss.step_loss`. ``loss_chunk_rows``: the last stage
+    returns hidden states and its output layer runs inside the loss, this many target positions at a
+    time (replacing ``loss_fn`` / ``stats_fn`` there). ``stats_fn(logits, targets)`` -> ``[loss
     sum, correct, targets]`` for :meth:`eval_step`, default full-vocabulary logits (tensor-parallel
     stages pass one that knows the vocab shards). Construction is collective over the
     world when the model has tied embeddings (it creates the [first, last] stage groups).
@@ -201,7 +212,8 @@ class PipelineRunner:
 
     def __init__(self, stage_modules: Sequence[nn.Module], state: ParallelState, schedule: str = "1f1b",
                  n_microbatches: int = 1, loss_fn: LossFn | None = None,
-                 stats_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 stats_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 loss_chunk_rows: int | None = None) -> None:
         if schedule not in SCHEDULES:
             raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
         if state.pp_size < 2:
@@ -222,11 +234,24 @@ class PipelineRunner:
         self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
         self.loss_fn = loss_fn or step_loss
         self.stats_fn = stats_fn or eval_stats
+        if loss_chunk_rows is not None and state.is_last_stage:
+            self._head_in_loss(loss_chunk_rows)
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._tied_group = self._make_tied_group()
 
     # ------------------------------------------------------------------ set-up
+
+    def _head_in_loss(self, rows: int) -> None:
+        """The last stage returns its final hidden states; the loss and the eval statistics run its
+        output layer over the target positions, ``rows`` at a time (no ``[tokens, vocab]`` logits)."""
+        last = self.stage_modules[-1]
+        if not isinstance(last, DecoderForCausalLM) or last.lm_head is None:
+            raise NxdError("a chunked pipeline loss needs the last stage of a DecoderForCausalLM")
+        last.return_hidden = True
+        tp_group = self.state.tp_group if self.state.tp_size > 1 else None
+        self.loss_fn = functools.partial(chunked_step_loss, head=last.lm_head, rows=rows, tp_group=tp_group)
+        self.stats_fn = functools.partial(chunked_hidden_stats, head=last.lm_head, rows=rows, tp_group=tp_group)
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
