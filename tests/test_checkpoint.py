@@ -370,3 +370,31 @@ def test_zero1_bf16_keeps_fp32_masters_and_loads_into_plain_adamw(tmp_path):
     p = plain.get_parameter(name)
     assert torch.equal(p, model.get_parameter(name)) and adamw.state[p]["exp_avg"].dtype == torch.bfloat16
     assert torch.equal(adamw.state[p]["exp_avg"], tensors[f"optim/{name}/exp_avg"].to(torch.bfloat16))
+
+
+def test_streamed_stage_file_is_a_safetensors_file(tmp_path):
+    """``write_streamed`` (a synchronous save at tp > 1 writes each tensor as it is gathered) lays
+    out the header from the plan and the bytes as they come: safetensors reads every dtype, shape,
+    scalar and empty tensor back; a tensor that differs from its plan entry is an error."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from nxd_finetune.checkpoint.writer import write_streamed
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {"param/a": torch.randn(5, 3, generator=g).to(torch.bfloat16), "optim/a/step": torch.tensor(7.0),
+               "param/b": torch.randn(4, generator=g, dtype=torch.float64), "x/empty": torch.zeros(0, 2),
+               "x/mask": torch.rand(3, 3, generator=g) > 0.5, "x/ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+               "x/half": torch.randn(2, 2, generator=g).half()}
+    plan = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    path = tmp_path / "stage.safetensors"
+    assert write_streamed(str(path), plan, iter(tensors.items())) == list(tensors)
+    back = load_file(path)
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t), k
+    with safe_open(str(path), framework="pt") as f:
+        assert torch.equal(f.get_slice("param/a")[1:3], tensors["param/a"][1:3])
+    wrong = dict(tensors, **{"param/b": torch.zeros(5, dtype=torch.float64)})
+    with pytest.raises(CheckpointError, match=r"param/b .* came as param/b: torch.float64 \(5,\)"):
+        write_streamed(str(path), plan, iter(wrong.items()))

@@ -103,6 +103,14 @@ def test_memory_estimate_by_hand():
     # a layout whose save (the whole trainable state on the writing rank) outweighs the activations
     mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=80)
     assert mem["checkpoint save"] == 80 * 12 - mem["activations"] - mem["loss"] and mem["optimizer step"] == 0
+    # tp=2 without ZeRO-1: the save streams one gathered tensor at a time, two fp32 copies of the
+    # largest (the V*h = 32 vocabulary matrix, full size on every TP rank), not the whole stage
+    tp2 = {**base, "parallel": {"nproc": 2, "tp": 2}}
+    mem = estimate_memory(recipe_from_dict(tp2), cfg, total=1000, trainable=1000)
+    assert mem["checkpoint save"] == max(0, 2 * 4 * 32 - mem["activations"] - mem["loss"])
+    async_tp2 = {**tp2, "checkpoint": {"async_save": True}}
+    mem = estimate_memory(recipe_from_dict(async_tp2), cfg, total=1000, trainable=1000)
+    assert mem["checkpoint save"] == 1000 * 12 - mem["activations"] - mem["loss"]  # the whole stage, gathered
 
 
 def test_rmsnorm_16bit_matches_transformers():

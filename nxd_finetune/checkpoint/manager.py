@@ -15,7 +15,9 @@ storage seam). The format is described in :mod:`nxd_finetune.checkpoint.format`.
 
 Save (collective: every rank calls it with the same step). Rank 0 removes a stale directory of
 the same step (left by a killed save) and draws a save id; the state is gathered to one writer
-per pipeline stage (:func:`.state.collect`) as CPU copies; each writer uploads its tensor file,
+per pipeline stage (:func:`.state.collect`) as CPU copies, or, in a synchronous save at tp > 1,
+one tensor at a time while the writer streams it into its file (:class:`.state.StageTensors`,
+:func:`.writer.write_streamed`: no host copy of the whole stage); each writer uploads its tensor file,
 then its JSON sidecar (size, sha256, keys, optimizer group options); rank 0 writes ``extra``,
 waits for every stage's sidecar of this save id, and writes ``manifest.json`` last (an atomic
 put), then deletes checkpoints beyond ``keep_last`` (manifest first, so a half-deleted checkpoint
@@ -54,7 +56,7 @@ from torch import nn
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError, CheckpointWarning
-from nxd_finetune.checkpoint.state import collect, group_options, restore, trainable, unwrap
+from nxd_finetune.checkpoint.state import StageTensors, collect, group_options, restore, trainable, unwrap
 from nxd_finetune.checkpoint.stored import CheckpointReader, CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import SaveJob
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
@@ -129,15 +131,21 @@ class CheckpointManager:
         if self.rank == 0 and (self.storage.list(f"{name}/") or self.storage.leftovers(f"{name}/")):
             delete_checkpoint(self.storage, step)  # a stale, possibly half-written save of this step
         save_id = self._broadcast_int(secrets.randbits(62) if self.rank == 0 else 0)
-        tensors = collect(params, opt, self.state, copy=self.async_save)  # sync: written before the next step
         st = self.state
+        # A synchronous save at tp > 1 gathers one tensor at a time while the writer streams it to
+        # its file; otherwise the stage is collected at once (copied for a background write).
+        stream = StageTensors(params, opt, st) if not self.async_save and st is not None and st.tp_size > 1 else None
+        tensors = collect(params, opt, st, copy=self.async_save) if stream is None else None
+        if stream is not None and not stream.writes:
+            for _ in stream.tensors(copy=False):  # the other TP ranks take part in the gathers
+                pass
         job = SaveJob(
             storage=self.storage, name=name, step=step, save_id=f"{save_id:016x}",
             pp_rank=st.pp_rank if st is not None else 0, n_stages=st.pp_size if st is not None else 1,
             tensors=tensors, groups=groups, finalize=self.rank == 0, extra=extra_enc,
             layout={"tp": st.tp_size if st else 1, "pp": st.pp_size if st else 1, "dp": st.dp_size if st else 1,
                     "zero1": isinstance(opt, Zero1Optimizer)},
-            keep_last=self.keep_last)
+            keep_last=self.keep_last, stream=stream if stream is not None and stream.writes else None)
         self._pending_step = step
         if self.async_save:
             self._thread = threading.Thread(target=self._run, args=(job,), name=f"nxd-checkpoint-{step}")

@@ -19,7 +19,7 @@ is saved under the name each stage sees; a missing name falls back to its tied t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -127,48 +127,80 @@ def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return t.detach().to("cpu", copy=copy).contiguous()
 
 
-@torch.no_grad()
+@dataclasses.dataclass
+class _Entry:
+    key: str
+    local: torch.Tensor
+    spec: ShardSpec | None  # None: not TP-sharded (the same on every TP rank)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.full_shape if self.spec is not None else tuple(self.local.shape)
+
+
+class StageTensors:
+    """This rank's stage as layout-free tensors, ``param/<name>`` and ``optim/<name>/<state>``,
+    one at a time.
+
+    Construction is collective over dp for ZeRO-1 (the state export) and local otherwise;
+    :meth:`plan` (local) gives every tensor's key, dtype and full shape before anything is gathered,
+    so a writer can lay out its file first; :meth:`tensors` (collective over tp, on dp rank 0) gathers
+    the sharded ones in :meth:`plan`'s order. A ZeRO-1 fp32 master is kept only for parameters that
+    are not fp32 (otherwise it equals the parameter). Raises CheckpointError for an optimizer state
+    that is neither a scalar nor shaped like its parameter.
+    """
+
+    def __init__(self, params: list[LocalParam], optimizer: Any, state: Any) -> None:
+        states = _per_param_states(unwrap(optimizer))
+        self.state = state
+        self.tp_rank = state.tp_rank if state is not None else 0
+        self.takes_part = state is None or state.dp_rank == 0
+        self.writes = self.takes_part and self.tp_rank == 0
+        self.entries: list[_Entry] = []
+        for lp in params:
+            spec = lp.spec if lp.index() is not None else None
+            self.entries.append(_Entry(param_key(lp.name), lp.param, spec))
+            for key, value in sorted(states.get(id(lp.param), {}).items()):
+                if key == "master" and lp.param.dtype == torch.float32:
+                    continue
+                if value.dim() == 0:
+                    self.entries.append(_Entry(optim_key(lp.name, key), value, None))
+                elif tuple(value.shape) == tuple(lp.param.shape):
+                    self.entries.append(_Entry(optim_key(lp.name, key), value, spec))
+                else:
+                    raise CheckpointError(f"optimizer state {key!r} of {lp.name} has shape {tuple(value.shape)}, "
+                                          f"neither a scalar nor the parameter's {tuple(lp.param.shape)}")
+
+    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(key, dtype, full shape)`` of every tensor, in :meth:`tensors`' order. Local."""
+        return [(e.key, e.local.dtype, e.shape) for e in self.entries]
+
+    @torch.no_grad()
+    def tensors(self, copy: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(key, full CPU tensor)`` on the writing rank (tp rank 0, dp rank 0), ``(key, None)`` on
+        the other TP ranks of dp rank 0, which take part in the gathers only; nothing elsewhere.
+        ``copy``: a CPU copy no later optimizer step can change, else the live tensor where no gather
+        was needed. Collective over tp: every TP rank must consume the iterator to the end."""
+        if not self.takes_part:
+            return
+        group = self.state.tp_group if self.state is not None else None
+        for e in self.entries:
+            full = gather_shards(e.local, e.spec, group) if e.spec is not None else e.local
+            yield e.key, (_cpu(full, copy) if self.writes else None)
+            del full
+
+
 def collect(params: list[LocalParam], optimizer: Any, state: Any, copy: bool = True) -> dict[str, torch.Tensor] | None:
-    """Layout-free tensors of this rank's stage: ``param/<name>`` and ``optim/<name>/<state>``.
+    """Layout-free tensors of this rank's stage at once (see :class:`StageTensors`): a dict on the
+    writing rank (tp rank 0, dp rank 0), None elsewhere.
 
     ``copy=False`` (a save written before training goes on) returns the live CPU tensors where no
     gather was needed, instead of a host copy of the whole stage's parameters and optimizer state.
-
-    Collective: over dp (ZeRO-1 export), then over tp on dp rank 0 (one gather per sharded tensor,
-    in ``params`` order, identical on every TP rank). Returns the CPU tensors on the writing rank
-    (tp rank 0, dp rank 0) and None elsewhere. A ZeRO-1 fp32 master is kept only for parameters
-    that are not fp32 (otherwise it equals the parameter).
+    Collective: over dp (ZeRO-1 export), then over tp on dp rank 0.
     """
-    states = _per_param_states(unwrap(optimizer))
-    tp_rank = state.tp_rank if state is not None else 0
-    if state is not None and state.dp_rank != 0:
-        return None
-    group = state.tp_group if state is not None else None
-    out: dict[str, torch.Tensor] = {}
-    keep = tp_rank == 0  # the other TP ranks take part in the gathers and drop the results at once
-    for lp in params:
-        sharded = lp.index() is not None
-
-        def full(t: torch.Tensor, sharded: bool = sharded, spec: ShardSpec | None = lp.spec) -> torch.Tensor:
-            return gather_shards(t, spec, group) if sharded and spec is not None else t
-
-        full_param = full(lp.param)
-        if keep:
-            out[param_key(lp.name)] = _cpu(full_param, copy)
-        for key, value in sorted(states.get(id(lp.param), {}).items()):
-            if key == "master" and lp.param.dtype == torch.float32:
-                continue
-            if value.dim() == 0:
-                if keep:
-                    out[optim_key(lp.name, key)] = _cpu(value, copy)
-            elif tuple(value.shape) == tuple(lp.param.shape):
-                gathered = full(value)
-                if keep:
-                    out[optim_key(lp.name, key)] = _cpu(gathered, copy)
-            else:
-                raise CheckpointError(f"optimizer state {key!r} of {lp.name} has shape {tuple(value.shape)}, "
-                                      f"neither a scalar nor the parameter's {tuple(lp.param.shape)}")
-    return out if tp_rank == 0 else None
+    stage = StageTensors(params, optimizer, state)
+    out = {key: t for key, t in stage.tensors(copy) if t is not None}
+    return out if stage.writes else None
 
 
 class TensorReader(Protocol):

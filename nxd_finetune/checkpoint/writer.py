@@ -4,11 +4,15 @@ background thread), and the fault-injection points of the kill-and-resume tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
+import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +20,7 @@ from safetensors.torch import save_file
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError
+from nxd_finetune.checkpoint.state import StageTensors
 from nxd_finetune.checkpoint.stored import retain
 from nxd_finetune.storage import Storage
 
@@ -54,15 +59,16 @@ class SaveJob:
     save_id: str
     pp_rank: int
     n_stages: int
-    tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file
+    tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file (or streams it)
     groups: list[dict[str, Any]]
     finalize: bool  # global rank 0: extra + manifest + retention
     extra: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
     layout: dict[str, Any]
     keep_last: int
+    stream: StageTensors | None = None  # a synchronous save's stage, gathered while it is written
 
     def run(self) -> None:
-        if self.tensors is not None:
+        if self.tensors is not None or self.stream is not None:
             self._write_stage()
         if self.finalize:
             failpoint("before-manifest", self.step)
@@ -70,14 +76,26 @@ class SaveJob:
             retain(self.storage, self.keep_last)
 
     def _write_stage(self) -> None:
-        assert self.tensors is not None  # freed only after this write
+        streamed = self.stream.tensors(copy=False) if self.stream is not None else None
         # local: written beside its final name and renamed; remote: staged in nxd-finetune's cache
-        with self.storage.staged(f"{self.name}/{F.state_file(self.pp_rank)}") as tmp:
-            save_file(self.tensors, str(tmp))
-            entry = F.file_entry(str(tmp))
-            failpoint("stage-written", self.step)  # killed with the file not yet at its name
+        try:
+            with self.storage.staged(f"{self.name}/{F.state_file(self.pp_rank)}") as tmp:
+                if self.stream is not None and streamed is not None:
+                    keys = write_streamed(str(tmp), self.stream.plan(), streamed)
+                else:
+                    assert self.tensors is not None  # freed only after this write
+                    save_file(self.tensors, str(tmp))
+                    keys = list(self.tensors)
+                entry = F.file_entry(str(tmp))
+                failpoint("stage-written", self.step)  # killed with the file not yet at its name
+        except Exception:
+            if streamed is not None:  # the other TP ranks are still gathering: take part to the end
+                with contextlib.suppress(Exception):
+                    for _ in streamed:
+                        pass
+            raise
         sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {F.state_file(self.pp_rank): entry},
-                   "tensors": sorted(self.tensors), "param_groups": self.groups}
+                   "tensors": sorted(keys), "param_groups": self.groups}
         self.tensors = None  # free the host copy as soon as it is stored
         self.storage.put_bytes(f"{self.name}/{F.sidecar_file(self.pp_rank)}", F.dumps(sidecar))
 
@@ -117,6 +135,44 @@ class SaveJob:
                                       f"within {SIDECAR_TIMEOUT_S:.0f}s")
             time.sleep(delay)
             delay = min(1.0, delay * 1.5)
+
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+def write_streamed(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   tensors: Iterator[tuple[str, torch.Tensor | None]]) -> list[str]:
+    """Write a safetensors file whose tensors arrive one at a time, in ``plan``'s order
+    (``(key, dtype, shape)`` each, known before any arrives): the header first, then each tensor's
+    bytes as it comes, so no more than one of them is held here. Returns the keys written.
+
+    Raises CheckpointError when a tensor differs from its plan entry (key, dtype or shape)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, dtype, shape in plan:
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"cannot store {key} of dtype {dtype} in a checkpoint")
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key, dtype, shape in plan:
+            got, tensor = next(tensors)
+            if got != key or tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                found = "nothing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+                raise CheckpointError(f"checkpoint tensor {key} ({dtype} {tuple(shape)}) came as {got}: {found}")
+            if tensor.numel():
+                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+            del tensor
+    for _ in tensors:  # the iterator's end: its last collective
+        pass
+    return [key for key, _, _ in plan]
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

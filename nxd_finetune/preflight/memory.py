@@ -65,8 +65,9 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
       sequence parallel). With ``pp > 1``: the first stage's activations or the last stage's
       activations and loss, whichever is larger.
     - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
-      copies of the largest trainable tensor) or a save's whole-stage tensors (gathered on the
-      writing rank at tp > 1 / ZeRO-1, copied for ``checkpoint.async_save``), whichever is
+      copies of the largest trainable tensor) or a save's tensors (the whole stage gathered on the
+      writing rank under ZeRO-1 or copied for ``checkpoint.async_save``; at tp > 1 otherwise one
+      tensor at a time, streamed to the file, so two fp32 copies of the largest one), whichever is
       larger, counted where it exceeds the activations and loss it replaces.
     """
     par, tr = recipe.parallel, recipe.training
@@ -108,12 +109,14 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
     # Between steps the activations are gone, and two things can need more: AdamW's per-tensor
     # temporaries (CPU steps one tensor at a time: about two fp32 copies of the largest one, the
     # vocabulary matrix in full SFT; ZeRO-1 steps in 4M-element chunks) and a checkpoint save, which
-    # gathers the stage's trainable tensors and optimizer states whole on its writing rank (tp > 1,
-    # ZeRO-1) or copies them for a background write.
-    largest = config.vocab_size * config.hidden_size / t if recipe.lora is None and not par.zero1 else 0
-    step_temp = 2 * 4 * largest
-    saves_whole = t > 1 or recipe.checkpoint.async_save or (par.zero1 and par.dp > 1)
-    save = trainable / pp * (train_bytes + 8 + (4 if train_bytes == 2 else 0)) if saves_whole else 0.0
+    # gathers the stage's trainable tensors and optimizer states whole on its writing rank (ZeRO-1),
+    # copies them for a background write, or at tp > 1 streams them one gathered tensor at a time.
+    vocab_matrix = config.vocab_size * config.hidden_size if recipe.lora is None else 0
+    step_temp = 2 * 4 * vocab_matrix / t if not par.zero1 else 0
+    if recipe.checkpoint.async_save or (par.zero1 and par.dp > 1):  # the whole stage, gathered or copied
+        save = trainable / pp * (train_bytes + 8 + (4 if train_bytes == 2 else 0))
+    else:  # streamed at tp > 1: one tensor gathered at a time, on every TP rank (the gather's output and
+        save = 2 * 4 * vocab_matrix if t > 1 else 0.0  # its reordered copy); written in place at tp = 1
     during = activations + loss
     parts["optimizer step"] = max(0.0, step_temp - during) if step_temp >= save else 0.0
     parts["checkpoint save"] = max(0.0, save - during) if save > step_temp else 0.0
