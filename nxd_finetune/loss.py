@@ -55,11 +55,30 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def target_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices into the ``B*T`` positions that predict a target, and those targets (``[N]``
-    each). In SFT most positions are prompt or padding: computing logits only at these positions
-    (the model's ``logits_index``) skips most of the vocabulary projection and its fp32 softmax."""
-    targets = shift_labels(labels).reshape(-1)
-    index = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    return index, targets.index_select(0, index)
+    each), padded to a multiple of :data:`TARGET_ROWS_MULTIPLE` with ignored targets. In SFT most
+    positions are prompt or padding: computing logits only at these positions (the model's
+    ``logits_index``) skips most of the vocabulary projection and its fp32 softmax."""
+    return _bucketed_index(shift_labels(labels).reshape(-1))
+
+
+TARGET_ROWS_MULTIPLE = 64
+"""Target rows are padded up to a multiple of this (with ignored targets, no loss): the output
+layer's matmuls then see a few shapes instead of one per micro-batch. Every new shape makes oneDNN
+build and cache new matmul primitives on CPU, and with a new count per micro-batch that cache grew
+a 1B LoRA run by ~35 MB per micro-batch (``bench/README.md``)."""
+
+
+def _bucketed_index(flat_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the non-ignored ``flat_targets`` and those targets, padded to a multiple of
+    :data:`TARGET_ROWS_MULTIPLE` rows (at most every position) with position 0 and ignored targets."""
+    index = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
+    n = index.numel()
+    padded = min(flat_targets.numel(), -(-n // TARGET_ROWS_MULTIPLE) * TARGET_ROWS_MULTIPLE)
+    targets = flat_targets.index_select(0, index)
+    if padded > n:
+        index = torch.cat([index, index.new_zeros(padded - n)])
+        targets = torch.cat([targets, targets.new_full((padded - n,), IGNORE_INDEX)])
+    return index, targets
 
 
 def count_targets(labels: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -250,10 +269,9 @@ def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torc
 
 def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``hidden`` ``[B, T, H]`` at the positions of shifted ``targets`` ``[B, T]`` that are
-    not ignored (``[N, H]``), and those targets (``[N]``)."""
-    flat = targets.reshape(-1)
-    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), flat.index_select(0, index)
+    not ignored (``[N, H]``), and those targets (``[N]``), padded like :func:`target_index`."""
+    index, kept = _bucketed_index(targets.reshape(-1))
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept
 
 
 def chunked_step_loss(hidden: torch.Tensor, labels: torch.Tensor, n_targets: torch.Tensor | float, *,

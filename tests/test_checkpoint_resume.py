@@ -205,6 +205,13 @@ def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]  # keep_last=2
     svg = ET.parse(out / "loss_curve.svg").getroot()
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 2
+    assert summary["input_tokens"] == ref_summary["input_tokens"] and summary["input_tokens_per_s"] > 0
+    # 4. the same command once more: the run is finished, no step runs, so there is no throughput
+    #    (not the earlier runs' tokens over this run's zero training time)
+    code, log = finish(start(env, out))
+    again = json.loads((out / "summary.json").read_text())
+    assert code == 0 and again["steps"] == STEPS and again["input_tokens_per_s"] is None, log
+    assert re.search(r"throughput\s+│ -\s", log), log
 
 
 def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(env, tmp_path, monkeypatch):

@@ -191,3 +191,28 @@ def test_chunked_step_loss_from_hidden_states_equals_step_loss():
     with torch.no_grad():
         torch.testing.assert_close(chunked_hidden_stats(hidden, shift_labels(labels), head=head, rows=3),
                                    eval_stats(head(hidden), shift_labels(labels)), rtol=1e-6, atol=0)
+
+
+def test_target_rows_are_padded_to_few_shapes_with_ignored_targets():
+    """``target_index`` pads the target rows to a multiple of ``TARGET_ROWS_MULTIPLE`` (at most
+    every position) with ignored targets: the output layer's matmuls see a few shapes, not one per
+    micro-batch (oneDNN caches primitives per shape), and the loss is the unpadded one."""
+    from nxd_finetune.loss import IGNORE_INDEX, TARGET_ROWS_MULTIPLE, ce_sum, shift_labels, target_index
+
+    g = torch.Generator().manual_seed(0)
+    shapes = set()
+    for n_prompt in range(1, 400, 7):
+        labels = torch.randint(0, 50, (2, 256), generator=g)
+        labels[:, :n_prompt] = IGNORE_INDEX
+        index, targets = target_index(labels)
+        real = shift_labels(labels).reshape(-1)
+        kept = real != IGNORE_INDEX
+        n = int(kept.sum())
+        assert index.numel() == targets.numel() == min(512, -(-n // TARGET_ROWS_MULTIPLE) * TARGET_ROWS_MULTIPLE)
+        assert torch.equal(index[:n], kept.nonzero().squeeze(1)) and torch.equal(targets[:n], real[kept])
+        assert bool((targets[n:] == IGNORE_INDEX).all())
+        logits = torch.randn(512, 50, generator=g)
+        unpadded = ce_sum(logits[kept.nonzero().squeeze(1)], real[kept])
+        torch.testing.assert_close(ce_sum(logits[index], targets), unpadded)
+        shapes.add(index.numel())
+    assert len(shapes) <= 512 // TARGET_ROWS_MULTIPLE + 1  # and 0 rows where every target is ignored

@@ -386,7 +386,7 @@ def test_eager_runtime_reads_values_at_once_and_keeps_cpu_tensors():
 def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
     """``Engine.full_logits`` (set by ``XlaRuntime.prepare``): logits at every position, the same
     loss as the default gather of target positions; ``sequence_parallel`` keeps its own meaning."""
-    from nxd_finetune.loss import ce_sum
+    from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, ce_sum
     from nxd_finetune.sft.build import resolve_model_dir
     from nxd_finetune.sft.engine import build_engine
 
@@ -406,7 +406,8 @@ def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
             logits, targets = engine.logits_and_targets(batch)
         losses.append(ce_sum(logits, targets))
         shapes.append(tuple(logits.shape))
-    assert shapes == [(11 + 7, engine.config.vocab_size), (2, 16, engine.config.vocab_size)]
+    # 11 + 7 targets, padded with ignored rows to a multiple of TARGET_ROWS_MULTIPLE, at most all 2 x 16 positions
+    assert shapes == [(min(2 * 16, TARGET_ROWS_MULTIPLE), engine.config.vocab_size), (2, 16, engine.config.vocab_size)]
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
 
 

@@ -2,7 +2,8 @@
 
 Names say what they count: ``loss_tokens`` are the target tokens the loss was taken over (answers,
 end-of-turn), ``input_tokens`` every non-padding token fed to the model; ``input_tokens_per_s`` is
-the training throughput over input tokens. ``first_loss`` is the train loss logged at
+the training throughput over input tokens of this process's steps (a resumed run's earlier steps
+are not counted; None when it ran no step). ``first_loss`` is the train loss logged at
 ``first_loss_step``. ``memory`` holds each rank's measured peak host memory (over the run and
 up to the end of training) and, on CUDA, its peak device memory.
 """
@@ -51,7 +52,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         (f"final loss (step {summary['steps']})", _loss(summary["final_loss"])),
         ("time to first step", _seconds(summary["time_to_first_step_s"])),
         ("training time", _seconds(summary["train_time_s"])),
-        ("throughput", f"{summary['input_tokens_per_s']:,.0f} input tokens/s"),
+        ("throughput", "-" if summary["input_tokens_per_s"] is None
+                       else f"{summary['input_tokens_per_s']:,.0f} input tokens/s"),
         ("layout", f"{p['nproc']} process(es): tp {p['tp']} x pp {p['pp']} x dp {p['dp']}"
                    + ("  zero1" if p["zero1"] else "") + ("  sp" if p["sequence_parallel"] else "")),
     ]

@@ -361,6 +361,7 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         metrics.log(0, before)
         history.append({"step": 0, **before})  # checkpoints carry it with the history
     t_first = time.perf_counter() - t0
+    tokens_before = state.input_tokens  # a resumed run's earlier tokens are not this run's throughput
     try:
         history = train(engine, steps, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
                         state, recipe.logging.progress, runtime, ckpt, history)
@@ -395,7 +396,8 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "eval_before": before, "eval_after": after,
         "time_to_first_step_s": round(t_first, 2), "train_time_s": round(train_time, 2),
-        "input_tokens_per_s": round(state.input_tokens / max(train_time, 1e-9), 1),
+        "input_tokens_per_s": (round((state.input_tokens - tokens_before) / max(train_time, 1e-9), 1)
+                               if state.input_tokens > tokens_before else None),
         "first_loss_step": history_steps[0] if history_steps else None,
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
         "lora_targets": engine.lora_targets,
