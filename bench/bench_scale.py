@@ -188,7 +188,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("runtime", "weights", "gradients", "optimizer", "activations", "loss", "total")
+PARTS = ("runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient", "optimizer step",
+         "checkpoint save", "total")
 
 
 def plot(meta: dict[str, Any], rows: list[dict[str, Any]], stem: Path) -> list[Path]:

@@ -89,6 +89,7 @@ def test_memory_estimate_by_hand():
     # + trainable fp32 norms 2*4*4 = 32; outside the layers 4*(4 + 2*2) = 32 per token
     assert mem == {"runtime": RUNTIME_BYTES, "weights": 400, "gradients": 400, "optimizer": 800,
                    "activations": 4 * (2 * (224 + 32) + 32), "loss": LOSS_COPIES * 4 * 4 * 8,
+                   "vocabulary gradient": 4 * 32,  # fp32: the V*h = 32 gradient's temporaries, 4 bytes
                    "optimizer step": 0, "checkpoint save": 0}  # 2 * 4 * (V*h = 32) < activations + loss
     lora = {**base, "lora": {}, "parallel": {"nproc": 4, "tp": 2, "zero1": True, "activation_checkpointing": "full"},
             "training": {"precision": "bf16-mixed"}, "model": {"path": "/m", "dtype": "bf16"}}
@@ -99,7 +100,8 @@ def test_memory_estimate_by_hand():
     # outside the layers 2*(4 + 2*2) = 16 per token
     assert mem == {"runtime": RUNTIME_BYTES, "weights": (160 + 80 + 40) / 2, "gradients": 20 * 4 / 2,
                    "optimizer": 20 * 8 / 2 / 2, "activations": 4 * (8 * 2 + 16 + 72),
-                   "loss": LOSS_COPIES * 4 * 4 * 4, "optimizer step": 0, "checkpoint save": 0}
+                   "loss": LOSS_COPIES * 4 * 4 * 4, "vocabulary gradient": 0, "optimizer step": 0,
+                   "checkpoint save": 0}  # LoRA: the vocabulary matrix is frozen
     # a layout whose save (the whole trainable state on the writing rank) outweighs the activations
     mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=80)
     assert mem["checkpoint save"] == 80 * 12 - mem["activations"] - mem["loss"] and mem["optimizer step"] == 0
@@ -107,10 +109,11 @@ def test_memory_estimate_by_hand():
     # largest (the V*h = 32 vocabulary matrix, full size on every TP rank), not the whole stage
     tp2 = {**base, "parallel": {"nproc": 2, "tp": 2}}
     mem = estimate_memory(recipe_from_dict(tp2), cfg, total=1000, trainable=1000)
-    assert mem["checkpoint save"] == max(0, 2 * 4 * 32 - mem["activations"] - mem["loss"])
+    assert mem["vocabulary gradient"] == 4 * 32 / 2  # fp32, vocab-parallel: half of V*h on each rank
+    assert mem["checkpoint save"] == max(0, 2 * 4 * 32 - mem["activations"] - mem["loss"] - mem["vocabulary gradient"])
     async_tp2 = {**tp2, "checkpoint": {"async_save": True}}
     mem = estimate_memory(recipe_from_dict(async_tp2), cfg, total=1000, trainable=1000)
-    assert mem["checkpoint save"] == 1000 * 12 - mem["activations"] - mem["loss"]  # the whole stage, gathered
+    assert mem["checkpoint save"] == 1000 * 12 - mem["activations"] - mem["loss"] - mem["vocabulary gradient"]
 
 
 def test_rmsnorm_16bit_matches_transformers():
