@@ -4,7 +4,8 @@ Two steps, for every world size:
 
 1. :func:`gather_to_writer` -- the full tensors on global rank 0 (a no-op at world size 1): the
    adapter under PEFT file keys (LoRA), or every model tensor under HF keys (full SFT), gathered
-   over tensor parallel and united over the pipeline stages;
+   over tensor parallel and united over the pipeline stages (full SFT at tp > 1 and pp = 1 streams
+   instead: each tensor is gathered when the writer's shard needs it, :func:`export_model`);
 2. :func:`write_final` -- rank 0 writes the save mode into a temporary sibling of the output
    directory and renames it into place (complete or absent):
 
@@ -27,9 +28,11 @@ Every rank calls :func:`export_model` (collective); only global rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,16 +113,17 @@ def _copy_base(source: Path, out: Path) -> None:
             shutil.copyfile(f, out / f.name)
 
 
-def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,
-                lora: LoraConfig | None, lora_targets: list[str] | None = None) -> Path:
+def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: Path, spec: ExportSpec, *,
+                config: DecoderConfig, lora: LoraConfig | None, lora_targets: list[str] | None = None) -> Path:
     """Write the save mode into ``out_dir`` (replaced if it exists) from the full ``tensors``
-    (:func:`gather_to_writer`); the directory appears complete or not at all. One process."""
+    (:func:`gather_to_writer`; for full SFT also ``(name, tensor)`` pairs consumed as they are
+    written); the directory appears complete or not at all. One process."""
     out_dir = Path(out_dir)
 
     def adapter(out: Path) -> None:
         from nxd_finetune.lora.identity import base_identity
 
-        assert lora is not None
+        assert lora is not None and isinstance(tensors, dict)
         write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
                             revision=spec.revision, config_hash=config.config_hash(),
                             identity=base_identity(config, spec.source_dir))
@@ -128,7 +132,7 @@ def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: De
         shutil.rmtree(out_dir)
     with publish_dir(out_dir) as tmp:
         if lora is None:
-            save_pretrained(config, tensors.items(), tmp, spec.dtype)
+            save_pretrained(config, tensors.items() if isinstance(tensors, dict) else tensors, tmp, spec.dtype)
             copy_generation_config(spec.source_dir, tmp)
         elif spec.mode == "adapter":
             adapter(tmp)
@@ -148,11 +152,38 @@ def write_final(tensors: Tensors, out_dir: Path, spec: ExportSpec, *, config: De
     return out_dir
 
 
+def _streamed_model(rank_model: RankModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every model tensor under its HF key, each gathered over TP as it is asked for (full SFT at
+    pp = 1). Collective over tp: every TP rank must consume it to the end."""
+    state = rank_model.state
+    for m in rank_model.modules:
+        specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
+        for name, t in m.state_dict().items():
+            yield name, gather_shards(t, specs[name], state.tp_group) if name in specs else t.detach()
+
+
 def export_model(rank_model: RankModel, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,
                  lora: LoraConfig | None, lora_targets: list[str] | None = None,
                  pp_group: dist.ProcessGroup | None = None) -> Path | None:
     """Gather to global rank 0, which writes ``out_dir`` (see the module docstring); returns it
-    there, None on other ranks. Collective: every rank calls it."""
+    there, None on other ranks. Collective: every rank calls it.
+
+    Full SFT at tp > 1 and pp = 1 streams instead: each tensor is gathered when the writer's
+    current shard asks for it, so no rank holds the whole gathered model."""
+    state = rank_model.state
+    if lora is None and state.tp_size > 1 and state.pp_size == 1:
+        stream = _streamed_model(rank_model)
+        if state.rank != 0:
+            for _ in stream:  # the other TP ranks take part in the gathers
+                pass
+            return None
+        try:
+            return write_final(stream, out_dir, spec, config=config, lora=lora, lora_targets=lora_targets)
+        except Exception:
+            with contextlib.suppress(Exception):  # the other TP ranks are still gathering
+                for _ in stream:
+                    pass
+            raise
     tensors = gather_to_writer(rank_model, lora, pp_group)
     if tensors is None:
         return None
