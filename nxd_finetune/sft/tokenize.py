@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -124,11 +125,26 @@ def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None
             global _JOB
             _JOB = job
             try:
-                with multiprocessing.get_context("fork").Pool(procs) as pool:
+                pool = multiprocessing.get_context("fork").Pool(procs, initializer=_default_signals)
+                try:
                     parts = pool.starmap(_run_job, zip(bounds[:-1], bounds[1:], strict=True))
+                    pool.close()  # the workers exit on their own: no SIGTERM to one holding the queue's lock
+                except BaseException:
+                    pool.terminate()
+                    raise
+                finally:
+                    pool.join()
             finally:
                 _JOB = None
         return _join(parts)
+
+
+def _default_signals() -> None:
+    """In a forked worker: SIGTERM / SIGINT back to their defaults. A parent's Python handler (the
+    training loop's stop-after-this-step flag) would otherwise make ``Pool.terminate`` wait forever
+    for a worker blocked on the task queue."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 ROWS_PER_PROC = 2000
