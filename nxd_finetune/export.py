@@ -87,15 +87,12 @@ def gather_to_writer(rank_model: RankModel, lora: LoraConfig | None,
     """The full tensors on global rank 0 (None on other ranks): the adapter under PEFT file keys
     with ``lora``, else every model tensor under HF keys. Collective over tp and pp."""
     state = rank_model.state
+    if lora is None:
+        return _unite_stages(rank_model, pp_group, dict(_streamed_model(rank_model)))
     local: Tensors = {}
     for m in rank_model.modules:
-        if lora is not None:
-            local.update(adapter_state_dict(m, lora.bias) if state.tp_size == 1
-                         else gather_adapter_state_dict(m, state, lora.bias))
-        else:
-            specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
-            for name, t in m.state_dict().items():
-                local[name] = gather_shards(t, specs[name], state.tp_group) if name in specs else t.detach()
+        local.update(adapter_state_dict(m, lora.bias) if state.tp_size == 1
+                     else gather_adapter_state_dict(m, state, lora.bias))
     return _unite_stages(rank_model, pp_group, local)
 
 
@@ -153,8 +150,8 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
 
 
 def _streamed_model(rank_model: RankModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every model tensor under its HF key, each gathered over TP as it is asked for (full SFT at
-    pp = 1). Collective over tp: every TP rank must consume it to the end."""
+    """Every model tensor of this rank's stages under its HF key, each gathered over TP as it is
+    asked for (full SFT). Collective over tp: every TP rank must consume it to the end."""
     state = rank_model.state
     for m in rank_model.modules:
         specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}

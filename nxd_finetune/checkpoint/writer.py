@@ -80,7 +80,7 @@ class SaveJob:
         # local: written beside its final name and renamed; remote: staged in nxd-finetune's cache
         try:
             with self.storage.staged(f"{self.name}/{F.state_file(self.pp_rank)}") as tmp:
-                if self.stream is not None and streamed is not None:
+                if self.stream is not None and streamed is not None:  # (both: for the type checker)
                     keys = write_streamed(str(tmp), self.stream.plan(), streamed)
                 else:
                     assert self.tensors is not None  # freed only after this write
@@ -154,7 +154,7 @@ def write_streamed(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]
     for key, dtype, shape in plan:
         if dtype not in _DTYPES:
             raise CheckpointError(f"cannot store {key} of dtype {dtype} in a checkpoint")
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
