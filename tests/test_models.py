@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -66,11 +67,38 @@ def test_save_pretrained_loads_in_transformers(tmp_path):
     make_hf(CONFIGS["qwen2"](), src)
     ours = load_pretrained(src).eval()
     save_pretrained(ours.config, ours.state_dict().items(), out, max_shard_bytes=30_000)
-    assert (out / "model.safetensors.index.json").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(p.name for p in out.iterdir()) == sorted([*shards, "config.json",
+                                                                               "model.safetensors.index.json"])
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 128, (1, 10))
     with torch.no_grad():
         assert (ours(ids) - hf(ids).logits).abs().max() <= 1e-5
+    # bf16, one shard: safetensors reads back every tensor exactly, with the "pt" metadata
+    save_pretrained(ours.config, ours.state_dict().items(), tmp_path / "bf16", dtype=torch.bfloat16)
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        tied = ours.config.tie_word_embeddings
+        expect = {k: v for k, v in ours.state_dict().items() if k != "lm_head.weight" or not tied}
+        assert set(f.keys()) == set(expect)
+        for k, v in expect.items():
+            assert torch.equal(f.get_tensor(k), v.to(torch.bfloat16)), k
+
+
+def test_save_pretrained_leaves_nothing_behind_on_error(tmp_path):
+    make_hf(CONFIGS["llama3-rope-scaling"](), tmp_path / "src")
+    ours = load_pretrained(tmp_path / "src")
+
+    def failing():
+        for i, item in enumerate(ours.state_dict().items()):
+            if i == 6:
+                raise RuntimeError("gather failed")
+            yield item
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        save_pretrained(ours.config, failing(), tmp_path / "out", max_shard_bytes=10_000)
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_packed_batch_equals_separate_samples(tmp_path):

@@ -7,10 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
-import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +20,7 @@ from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.state import StageTensors
 from nxd_finetune.checkpoint.stored import retain
+from nxd_finetune.safetensors_io import header_bytes, write_tensor
 from nxd_finetune.storage import Storage
 
 SIDECAR_TIMEOUT_S = 1800.0
@@ -137,11 +136,6 @@ class SaveJob:
             delay = min(1.0, delay * 1.5)
 
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-
-
 def write_streamed(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
                    tensors: Iterator[tuple[str, torch.Tensor | None]]) -> list[str]:
     """Write a safetensors file whose tensors arrive one at a time, in ``plan``'s order
@@ -149,26 +143,18 @@ def write_streamed(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]
     bytes as it comes, so no more than one of them is held here. Returns the keys written.
 
     Raises CheckpointError when a tensor differs from its plan entry (key, dtype or shape)."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for key, dtype, shape in plan:
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"cannot store {key} of dtype {dtype} in a checkpoint")
-        size = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    try:
+        head = header_bytes(plan)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         for key, dtype, shape in plan:
             got, tensor = next(tensors)
             if got != key or tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
                 found = "nothing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
                 raise CheckpointError(f"checkpoint tensor {key} ({dtype} {tuple(shape)}) came as {got}: {found}")
-            if tensor.numel():
-                f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+            write_tensor(f, tensor)
             del tensor
     for _ in tensors:  # the iterator's end: its last collective
         pass

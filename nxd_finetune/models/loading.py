@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.safetensors_io import Entry, header_bytes, write_tensor
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -144,6 +144,22 @@ def load_pretrained(
     return model
 
 
+COPY_CHUNK = 8 * 2**20
+
+
+@contextlib.contextmanager
+def _temporary(data: Path, shards: list[tuple[Path, list[str]]]) -> Iterator[None]:
+    """Remove the data file on leaving, and the shards written so far if the block fails."""
+    try:
+        yield
+    except BaseException:
+        for tmp, _ in shards:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        data.unlink(missing_ok=True)
+
+
 def save_pretrained(
     config: DecoderConfig,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -152,37 +168,48 @@ def save_pretrained(
     max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
     """Write an HF checkpoint: ``config.json`` plus safetensors shards (with an index when more
-    than one). ``tensors`` may be a generator, and is consumed as it is written: each shard goes to
-    disk as soon as it is full, so peak memory is one shard (plus what the generator holds), never
-    the whole model. Shards are written under temporary names and renamed once their count is
-    known, so a crash leaves no half file named as a complete one. ``lm_head.weight`` is skipped
-    for tied-embedding configs, as HF does.
+    than one). ``tensors`` may be a generator, and is consumed as it is written: each tensor's bytes
+    go to a temporary data file as it arrives, and a shard is assembled (its header, then those
+    bytes, copied in 8 MiB pieces) once it is full, so peak memory is one tensor (plus what the
+    generator holds), never a shard or the model. Shards are written under temporary names and
+    renamed once their count is known; an error removes them, so none is left named as a complete one.
+    ``lm_head.weight`` is skipped for tied-embedding configs, as HF does.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[tuple[Path, list[str]]] = []  # (temp file, tensor names) per shard
-    shard: dict[str, torch.Tensor] = {}
+    entries: list[Entry] = []
     size = total = 0
+    data_path = out / ".shard-data.tmp"
 
-    def flush() -> None:
-        tmp = out / f".shard-{len(written):05d}.safetensors.tmp"
-        save_file(shard, str(tmp), metadata={"format": "pt"})
-        written.append((tmp, list(shard)))
+    with _temporary(data_path, written), open(data_path, "w+b") as data:
 
-    for name, t in tensors:
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shard and size + nbytes > max_shard_bytes:
+        def flush() -> None:
+            tmp = out / f".shard-{len(written):05d}.safetensors.tmp"
+            data.flush()
+            with open(tmp, "wb") as f:
+                f.write(header_bytes(entries, {"format": "pt"}))
+                data.seek(0)
+                shutil.copyfileobj(data, f, COPY_CHUNK)
+            written.append((tmp, [key for key, _, _ in entries]))
+            data.seek(0)
+            data.truncate()
+
+        for name, t in tensors:
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
+            nbytes = t.numel() * t.element_size()
+            if entries and size + nbytes > max_shard_bytes:
+                flush()
+                entries, size = [], 0
+            write_tensor(data, t)
+            entries.append((name, t.dtype, tuple(t.shape)))
+            size += nbytes
+            total += nbytes
+            del t
+        if entries or not written:
             flush()
-            shard, size = {}, 0
-        shard[name] = t
-        size += nbytes
-        total += nbytes
-    if shard or not written:
-        flush()
-    shard = {}
     n = len(written)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: dict[str, str] = {}
