@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,19 +46,23 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def write_standin(path: Path, hf_config: dict) -> Path:
-    """An HF directory: config.json, zero bf16 weights of the right shapes, a tokenizer file."""
+    """An HF directory: config.json, zero bf16 weights of the right shapes, the quickstart's
+    tokenizer (``validate`` tokenizes the data to count each micro-batch's targets)."""
     from nxd_finetune.models import DecoderConfig, build_model, save_pretrained
+    from nxd_finetune.quickstart import ensure_tiny_model
 
     config = DecoderConfig.from_hf(hf_config)
     shapes = build_model(config).state_dict()
     save_pretrained(config, ((n, torch.zeros(t.shape, dtype=torch.bfloat16)) for n, t in shapes.items()), path)
     (path / "config.json").write_text(json.dumps(hf_config))
-    (path / "tokenizer_config.json").write_text("{}")
+    for f in ensure_tiny_model().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
     return path
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, quickstart_cache):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -216,7 +221,9 @@ def test_validate_json(capsys, assets):
     assert total == config.num_parameters() + LORA_TRAINABLE[name] and trainable == LORA_TRAINABLE[name]
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [f"model.path={assets.models[name]}",
                                                               *assets.data[name], *layout_args])
-    want = estimate_memory(recipe, config, total, trainable)
+    targets = doc["max_targets_per_micro_batch"]  # counted in the tokenized data
+    assert isinstance(targets, int) and targets > 0
+    want = estimate_memory(recipe, config, total, trainable, targets)
     mem = doc["memory_per_rank_bytes"]
     assert set(mem) == {"runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient",
                         "optimizer step", "checkpoint save", "total"}

@@ -167,3 +167,31 @@ def test_lora_under_autocast_shares_its_input():
         refs = [layer.base_layer(x) + layer.lora_B(layer.lora_A(x.float()) * layer.scaling) for layer in layers]
     for out, ref in zip(outs, refs, strict=True):
         assert torch.equal(out, ref.to(out.dtype))
+
+
+@pytest.mark.parametrize("packing, mbs", [(True, 1), (True, 3), (False, 2)])
+def test_micro_batch_targets_bound_the_loaders_micro_batches(quickstart_cache, packing, mbs):
+    """``validate`` counts the most targets one micro-batch holds (the loss's logits rows) in the
+    tokenized data; the training loader's real micro-batches over two epochs never hold more,
+    and with one row per micro-batch one of them holds exactly that many."""
+    from nxd_finetune.loss import shift_labels
+    from nxd_finetune.preflight.data import micro_batch_targets
+    from nxd_finetune.recipe import load_recipe
+    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+    from nxd_finetune.sft.loader import build_dataloaders
+
+    repo = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(repo / "recipes" / "quickstart.yaml", [f"data.packing={str(packing).lower()}",
+                                                                f"training.micro_batch_size={mbs}",
+                                                                "data.max_seq_len=64"])
+    model_dir = resolve_model_dir(recipe.model.path)
+    counted = micro_batch_targets(recipe, model_dir)
+    loaders = build_dataloaders(recipe.data, load_tokenizer(recipe, model_dir), micro_batch_size=mbs)
+    seen = []
+    for i, batch in enumerate(loaders.train):
+        if i == 2 * loaders.train.batches_per_epoch:
+            break
+        seen.append(int((shift_labels(batch["labels"]) != -100).sum()))
+    assert len(set(seen)) > 1 and max(seen) <= counted
+    if mbs == 1:
+        assert max(seen) == counted

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import DataError
 
@@ -133,3 +133,39 @@ def _row_problem(row: dict, fmt: str, columns: dict[str, str]) -> str | None:
         if not isinstance(m, dict) or role not in m or content not in m:
             return f"every message needs keys {role!r} and {content!r} (map them with data.fields.role/content)"
     return None
+
+
+def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
+    """The most target positions one training micro-batch holds: the ``micro_batch_size`` rows
+    (packed as ``run`` packs them, or one sample each) with the most targets, from the tokenized
+    training data (tokenized here into the cache ``run`` reads, or read from it). None when a
+    source is remote (not read by ``validate``). The loss's logits are that many rows, not one per
+    position: in SFT, prompts and padding are not targets."""
+    spec = recipe.data.train
+    if spec is None or any("://" in s for s in ([spec] if isinstance(spec, str) else spec)):
+        return None
+    from nxd_finetune.sft.build import load_tokenizer
+    from nxd_finetune.sft.data import DataSpec, prepare_datasets
+    from nxd_finetune.sft.packing import make_rows
+
+    train, _ = prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
+    per_sample = sample_targets(train.labels, train.offsets)
+    rows = make_rows(train.lengths.tolist(), recipe.data.max_seq_len, recipe.data.packing)
+    per_row = sorted((sum(per_sample[i] for i in row) for row in rows), reverse=True)
+    return sum(per_row[: recipe.training.micro_batch_size])
+
+
+def sample_targets(labels: Any, offsets: Any) -> list[int]:
+    """Targets of each sample of a tokenized dataset (flat int32 ``labels``, int64 ``offsets``):
+    labels other than -100 after the sample's first position, which is never a target once a
+    packed row's labels are shifted."""
+    import numpy as np
+
+    from nxd_finetune.loss import IGNORE_INDEX
+
+    starts = offsets[:-1].numpy()
+    if not len(starts):
+        return []
+    mask = labels.numpy() != IGNORE_INDEX
+    mask[starts] = False
+    return np.add.reduceat(mask, starts, dtype=np.int64).tolist()

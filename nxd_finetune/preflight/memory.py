@@ -23,19 +23,23 @@ LOSS_COPIES = 3
 gradient, and the 16-bit copy the head's matmul takes."""
 
 
-def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int) -> int:
-    """Rows of logits the loss holds at once: every position of the micro-batch (the targets are
-    fewer, but depend on the data), or one chunk of ``training.loss_chunk_tokens`` (also on a
-    pipeline's last stage; sequence parallel takes the logits of every position)."""
-    from nxd_finetune.loss import chunk_rows
+def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int, targets: int | None) -> int:
+    """Rows of logits the loss holds at once: the micro-batch's target positions padded to a
+    multiple of ``loss.TARGET_ROWS_MULTIPLE`` (every position when ``targets`` is None), or one
+    chunk of ``training.loss_chunk_tokens`` of them (also on a pipeline's last stage; sequence
+    parallel takes the logits of every position)."""
+    from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
 
     if recipe.parallel.sequence_parallel:
         return tokens
+    if targets is not None:
+        tokens = min(tokens, -(-targets // TARGET_ROWS_MULTIPLE) * TARGET_ROWS_MULTIPLE)
     rows = chunk_rows(vocab_local, recipe.training.loss_chunk_tokens)
     return tokens if rows is None else min(tokens, rows)
 
 
-def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> dict[str, float]:
+def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
+                    targets: int | None = None) -> dict[str, float]:
     """Approximate bytes on the busiest rank, by part:
 
     - ``runtime``: :data:`RUNTIME_BYTES`, measured.
@@ -60,10 +64,12 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
       norm's input and the rotary tables, ``m*(h + 2*head_dim)``. Times ``ceil(layers / pp)``
       layers and the micro-batches a pipeline stage holds (``min(pp, grad_accum)`` for 1F1B,
       ``grad_accum`` for GPipe).
-    - ``loss``: :data:`LOSS_COPIES` fp32 ``[rows, vocab / tp]`` tensors, rows being every position
-      of the micro-batch or one chunk of ``training.loss_chunk_tokens`` (every position under
-      sequence parallel). With ``pp > 1``: the first stage's activations or the last stage's
-      activations and loss, whichever is larger.
+    - ``loss``: :data:`LOSS_COPIES` fp32 ``[rows, vocab / tp]`` tensors, rows being the most
+      ``targets`` a micro-batch holds (``validate`` counts them in the tokenized data:
+      :func:`.data.micro_batch_targets`; every position when None) padded to a multiple of 64, or
+      one chunk of ``training.loss_chunk_tokens`` of them (every position under sequence
+      parallel). With ``pp > 1``: the first stage's activations or the last stage's activations
+      and loss, whichever is larger.
     - ``vocabulary gradient`` (full SFT): temporaries of the ``[vocab / tp, hidden]`` gradient in
       backward: the output layer's weight gradient in the compute dtype and its fp32 cast, ``2 + 4``
       bytes per element under bf16 autocast (4 in fp32). Measured on the Llama-3.2-1B widths (4
@@ -102,7 +108,7 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int) -> 
     outside = model_bytes_per_token(recipe, config)
     activations = tokens * ((per_token * stage_layers + outside) * in_flight + recompute)
     vocab_local = math.ceil(config.vocab_size / t)
-    loss = LOSS_COPIES * 4 * _loss_rows(recipe, vocab_local, tokens) * vocab_local
+    loss = LOSS_COPIES * 4 * _loss_rows(recipe, vocab_local, tokens, targets) * vocab_local
     if pp > 1:  # the first stage holds the most micro-batches, the last one the loss: the larger
         last = tokens * (per_token * stage_layers + outside + recompute)
         if activations > last + loss:

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nxd_finetune.preflight.data import check_data
+from nxd_finetune.preflight.data import check_data, micro_batch_targets
 from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
 from nxd_finetune.preflight.model import check_init_from_adapter, count_parameters, find_model_dir
@@ -30,6 +30,7 @@ class Preflight:
     trainable: int
     targets: list[str]
     memory: dict[str, float]
+    loss_targets: int | None = None  # the most target positions in one micro-batch (None: not counted)
 
 
 def run_checks(recipe: Recipe) -> Preflight:
@@ -50,9 +51,10 @@ def run_checks(recipe: Recipe) -> Preflight:
     check_against_model(recipe, config)
     total, trainable, targets = count_parameters(recipe, config, model_dir)
     check_init_from_adapter(recipe, config, model_dir)
-    memory = estimate_memory(recipe, config, total, trainable)
+    loss_targets = micro_batch_targets(recipe, model_dir)
+    memory = estimate_memory(recipe, config, total, trainable, loss_targets)
     check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
-    return Preflight(recipe, model_dir, config, total, trainable, targets, memory)
+    return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets)
 
 
 def layout(recipe: Recipe) -> dict[str, Any]:
@@ -81,6 +83,7 @@ def report_json(result: Preflight) -> dict[str, Any]:
                   "num_key_value_heads": cfg.num_key_value_heads},
         "parameters": {"total": result.total, "trainable": result.trainable, "lora_modules": len(result.targets),
                        "mode": "lora" if result.recipe.lora is not None else "full"},
+        "max_targets_per_micro_batch": result.loss_targets,
         "memory_per_rank_bytes": memory,
     }
 
@@ -107,7 +110,8 @@ def print_report(result: Preflight) -> None:
         table.add_row(name, human_bytes(value))
     table.add_row("total", human_bytes(sum(result.memory.values())), style="bold")
     console.print(table)
+    targets = "every position" if result.loss_targets is None else f"at most {result.loss_targets:,} targets"
     console.print(f"(busiest rank; activations for micro_batch_size {recipe.training.micro_batch_size} x "
                   f"max_seq_len {recipe.data.max_seq_len}, checkpointing {par.activation_checkpointing}; "
-                  "formulas: nxd_finetune.preflight.memory.estimate_memory)")
+                  f"loss over {targets} per micro-batch; formulas: nxd_finetune.preflight.memory.estimate_memory)")
     console.print("recipe is valid", style="green")
