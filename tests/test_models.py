@@ -133,6 +133,41 @@ def test_packed_batch_equals_separate_samples(tmp_path):
     assert not torch.allclose(leaky, mean_sep, atol=1e-4)
 
 
+def test_run_attention_pads_runs_and_stays_exact(monkeypatch):
+    """Packed runs reach SDPA padded to a multiple of RUN_MULTIPLE tokens (a few lengths, not one per
+    sample length: torch keeps state per length), and outputs and gradients equal per-segment
+    causal attention through a mask."""
+    import torch.nn.functional as F
+
+    from nxd_finetune.models import llama
+
+    lengths = [7, 70, 1, 64, 50]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, sum(lengths), heads, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for heads in (4, 2, 2))
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(qq, *args, **kwargs):
+        seen.append(qq.shape[2])
+        return sdpa(qq, *args, **kwargs)
+
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", recording)
+    out = llama._run_attention(q, k, v, lengths)
+    monkeypatch.undo()
+    assert seen == [64, 128, 64, 64, 64] and all(n % llama.RUN_MULTIPLE == 0 for n in seen)
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    mask = llama.attention_mask(seg, sum(lengths), None, torch.device("cpu"))
+    ref = sdpa(q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+               attn_mask=mask).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-12)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for got, exp in zip(grads, want, strict=True):
+        assert torch.allclose(got, exp, atol=1e-12)
+
+
 def test_missing_tensor_is_named(tmp_path):
     make_hf(CONFIGS["llama2"](), tmp_path)
     sd = load_file(tmp_path / "model.safetensors")

@@ -187,20 +187,34 @@ def _keep(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.reshape(-1, x.shape[-1]).index_select(0, index)
 
 
+RUN_MULTIPLE = 64
+"""Each run of a packed row goes into attention padded at its end to a multiple of this many
+tokens. torch's fused CPU attention keeps state for every sequence length it has seen (2.5-5 MB
+per length in bf16, torch 2.13), so a run whose samples have many lengths grew by about 22 MB per
+step and ~0.9 GB over every length up to 512; padded, a 512-token row has 8 lengths. Exact:
+causal attention never lets a real token see the padding after it (``bench/README.md``)."""
+
+
 def _run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Causal attention within each run; q/k/v ``[B, T, heads, D]`` (kv heads may be fewer) -> like q.
 
     Each run goes in as ``[1, heads, L, D]``: SDPA's fused CPU kernel (flash attention for CPU, with
     its own backward) takes only 4-D inputs; 3-D ones fall back to the unfused math path, which
-    materialises the scores and is 1.3-1.7x slower forward+backward here (bench/README.md)."""
+    materialises the scores and is 1.3-1.7x slower forward+backward here (bench/README.md). ``L``
+    is the run's length rounded up to :data:`RUN_MULTIPLE` (zero rows at the end, whose outputs are
+    dropped)."""
     b, t, h, d = q.shape
     pieces = zip(q.reshape(1, b * t, h, d).split(lengths, 1), k.reshape(1, b * t, -1, d).split(lengths, 1),
                  v.reshape(1, b * t, -1, d).split(lengths, 1), strict=True)
-    outs = [
-        F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                       is_causal=True, enable_gqa=True).transpose(1, 2)
-        for qs, ks, vs in pieces
-    ]
+    outs = []
+    for qs, ks, vs in pieces:
+        n = qs.shape[1]
+        pad = -n % RUN_MULTIPLE
+        if pad:
+            qs, ks, vs = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (qs, ks, vs))
+        out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True).transpose(1, 2)
+        outs.append(out[:, :n] if pad else out)
     return torch.cat(outs, 1).view(b, t, h, d)
 
 
