@@ -168,6 +168,29 @@ def test_run_attention_pads_runs_and_stays_exact(monkeypatch):
         assert torch.allclose(got, exp, atol=1e-12)
 
 
+def test_unpacked_cpu_attention_is_padded(tmp_path, monkeypatch):
+    """Unpacked batches (T = the longest row, different every batch) reach SDPA padded to
+    RUN_MULTIPLE on CPU too, with the logits of transformers."""
+    import torch.nn.functional as F
+
+    from nxd_finetune.models import llama
+
+    hf = make_hf(CONFIGS["llama2"](), tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append(q.shape[2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", recording)
+    ids = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() <= 1e-5
+    assert seen and set(seen) == {llama.RUN_MULTIPLE}
+
+
 def test_missing_tensor_is_named(tmp_path):
     make_hf(CONFIGS["llama2"](), tmp_path)
     sd = load_file(tmp_path / "model.safetensors")

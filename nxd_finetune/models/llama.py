@@ -191,8 +191,9 @@ RUN_MULTIPLE = 64
 """Each run of a packed row goes into attention padded at its end to a multiple of this many
 tokens. torch's fused CPU attention keeps state for every sequence length it has seen (2.5-5 MB
 per length in bf16, torch 2.13), so a run whose samples have many lengths grew by about 22 MB per
-step and ~0.9 GB over every length up to 512; padded, a 512-token row has 8 lengths. Exact:
-causal attention never lets a real token see the padding after it (``bench/README.md``)."""
+step and ~0.9 GB over every length up to 512; padded, a 512-token row has 8 lengths. Unpacked
+batches on CPU (``T`` = the longest row) are padded the same way. Exact: causal attention never
+lets a real token see the padding after it (``bench/README.md``)."""
 
 
 def _run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -256,9 +257,13 @@ class Attention(nn.Module):
         v = v.view(b, t, -1, self.head_dim)
         if isinstance(mask, SegmentRuns):
             return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1), keep_index))
+        pad = -t % RUN_MULTIPLE if mask is None and q.device.type == "cpu" else 0  # unpacked: T varies
+        if pad:
+            q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is None:  # GQA inside the kernel: no repeated K/V copies kept for backward
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+            out = out[:, :, :t] if pad else out
         else:  # masked kernels on accelerators (memory-efficient attention) do not take enable_gqa
             if k.shape[1] != q.shape[1]:
                 rep = q.shape[1] // k.shape[1]
