@@ -133,6 +133,23 @@ def test_packed_batch_equals_separate_samples(tmp_path):
     assert not torch.allclose(leaky, mean_sep, atol=1e-4)
 
 
+def _record_sdpa_lengths(monkeypatch) -> list[int]:
+    """The query lengths of every SDPA call the model makes from now on."""
+    import torch.nn.functional as F
+
+    from nxd_finetune.models import llama
+
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append(q.shape[2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", recording)
+    return seen
+
+
 def test_run_attention_pads_runs_and_stays_exact(monkeypatch):
     """Packed runs reach SDPA padded to a multiple of RUN_MULTIPLE tokens (a few lengths, not one per
     sample length: torch keeps state per length), and outputs and gradients equal per-segment
@@ -145,14 +162,8 @@ def test_run_attention_pads_runs_and_stays_exact(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, sum(lengths), heads, 8, generator=g, dtype=torch.float64, requires_grad=True)
                for heads in (4, 2, 2))
-    seen = []
     sdpa = F.scaled_dot_product_attention
-
-    def recording(qq, *args, **kwargs):
-        seen.append(qq.shape[2])
-        return sdpa(qq, *args, **kwargs)
-
-    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", recording)
+    seen = _record_sdpa_lengths(monkeypatch)
     out = llama._run_attention(q, k, v, lengths)
     monkeypatch.undo()
     assert seen == [64, 128, 64, 64, 64] and all(n % llama.RUN_MULTIPLE == 0 for n in seen)
@@ -171,20 +182,12 @@ def test_run_attention_pads_runs_and_stays_exact(monkeypatch):
 def test_unpacked_cpu_attention_is_padded(tmp_path, monkeypatch):
     """Unpacked batches (T = the longest row, different every batch) reach SDPA padded to
     RUN_MULTIPLE on CPU too, with the logits of transformers."""
-    import torch.nn.functional as F
 
     from nxd_finetune.models import llama
 
     hf = make_hf(CONFIGS["llama2"](), tmp_path)
     ours = load_pretrained(tmp_path).eval()
-    seen = []
-    sdpa = F.scaled_dot_product_attention
-
-    def recording(q, *args, **kwargs):
-        seen.append(q.shape[2])
-        return sdpa(q, *args, **kwargs)
-
-    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", recording)
+    seen = _record_sdpa_lengths(monkeypatch)
     ids = torch.randint(0, 128, (2, 10))
     with torch.no_grad():
         assert (ours(ids) - hf(ids).logits).abs().max() <= 1e-5
