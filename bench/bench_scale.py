@@ -16,8 +16,9 @@ Rows (LoRA r16 all-linear, bf16-mixed, packed rows of ``bench/data/sft.jsonl``, 
 
 - layouts at max_seq_len 512, micro-batch 1 x grad_accum 2, 2 steps: 1 process, tp2, pp2,
   dp2 + ZeRO-1;
-- sequence sweep at 1 process, micro-batch 1, 1 step: 512 / 2048 / 8192 tokens x activation
-  checkpointing none / selective / full;
+- sequence sweep at 1 process, micro-batch 1 x grad_accum 2, 1 step: 512 / 2048 / 8192 tokens x
+  activation checkpointing none / selective / full (two micro-batches: a run's second one meets
+  the heap the first left behind, as every later one does);
 - full SFT at 1 process and tp2 on the 1B widths with 4 layers (16 bytes per trained parameter:
   the 16-layer model's 20 GB of weights, gradients and AdamW states do not fit in 24 GiB).
 
@@ -115,7 +116,7 @@ def rows_for(quick: bool) -> list[dict[str, Any]]:
         for ac in ("none", "selective", "full"):
             rows.append(dict(group="seq", label=f"LoRA {seq} tokens, AC {ac}", model="lora", nproc=1, seq=seq, ac=ac,
                              overrides=[f"data.max_seq_len={seq}", f"parallel.activation_checkpointing={ac}",
-                                        "training.grad_accum=1", "training.max_steps=1"]))
+                                        "training.grad_accum=2", "training.max_steps=1"]))
     for name, nproc, extra in LAYOUTS[:2]:
         rows.append(dict(group="sft", label=f"full SFT {name}", model="sft", nproc=nproc, seq=s["base_seq"],
                          ac="none", overrides=[f"data.max_seq_len={s['base_seq']}", "lora=null", "model.dtype=fp32",
@@ -188,8 +189,8 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient", "optimizer step",
-         "checkpoint save", "total")
+PARTS = ("runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient",
+         "allocator cache", "optimizer step", "checkpoint save", "total")
 
 
 def plot(meta: dict[str, Any], rows: list[dict[str, Any]], stem: Path) -> list[Path]:

@@ -226,7 +226,7 @@ def test_validate_json(capsys, assets):
     want = estimate_memory(recipe, config, total, trainable, targets)
     mem = doc["memory_per_rank_bytes"]
     assert set(mem) == {"runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient",
-                        "optimizer step", "checkpoint save", "total"}
+                        "allocator cache", "optimizer step", "checkpoint save", "total"}
     assert all(mem[k] == round(v) for k, v in want.items())
     assert mem["total"] == round(sum(want.values()))
 

@@ -90,7 +90,15 @@ def test_memory_estimate_by_hand():
     assert mem == {"runtime": RUNTIME_BYTES, "weights": 400, "gradients": 400, "optimizer": 800,
                    "activations": 4 * (2 * (224 + 32) + 32), "loss": LOSS_COPIES * 4 * 4 * 8,
                    "vocabulary gradient": 4 * 32,  # fp32: the V*h = 32 gradient's temporaries, 4 bytes
+                   "allocator cache": 4 * (2 * (224 + 32) + 32),  # CPU ("auto"): every tensor is < 32 MiB
                    "optimizer step": 0, "checkpoint save": 0}  # 2 * 4 * (V*h = 32) < activations + loss
+    # the allocator cache counts only tensors under 32 MiB: at 4 tokens, an ffn of 2**21 makes the
+    # three MLP tensors 4 * 4 * 2**21 = 32 MiB each (mmapped, unmapped when freed); on CUDA none
+    wide = SimpleNamespace(**{**vars(cfg), "intermediate_size": 2**21})
+    mem = estimate_memory(recipe_from_dict(base), wide, total=100, trainable=100)
+    assert mem["allocator cache"] == mem["activations"] - 2 * 3 * 4 * 4 * 2**21
+    on_cuda = {**base, "training": {"device": "cuda"}}
+    assert estimate_memory(recipe_from_dict(on_cuda), cfg, total=100, trainable=100)["allocator cache"] == 0
     lora = {**base, "lora": {}, "parallel": {"nproc": 4, "tp": 2, "zero1": True, "activation_checkpointing": "full"},
             "training": {"precision": "bf16-mixed"}, "model": {"path": "/m", "dtype": "bf16"}}
     mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=20)
@@ -101,7 +109,8 @@ def test_memory_estimate_by_hand():
     assert mem == {"runtime": RUNTIME_BYTES, "weights": (160 + 80 + 40) / 2, "gradients": 20 * 4 / 2,
                    "optimizer": 20 * 8 / 2 / 2, "activations": 4 * (8 * 2 + 16 + 72),
                    "loss": LOSS_COPIES * 4 * 4 * 4, "vocabulary gradient": 0, "optimizer step": 0,
-                   "checkpoint save": 0}  # LoRA: the vocabulary matrix is frozen
+                   "checkpoint save": 0,  # LoRA: the vocabulary matrix is frozen
+                   "allocator cache": 4 * (8 * 2 + 16 + 72)}  # all of one micro-batch's activations
     # a layout whose save (the whole trainable state on the writing rank) outweighs the activations
     mem = estimate_memory(recipe_from_dict(lora), cfg, total=100, trainable=80)
     assert mem["checkpoint save"] == 80 * 12 - mem["activations"] - mem["loss"] and mem["optimizer step"] == 0
