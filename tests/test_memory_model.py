@@ -120,6 +120,15 @@ def test_memory_estimate_by_hand():
     mem = estimate_memory(recipe_from_dict(tp2), cfg, total=1000, trainable=1000)
     assert mem["vocabulary gradient"] == 4 * 32 / 2  # fp32, vocab-parallel: half of V*h on each rank
     assert mem["checkpoint save"] == max(0, 2 * 4 * 32 - mem["activations"] - mem["loss"] - mem["vocabulary gradient"])
+    # the loss's rows: the targets padded to 64 (here 100 -> 128 of 4 * 64 positions), but every
+    # position on a pipeline's last stage without chunks, which runs the output layer on all of them
+    rows = {**base, "data": {"train": "/t", "max_seq_len": 256}, "training": {"loss_chunk_tokens": None}}
+    mem = estimate_memory(recipe_from_dict(rows), cfg, total=100, trainable=100, targets=100)
+    assert mem["loss"] == LOSS_COPIES * 4 * 128 * 8
+    pp2 = {**rows, "parallel": {"nproc": 2, "pp": 2}}
+    cfg4 = SimpleNamespace(**{**vars(cfg), "num_hidden_layers": 4})
+    mem = estimate_memory(recipe_from_dict(pp2), cfg4, total=100, trainable=100, targets=100)
+    assert mem["loss"] == LOSS_COPIES * 4 * 256 * 8
     async_tp2 = {**tp2, "checkpoint": {"async_save": True}}
     mem = estimate_memory(recipe_from_dict(async_tp2), cfg, total=1000, trainable=1000)
     assert mem["checkpoint save"] == 1000 * 12 - mem["activations"] - mem["loss"] - mem["vocabulary gradient"]

@@ -29,15 +29,16 @@ gradient, and the 16-bit copy the head's matmul takes."""
 def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int, targets: int | None) -> int:
     """Rows of logits the loss holds at once: the micro-batch's target positions padded to a
     multiple of ``loss.TARGET_ROWS_MULTIPLE`` (every position when ``targets`` is None), or one
-    chunk of ``training.loss_chunk_tokens`` of them (also on a pipeline's last stage; sequence
-    parallel takes the logits of every position)."""
+    chunk of ``training.loss_chunk_tokens`` of them (also on a pipeline's last stage). Sequence
+    parallel takes the logits of every position, and so does a pipeline's last stage without
+    chunks (its output layer runs before the loss sees the targets)."""
     from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
 
-    if recipe.parallel.sequence_parallel:
-        return tokens
+    rows = chunk_rows(vocab_local, recipe.training.loss_chunk_tokens)
+    if recipe.parallel.sequence_parallel or (rows is None and recipe.parallel.pp > 1):
+        return tokens  # every position's logits (unchunked, a pipeline's last stage runs the head on all)
     if targets is not None:
         tokens = min(tokens, -(-targets // TARGET_ROWS_MULTIPLE) * TARGET_ROWS_MULTIPLE)
-    rows = chunk_rows(vocab_local, recipe.training.loss_chunk_tokens)
     return tokens if rows is None else min(tokens, rows)
 
 
