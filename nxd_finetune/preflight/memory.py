@@ -96,8 +96,7 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
     par, tr = recipe.parallel, recipe.training
     t, pp = par.tp, par.pp
     pure_bf16 = tr.precision == "bf16"
-    m = 2 if pure_bf16 or recipe.model.dtype != "fp32" else 4
-    c = 2 if tr.precision in ("bf16", "bf16-mixed") else 4
+    m, c = _widths(recipe)
     train_bytes = 2 if pure_bf16 else 4
     shard = t * pp
     frozen = total - trainable
@@ -152,12 +151,28 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
     return parts
 
 
+def _widths(recipe: Recipe) -> tuple[int, int]:
+    """``(m, c)``: bytes per element of the residual stream (the model dtype; 2 under pure bf16)
+    and of matmul outputs (2 under bf16 / bf16-mixed)."""
+    tr = recipe.training
+    m = 2 if tr.precision == "bf16" or recipe.model.dtype != "fp32" else 4
+    return m, 2 if tr.precision in ("bf16", "bf16-mixed") else 4
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def model_tensors(recipe: Recipe, config: Any) -> list[float]:
+    """Bytes per token of each tensor kept outside the decoder layers: the final norm's input and
+    the rotary cos/sin tables (in the residual stream's dtype)."""
+    m, _ = _widths(recipe)
+    return [m * config.hidden_size, m * _head_dim(config), m * _head_dim(config)]
+
+
 def model_bytes_per_token(recipe: Recipe, config: Any) -> float:
-    """Bytes per token kept outside the decoder layers: the final norm's input and the rotary
-    cos/sin tables (in the residual stream's dtype)."""
-    m = 2 if recipe.training.precision == "bf16" or recipe.model.dtype != "fp32" else 4
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return m * (config.hidden_size + 2 * d)
+    """Bytes per token kept outside the decoder layers (:func:`model_tensors`)."""
+    return float(sum(model_tensors(recipe, config)))
 
 
 def activation_bytes_per_token(recipe: Recipe, config: Any) -> tuple[float, float]:
@@ -171,12 +186,11 @@ def activation_bytes_per_token(recipe: Recipe, config: Any) -> tuple[float, floa
 def layer_tensors(recipe: Recipe, config: Any) -> tuple[list[float], list[float]]:
     """The tensors behind :func:`activation_bytes_per_token`, as bytes per token each: those one
     decoder layer keeps for backward, and those of the module checkpointing recomputes at a time."""
-    par, tr = recipe.parallel, recipe.training
+    par = recipe.parallel
     t = par.tp
-    m = 2 if tr.precision == "bf16" or recipe.model.dtype != "fp32" else 4
-    c = 2 if tr.precision in ("bf16", "bf16-mixed") else 4
+    m, c = _widths(recipe)
     h, f = config.hidden_size, config.intermediate_size
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    d = _head_dim(config)
     q = config.num_attention_heads * d
     k = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d
     sp = t if par.sequence_parallel else 1
@@ -197,14 +211,11 @@ def heap_activation_bytes(recipe: Recipe, config: Any, stage_layers: int) -> flo
     input and the rotary tables)."""
     tokens = recipe.data.max_seq_len * recipe.training.micro_batch_size
     kept, recompute = layer_tensors(recipe, config)
-    m = 2 if recipe.training.precision == "bf16" or recipe.model.dtype != "fp32" else 4
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    outside = [m * config.hidden_size, m * d, m * d]
 
     def small(widths: list[float]) -> float:
         return sum(w * tokens for w in widths if w * tokens < HEAP_TENSOR_LIMIT)
 
-    return small(kept) * stage_layers + small(recompute) + small(outside)
+    return small(kept) * stage_layers + small(recompute) + small(model_tensors(recipe, config))
 
 
 def human_bytes(n: float) -> str:
