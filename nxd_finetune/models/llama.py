@@ -207,16 +207,19 @@ def _run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: l
     b, t, h, d = q.shape
     pieces = zip(q.reshape(1, b * t, h, d).split(lengths, 1), k.reshape(1, b * t, -1, d).split(lengths, 1),
                  v.reshape(1, b * t, -1, d).split(lengths, 1), strict=True)
-    outs = []
-    for qs, ks, vs in pieces:
-        n = qs.shape[1]
-        pad = -n % RUN_MULTIPLE
-        if pad:
-            qs, ks, vs = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (qs, ks, vs))
-        out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True).transpose(1, 2)
-        outs.append(out[:, :n] if pad else out)
-    return torch.cat(outs, 1).view(b, t, h, d)
+    return torch.cat([_padded_causal(qs, ks, vs) for qs, ks, vs in pieces], 1).view(b, t, h, d)
+
+
+def _padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of tokens-first ``[B, T, heads, D]`` q/k/v (kv heads may be fewer) -> like q,
+    with ``T`` padded at the end to :data:`RUN_MULTIPLE` for the kernel and cut back after."""
+    t = q.shape[1]
+    pad = -t % RUN_MULTIPLE
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
+    return out[:, :t] if pad else out
 
 
 class Attention(nn.Module):
@@ -257,13 +260,11 @@ class Attention(nn.Module):
         v = v.view(b, t, -1, self.head_dim)
         if isinstance(mask, SegmentRuns):
             return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1), keep_index))
-        pad = -t % RUN_MULTIPLE if mask is None and q.device.type == "cpu" else 0  # unpacked: T varies
-        if pad:
-            q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        if mask is None and q.device.type == "cpu":  # unpacked rows: T (the longest row) varies per batch
+            return self.o_proj(_keep(_padded_causal(q, k, v).reshape(b, t, -1), keep_index))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is None:  # GQA inside the kernel: no repeated K/V copies kept for backward
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-            out = out[:, :, :t] if pad else out
         else:  # masked kernels on accelerators (memory-efficient attention) do not take enable_gqa
             if k.shape[1] != q.shape[1]:
                 rep = q.shape[1] // k.shape[1]
