@@ -265,3 +265,20 @@ def test_a_world_that_does_not_fit_the_layout_fails_before_training(tmp_path, mo
     assert err == ("error: the launcher started 2 process(es) (WORLD_SIZE=2), which the recipe's layout does not "
                    "fit: override 'parallel.tp=4': parallel.nproc=2 is not divisible by tp*pp=4*1=4\n"), err
     assert not out.exists()
+
+
+def test_a_rank_the_agent_stopped_is_not_the_root_cause(tmp_path):
+    """Rank 1 was SIGKILLed; the agent then stopped rank 0 with SIGTERM, which torch elastic raises
+    as SignalException into an error file that may be older than rank 1's whole-second stamp. The
+    line names rank 1's kill (the order once depended on that timing: a flaky run named rank 0)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from nxd_finetune.parallel.launch import _failure_line
+
+    stopped = tmp_path / "error.json"
+    stopped.write_text(json.dumps({"message": {"message": "SignalException: Process 7 got signal: 15",
+                                               "extraInfo": {"timestamp": "0", "py_callstack": ""}}}))
+    os.utime(stopped, (1, 1))  # older than the kill's stamp (now)
+    err = ChildFailedError("_worker", {0: ProcessFailure(0, 7, 1, str(stopped)),
+                                       1: ProcessFailure(1, 8, -9, str(tmp_path / "none.json"))})
+    assert _failure_line(err) == "worker rank 1 failed: killed by signal SIGKILL (1 other rank(s) failed too)"

@@ -210,6 +210,12 @@ def _lost_peer(text: str) -> bool:
     return any(marker in text for marker in _LOST_PEER)
 
 
+def _consequence(text: str) -> bool:
+    """A failure another rank's failure caused: a lost peer, or the SIGTERM the agent sends the
+    surviving ranks when one fails (torch elastic raises it as ``SignalException``)."""
+    return _lost_peer(text) or text.startswith("SignalException:")
+
+
 LOST_PEER_GRACE_S = 2.0
 
 
@@ -241,8 +247,9 @@ def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -
     peers fail). Error files under ``log_dir`` count too: a rank that raised but had not exited
     when the agent stopped the others is not among ``err.failures``; only the last attempt's
     files are read (earlier attempts failed and were restarted). A rank whose collective lost its
-    peer's connection comes after every other failure, whatever its time: a killed peer's time is
-    the agent's whole-second stamp, which can come later than the survivor's error file."""
+    peer's connection, or that the agent stopped with SIGTERM, comes after every other failure,
+    whatever its time (:func:`_consequence`): a killed peer's time is the agent's whole-second
+    stamp, which can come later than the survivor's error file."""
     found: dict[int, tuple[float, str]] = {}  # rank -> (when, text)
     for rank, failure in err.failures.items():
         path = failure.error_file
@@ -268,7 +275,7 @@ def _failure_line(err: Any, log_dir: str | None = None, max_restarts: int = 0) -
         message = message.get("message", "") if isinstance(message, dict) else str(message)
         if message.strip():
             found[rank] = (os.path.getmtime(path), message.strip().splitlines()[0])
-    rank = min(found, key=lambda r: (_lost_peer(found[r][1]), found[r][0], r))
+    rank = min(found, key=lambda r: (_consequence(found[r][1]), found[r][0], r))
     more = len(found) - 1
     gave_up = f"; gave up after {max_restarts} restart(s)" if max_restarts else ""
     return (f"worker rank {rank} failed: {found[rank][1]}" + (f" ({more} other rank(s) failed too)" if more > 0 else "")
