@@ -245,7 +245,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 30M shape and shorter sequences (a few minutes)")
     ap.add_argument("--report", action="store_true", help="only redraw from the stored results, estimates recomputed")
-    ap.add_argument("--only", help="comma-separated row labels to run (others are kept from the stored results)")
+    ap.add_argument("--only", action="append", metavar="LABEL",
+                    help="a row label to run, repeatable (others are kept from the stored results)")
     ap.add_argument("--note", action="append", default=[], help="a line about the conditions, shown under the table")
     args = ap.parse_args()
     s = SETTINGS[args.quick]
@@ -266,7 +267,10 @@ def main() -> None:
             for r in rows:
                 r["estimate"] = estimate(recipes[r["model"]], r)
         else:
-            only = set(args.only.split(",")) if args.only else None
+            only = set(args.only) if args.only else None
+            unknown = sorted((only or set()) - {row["label"] for row in rows_for(args.quick)})
+            if unknown:
+                raise SystemExit(f"--only: unknown row(s) {unknown}; rows: {[r['label'] for r in rows_for(args.quick)]}")
             old = {r["label"]: r for r in (stored["rows"] if stored else [])}
             rows = []
             for row in rows_for(args.quick):

@@ -8,6 +8,7 @@
   ``ShardSpec`` metadata and slice helpers.
 - :mod:`.plan`: per-family TP plans, ``apply_tp_plan``, the checkpoint slice reader and the
   gradient sync of replicated parameters.
+- :mod:`.recompute`: activation checkpointing of a module's forward.
 
 Nothing here is imported by ``nxd_finetune.models``.
 """

@@ -36,6 +36,7 @@ from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
+from nxd_finetune.parallel.recompute import checkpointed
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
 
 CheckpointSpec = None | Literal["full"] | type[nn.Module] | tuple[type[nn.Module], ...]
@@ -117,7 +118,7 @@ class RankModel:
 
 
 def apply_activation_checkpointing(model: nn.Module, spec: CheckpointSpec) -> int:
-    """Recompute modules' activations in backward (``torch.utils.checkpoint``, non-reentrant).
+    """Recompute modules' activations in backward (:func:`~.recompute.checkpointed`).
 
     ``spec``: None (nothing), ``"full"`` (every decoder layer, ``model.model.layers``) or a module
     class / tuple of classes (every instance). Patches the instances' ``forward``, so module and
@@ -134,17 +135,8 @@ def apply_activation_checkpointing(model: nn.Module, spec: CheckpointSpec) -> in
         targets = [m for m in model.modules() if isinstance(m, spec)]
     else:
         raise NxdError(f"activation_checkpoint_config must be None, 'full' or a module class, got {spec!r}")
-
-    def checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-        return run
-
     for module in targets:
-        module.forward = checkpointed(module.forward)
+        module.forward = checkpointed(module, module.forward)
     return len(targets)
 
 

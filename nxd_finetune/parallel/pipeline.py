@@ -42,6 +42,7 @@ of one micro-batch) and returns ``[loss sum, correct, targets]`` on every pipeli
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable, Sequence
@@ -69,6 +70,7 @@ from nxd_finetune.loss import (
     step_loss,
 )
 from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
 if TYPE_CHECKING:
@@ -238,6 +240,7 @@ class PipelineRunner:
             self._head_in_loss(loss_chunk_rows)
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
+        self._stepped: set[tuple[int, ...]] = set()  # schedules past their first (shape-inferring) step
         self._tied_group = self._make_tied_group()
 
     # ------------------------------------------------------------------ set-up
@@ -285,6 +288,7 @@ class PipelineRunner:
         key = (train, *shape)
         if key not in self._schedules:
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
+                self._stepped.discard(next(iter(self._schedules)))
                 self._schedules.pop(next(iter(self._schedules)))
             stages: list[_PipelineStageBase] = [
                 PipelineStage(m, sid, self.num_stages, self.device, group=self.state.pp_group)
@@ -346,8 +350,12 @@ class PipelineRunner:
         last = self.state.is_last_stage
         target = torch.cat([m["labels"] for m in mbs]) if last else None
         losses: list[torch.Tensor] | None = [] if last else None
-        schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                      loss_kwargs={"n_targets": n_targets}, **kwargs)
+        key = (True, *mbs[0]["input_ids"].shape)
+        # a new schedule's first step infers the gradients' shapes with torch.autograd.grad
+        with recording_graph() if key not in self._stepped else contextlib.nullcontext():
+            schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                          loss_kwargs={"n_targets": n_targets}, **kwargs)
+        self._stepped.add(key)
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
         self.sync_tied_grads()
         return loss

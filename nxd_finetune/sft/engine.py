@@ -175,6 +175,7 @@ class Engine:
                 loss = self.loss_sum(batch) / n_targets
                 loss.backward()
                 total += loss.detach()
+                del loss  # its graph's nodes, kept by it, would stay through the next forward
             return total
 
     def step(self) -> torch.Tensor | None:
