@@ -191,3 +191,24 @@ def test_meta_init_and_activation_checkpointing_keep_gradients():
     assert apply_activation_checkpointing(ref, nn.Linear) == 7 * SMALL.num_hidden_layers + 1
     with pytest.raises(NxdError, match="must be None, 'full' or a module class"):
         apply_activation_checkpointing(ref, "selective")
+
+
+def test_activation_checkpointing_records_no_graph_and_frees_the_inputs():
+    """The checkpointed layers' forward records no autograd graph (its tensors get no grad_fn inside
+    a layer), and after backward nothing keeps a layer's input alive, not even the loss's graph."""
+    import weakref
+
+    model = build_model(SMALL, device="cpu")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("model.layers.0.mlp"))  # nothing before layer 0 is trainable
+    assert apply_activation_checkpointing(model, "full") == SMALL.num_hidden_layers
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    inner: list[bool] = []
+    model.model.layers["1"].register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    model.model.layers["0"].mlp.register_forward_hook(lambda m, args, out: inner.append(out.grad_fn is not None))
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+    loss.backward()
+    assert inner == [False, True]  # the forward, then the recomputation in backward
+    assert all(p.grad is not None for p in model.model.layers["0"].mlp.parameters())
+    assert inputs[0]() is None and loss.grad_fn is not None

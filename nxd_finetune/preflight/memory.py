@@ -84,9 +84,10 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
       (:func:`heap_activation_bytes`). glibc serves those from its heap and keeps them when freed;
       the next micro-batch's tensors (and a forward's temporaries) are placed around what is still
       live, so about as much stays resident but free at the peak. Measured with ``mallinfo2`` on
-      the Llama-3.2-1B shape: 0.6-0.9 GB free at the peak of 512-token micro-batches (0.61 GiB of
-      activations), 1.0 GB at 2,048 tokens with selective checkpointing (1.05 GiB); at 8,192
-      tokens most tensors are 32 MiB or more and are unmapped when freed.
+      the Llama-3.2-1B shape (2 micro-batches): 1.1-1.2 GB free at the peak at 2,048 tokens without
+      and with selective checkpointing (1.0 GB counted), 0.34 GB at 512 tokens (0.66 GB counted
+      without checkpointing, 0.28 selective); at 8,192 tokens most tensors are 32 MiB or more and
+      are unmapped when freed.
     - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
       copies of the largest trainable tensor) or a save's tensors (the whole stage gathered on the
       writing rank under ZeRO-1 or copied for ``checkpoint.async_save``; at tp > 1 otherwise one
