@@ -4,7 +4,8 @@ groups, 4 forked processes): tp=2 x pp=2 full SFT of a tiny Llama with tied embe
 initialised from per-rank slices of a checkpoint and trained with
 ``model.run_train(micro_batches)``, equals one process training the whole model on the whole batch
 (losses, gradient norms, every final weight); ``param_init_fn`` initialisation gives the two
-copies of a tied embedding the same values."""
+copies of a tied embedding the same values; at tp=2 (2 forked processes) the full-model export
+and a synchronous checkpoint save stream one gathered tensor at a time into their files."""
 
 from __future__ import annotations
 
@@ -123,6 +124,120 @@ def test_tp2_pp2_api_training_matches_one_process(tmp_path):
         assert torch.equal(copies[0], copies[2]) and torch.equal(copies[1], copies[3])
         assert not torch.equal(copies[0], copies[1])  # tp shards of different rows
     assert seen == set(ref_weights) | {"lm_head.weight"}  # every weight checked, the tied head on pp rank 1
+
+
+def _export_worker(model_dir: str, out_dir: str) -> list[str]:
+    """tp=2 full-model export (the full-SFT path) with the stream and the file writes recorded."""
+    from pathlib import Path
+
+    import nxd_finetune.export as export
+    import nxd_finetune.models.loading as loading
+    from nxd_finetune.parallel.parallelize import RankModel
+
+    init_distributed()
+    torch.set_num_threads(1)
+    config = neuronx_distributed_config(tensor_parallel_size=2,
+                                        model_init_config={"meta_device_init": True, "checkpoint": model_dir})
+    model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf(model_dir))
+    events: list[str] = []
+    stream, write = export._streamed_model, loading.write_tensor
+
+    def streamed(rank_model):
+        for item in stream(rank_model):
+            events.append(f"tensor {item[0]}")
+            yield item
+
+    def written(f, t):
+        events.append("write")
+        write(f, t)
+
+    export._streamed_model, loading.write_tensor = streamed, written  # this forked worker only
+    spec = export.ExportSpec("full", Path(model_dir), model_dir, torch.float32)
+    export.export_model(RankModel([model], config.state), Path(out_dir), spec, config=model.config, lora=None)
+    dist.destroy_process_group()
+    return events
+
+
+def test_tp2_full_export_streams_one_tensor_at_a_time(tmp_path):
+    """At tp > 1 the full-model export gathers each tensor when the writer asks for it: rank 0
+    writes a tensor before the next one is gathered (never holds the model), and the file is the
+    source checkpoint again."""
+    torch.manual_seed(2)
+    model = build_model(TINY, device="cpu")
+    save_pretrained(TINY, model.state_dict().items(), tmp_path / "tiny")
+    writer, other = launch(_export_worker, 2, str(tmp_path / "tiny"), str(tmp_path / "out"), start_method="fork")
+    tensors = [e for e in writer if e.startswith("tensor")]
+    assert len(tensors) == len(model.state_dict()) and other == tensors  # both ranks walk every tensor
+    pending = 0
+    for event in writer:
+        pending = pending + 1 if event.startswith("tensor") else pending - 1
+        assert pending <= 2, writer  # the tied lm_head is skipped, so at most one more
+    assert writer.count("write") == len(tensors) - 1  # lm_head.weight is not written (tied)
+    got = load_pretrained(tmp_path / "out").state_dict()
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(got[name], want, atol=0, rtol=0, msg=name)
+
+
+def _save_worker(model_dir: str, root: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """tp=2 full SFT, one AdamW step, then a synchronous checkpoint save with the stage stream and
+    the file writes recorded; returns them and the gathered parameters."""
+    from nxd_finetune.checkpoint import CheckpointManager
+    from nxd_finetune.checkpoint import state as ckpt_state
+    from nxd_finetune.checkpoint import writer as ckpt_writer
+
+    init_distributed()
+    torch.set_num_threads(1)
+    config = neuronx_distributed_config(tensor_parallel_size=2,
+                                        model_init_config={"meta_device_init": True, "checkpoint": model_dir})
+    model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf(model_dir))
+    opt = initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=1e-2)
+    ids, _ = _batches()
+    model(ids[0]).float().square().mean().backward()
+    opt.step()
+    events: list[str] = []
+    tensors, write = ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor
+
+    def streamed(self, copy):
+        for item in tensors(self, copy):
+            events.append(f"tensor {item[0]}")
+            yield item
+
+    def written(f, t):
+        events.append("write")
+        write(f, t)
+
+    ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor = streamed, written  # this forked worker only
+    CheckpointManager(root, state=config.state).save(1, [model], opt, {"step": 1})
+    specs = {n: sp for n, _, _, sp in iter_shard_specs(model)}
+    params = {n: (gather_shards(p, specs[n], config.state.tp_group) if n in specs else p).detach().clone()
+              for n, p in model.named_parameters()}
+    dist.destroy_process_group()
+    return events, params
+
+
+def test_tp2_checkpoint_save_streams_one_tensor_at_a_time(tmp_path):
+    """A synchronous save at tp > 1 gathers each parameter and optimizer state when the writer
+    asks for it: rank 0 writes every tensor before the next one is gathered."""
+    import json
+
+    from safetensors.torch import load_file
+
+    torch.manual_seed(3)
+    save_pretrained(TINY, build_model(TINY, device="cpu").state_dict().items(), tmp_path / "tiny")
+    (writer, params), (other, _) = launch(_save_worker, 2, str(tmp_path / "tiny"), str(tmp_path / "ckpt"),
+                                          start_method="fork")
+    tensors = [e for e in writer if e.startswith("tensor")]
+    assert len(tensors) > 3 * len(params) and other == tensors  # params, exp_avg, exp_avg_sq, step
+    pending = 0
+    for event in writer:
+        pending = pending + 1 if event.startswith("tensor") else pending - 1
+        assert pending <= 1, writer
+    assert writer.count("write") == len(tensors)
+    step = tmp_path / "ckpt" / "step-00000001"
+    files = sorted(set(json.loads((step / "manifest.json").read_text())["tensors"].values()))
+    saved = {k: v for f in files for k, v in load_file(step / f).items()}
+    for name, want in params.items():
+        torch.testing.assert_close(saved[f"param/{name}"], want, atol=0, rtol=0, msg=name)
 
 
 # ----------------------------------------------------------------------------- launcher
