@@ -4,8 +4,8 @@
 (``torch.utils.checkpoint``, reentrant). The non-reentrant variant records a node for every op,
 and those small objects, allocated while the layer's activations are being freed, land in the freed
 heap space and keep glibc from reusing it: on a Llama-3.2-1B shape at 2,048 tokens with every layer
-checkpointed that left about 60 MB of unusable heap per layer (peak 4.79 GiB; 4.31 GiB this way,
-``bench/README.md``).
+checkpointed that left about 60 MB of unusable heap per layer (the bench's row peaked at 4.80 GiB;
+4.20 GiB this way, ``bench/README.md``).
 
 The reentrant form cannot serve ``torch.autograd.grad``, which the pipeline schedule uses once per
 new micro-batch shape to infer the gradients' shapes; inside :func:`recording_graph` the forward
