@@ -126,6 +126,31 @@ def test_tp2_pp2_api_training_matches_one_process(tmp_path):
     assert seen == set(ref_weights) | {"lm_head.weight"}  # every weight checked, the tied head on pp rank 1
 
 
+def _recorded(events: list[str], stream, write):
+    """``stream`` (a generator function of ``(key, tensor)``) and ``write`` (a file writer) that
+    also append ``"tensor KEY"`` / ``"write"`` to ``events``."""
+
+    def streamed(*args, **kwargs):
+        for item in stream(*args, **kwargs):
+            events.append(f"tensor {item[0]}")
+            yield item
+
+    def written(f, t):
+        events.append("write")
+        write(f, t)
+
+    return streamed, written
+
+
+def _most_pending(events: list[str]) -> int:
+    """The most tensors handed out and not yet written at any point of ``events``."""
+    pending = most = 0
+    for event in events:
+        pending += 1 if event.startswith("tensor") else -1
+        most = max(most, pending)
+    return most
+
+
 def _export_worker(model_dir: str, out_dir: str) -> list[str]:
     """tp=2 full-model export (the full-SFT path) with the stream and the file writes recorded."""
     from pathlib import Path
@@ -140,18 +165,8 @@ def _export_worker(model_dir: str, out_dir: str) -> list[str]:
                                         model_init_config={"meta_device_init": True, "checkpoint": model_dir})
     model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf(model_dir))
     events: list[str] = []
-    stream, write = export._streamed_model, loading.write_tensor
-
-    def streamed(rank_model):
-        for item in stream(rank_model):
-            events.append(f"tensor {item[0]}")
-            yield item
-
-    def written(f, t):
-        events.append("write")
-        write(f, t)
-
-    export._streamed_model, loading.write_tensor = streamed, written  # this forked worker only
+    # this forked worker only
+    export._streamed_model, loading.write_tensor = _recorded(events, export._streamed_model, loading.write_tensor)
     spec = export.ExportSpec("full", Path(model_dir), model_dir, torch.float32)
     export.export_model(RankModel([model], config.state), Path(out_dir), spec, config=model.config, lora=None)
     dist.destroy_process_group()
@@ -168,10 +183,7 @@ def test_tp2_full_export_streams_one_tensor_at_a_time(tmp_path):
     writer, other = launch(_export_worker, 2, str(tmp_path / "tiny"), str(tmp_path / "out"), start_method="fork")
     tensors = [e for e in writer if e.startswith("tensor")]
     assert len(tensors) == len(model.state_dict()) and other == tensors  # both ranks walk every tensor
-    pending = 0
-    for event in writer:
-        pending = pending + 1 if event.startswith("tensor") else pending - 1
-        assert pending <= 2, writer  # the tied lm_head is skipped, so at most one more
+    assert _most_pending(writer) <= 2, writer  # the tied lm_head is skipped, so at most one more
     assert writer.count("write") == len(tensors) - 1  # lm_head.weight is not written (tied)
     got = load_pretrained(tmp_path / "out").state_dict()
     for name, want in model.state_dict().items():
@@ -195,18 +207,9 @@ def _save_worker(model_dir: str, root: str) -> tuple[list[str], dict[str, torch.
     model(ids[0]).float().square().mean().backward()
     opt.step()
     events: list[str] = []
-    tensors, write = ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor
-
-    def streamed(self, copy):
-        for item in tensors(self, copy):
-            events.append(f"tensor {item[0]}")
-            yield item
-
-    def written(f, t):
-        events.append("write")
-        write(f, t)
-
-    ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor = streamed, written  # this forked worker only
+    # this forked worker only
+    ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor = _recorded(
+        events, ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor)
     CheckpointManager(root, state=config.state).save(1, [model], opt, {"step": 1})
     specs = {n: sp for n, _, _, sp in iter_shard_specs(model)}
     params = {n: (gather_shards(p, specs[n], config.state.tp_group) if n in specs else p).detach().clone()
@@ -228,10 +231,7 @@ def test_tp2_checkpoint_save_streams_one_tensor_at_a_time(tmp_path):
                                           start_method="fork")
     tensors = [e for e in writer if e.startswith("tensor")]
     assert len(tensors) > 3 * len(params) and other == tensors  # params, exp_avg, exp_avg_sq, step
-    pending = 0
-    for event in writer:
-        pending = pending + 1 if event.startswith("tensor") else pending - 1
-        assert pending <= 1, writer
+    assert _most_pending(writer) <= 1, writer
     assert writer.count("write") == len(tensors)
     step = tmp_path / "ckpt" / "step-00000001"
     files = sorted(set(json.loads((step / "manifest.json").read_text())["tensors"].values()))

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -240,7 +241,7 @@ class PipelineRunner:
             self._head_in_loss(loss_chunk_rows)
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
-        self._stepped: set[tuple[int, ...]] = set()  # schedules past their first (shape-inferring) step
+        self._stepped: weakref.WeakSet[Any] = weakref.WeakSet()  # schedules past their first (shape-inferring) step
         self._tied_group = self._make_tied_group()
 
     # ------------------------------------------------------------------ set-up
@@ -288,7 +289,6 @@ class PipelineRunner:
         key = (train, *shape)
         if key not in self._schedules:
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
-                self._stepped.discard(next(iter(self._schedules)))
                 self._schedules.pop(next(iter(self._schedules)))
             stages: list[_PipelineStageBase] = [
                 PipelineStage(m, sid, self.num_stages, self.device, group=self.state.pp_group)
@@ -350,12 +350,11 @@ class PipelineRunner:
         last = self.state.is_last_stage
         target = torch.cat([m["labels"] for m in mbs]) if last else None
         losses: list[torch.Tensor] | None = [] if last else None
-        key = (True, *mbs[0]["input_ids"].shape)
         # a new schedule's first step infers the gradients' shapes with torch.autograd.grad
-        with recording_graph() if key not in self._stepped else contextlib.nullcontext():
+        with recording_graph() if schedule not in self._stepped else contextlib.nullcontext():
             schedule.step(*args, target=target, losses=losses, return_outputs=False,
                           loss_kwargs={"n_targets": n_targets}, **kwargs)
-        self._stepped.add(key)
+        self._stepped.add(schedule)
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
         self.sync_tied_grads()
         return loss
