@@ -96,6 +96,8 @@ def test_cli_quickstart_end_to_end(cache, tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["trainable_parameters"] < summary["parameters"]
+    peaks = [r["peak_host_mb"] for r in records if "train_loss" in r]  # the run's high-water mark so far
+    assert 0 < peaks[0] and peaks == sorted(peaks) and peaks[-1] <= summary["memory"][0]["peak_host_mb"], peaks
     adapter = out / "final"
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA"

@@ -134,7 +134,7 @@ def train(
             return
         elapsed = time.perf_counter() - window["start"]
         rec = {"train_loss": v["loss"], "lr": lr, "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
-               "tokens": state.tokens}
+               "tokens": state.tokens, "peak_host_mb": host_peak_mb()}
         if v["grad_norm"] is not None:
             rec["grad_norm"] = v["grad_norm"]
         window["start"], window["tokens"] = time.perf_counter(), 0
