@@ -1,7 +1,7 @@
 """Real model sizes on one machine: per-rank peak memory against ``validate``'s estimate, tokens/s
 and time to first step, for the parallel layouts, a sequence-length sweep and full SFT.
 
-    python bench/bench_scale.py            # Llama-3.2-1B shape; about 30-40 min on 2 cores
+    python bench/bench_scale.py            # Llama-3.2-1B shape; about an hour on 2 cores
     python bench/bench_scale.py --quick    # a 30M shape, same rows, a few minutes
     python bench/bench_scale.py --report   # redraw the table and plots from the stored results,
                                            # with the estimates recomputed by today's `validate`
@@ -12,13 +12,14 @@ run's ``summary.json`` (each rank's peak resident memory, ``VmHWM``: anonymous m
 checkpoint pages it maps; input tokens/s; time to the first step). A row whose estimate does not fit
 in the machine's available memory is skipped and says so.
 
-Rows (LoRA r16 all-linear, bf16-mixed, packed rows of ``bench/data/sft.jsonl``, eval off):
+Rows (LoRA r16 all-linear, bf16-mixed, packed rows of ``bench/data/sft.jsonl``, eval off), each
+run for 8 optimizer steps (3 at the longest sequence): glibc keeps freed tensors for reuse, and
+micro-batches of different layouts fragment that cache, so a run's peak grows over its first steps
+before it settles. The table shows the peak after the first step beside the run's peak.
 
-- layouts at max_seq_len 512, micro-batch 1 x grad_accum 2, 2 steps: 1 process, tp2, pp2,
-  dp2 + ZeRO-1;
-- sequence sweep at 1 process, micro-batch 1 x grad_accum 2, 1 step: 512 / 2048 / 8192 tokens x
-  activation checkpointing none / selective / full (two micro-batches: a run's second one meets
-  the heap the first left behind, as every later one does);
+- layouts at max_seq_len 512, micro-batch 1 x grad_accum 2: 1 process, tp2, pp2, dp2 + ZeRO-1;
+- sequence sweep at 1 process, micro-batch 1 x grad_accum 2: 512 / 2048 / 8192 tokens x
+  activation checkpointing none / selective / full;
 - full SFT at 1 process and tp2 on the 1B widths with 4 layers (16 bytes per trained parameter:
   the 16-layer model's 20 GB of weights, gradients and AdamW states do not fit in 24 GiB).
 
@@ -62,6 +63,7 @@ SETTINGS = {
     True: dict(name="scale_quick", lora=("scale-quick", SHAPE_QUICK), sft=("scale-quick",
                SHAPE_QUICK), base_seq=256, seqs=(256, 1024, 4096)),
 }
+STEPS, STEPS_LONG = 8, 3  # optimizer steps per row; the longest sequence's rows take ~3 min a step
 LAYOUTS = [("1 process", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, ["parallel.pp=2"]),
            ("dp2 + ZeRO-1", 2, ["parallel.zero1=true"])]
 RECIPE = """\
@@ -106,21 +108,28 @@ def build_model(name: str, shape: dict[str, Any]) -> Path:
     return out
 
 
+def steps_for(seq: int, quick: bool) -> int:
+    """Optimizer steps per row: enough for the heap to reach (nearly) its steady size. glibc keeps
+    freed activations for reuse, and micro-batches of different layouts fragment them: a run's
+    peak grows over its first steps (``bench/README.md``)."""
+    return STEPS_LONG if seq >= SETTINGS[quick]["seqs"][-1] else STEPS
+
+
 def rows_for(quick: bool) -> list[dict[str, Any]]:
     s = SETTINGS[quick]
+    base = [f"data.max_seq_len={s['base_seq']}", f"training.max_steps={steps_for(s['base_seq'], quick)}"]
     rows = []
     for name, nproc, extra in LAYOUTS:
         rows.append(dict(group="layout", label=f"LoRA {name}", model="lora", nproc=nproc, seq=s["base_seq"],
-                         ac="none", overrides=[f"data.max_seq_len={s['base_seq']}", *extra]))
+                         ac="none", overrides=[*base, *extra]))
     for seq in s["seqs"]:
         for ac in ("none", "selective", "full"):
             rows.append(dict(group="seq", label=f"LoRA {seq} tokens, AC {ac}", model="lora", nproc=1, seq=seq, ac=ac,
                              overrides=[f"data.max_seq_len={seq}", f"parallel.activation_checkpointing={ac}",
-                                        "training.grad_accum=2", "training.max_steps=1"]))
+                                        "training.grad_accum=2", f"training.max_steps={steps_for(seq, quick)}"]))
     for name, nproc, extra in LAYOUTS[:2]:
         rows.append(dict(group="sft", label=f"full SFT {name}", model="sft", nproc=nproc, seq=s["base_seq"],
-                         ac="none", overrides=[f"data.max_seq_len={s['base_seq']}", "lora=null", "model.dtype=fp32",
-                                               "training.lr=1e-5", *extra]))
+                         ac="none", overrides=[*base, "lora=null", "model.dtype=fp32", "training.lr=1e-5", *extra]))
     return rows
 
 
@@ -158,6 +167,8 @@ def run_row(recipe: Path, row: dict[str, Any], work: Path) -> dict[str, Any]:
         result["failed"] = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
         return result
     summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    result["step_peaks_mb"] = [r["peak_host_mb"] for r in records if "peak_host_mb" in r]  # rank 0's, so far
     result.update(memory=summary["memory"], peak_mb=max(r["peak_host_mb"] for r in summary["memory"]),
                   tokens_per_s=summary["input_tokens_per_s"], time_to_first_step_s=summary["time_to_first_step_s"],
                   train_time_s=summary["train_time_s"], input_tokens=summary["input_tokens"],
@@ -169,24 +180,33 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Real model sizes on one machine ({meta['title']})", "",
              f"`{meta['command']}` on {meta['machine']}, {meta['date']}. {meta['shape_note']}", "",
              "Estimate: `nxd-finetune validate --json`, busiest rank. Measured: the highest rank's peak resident "
-             "memory (`summary.json` `memory`, VmHWM) of `nxd-finetune run`.", "",
-             "| row | procs | tokens | AC | estimate GiB | measured peak GiB | error | input tokens/s "
-             "| time to first step s |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "memory (`summary.json` `memory`, VmHWM) of `nxd-finetune run` over its `steps` optimizer steps of 2 "
+             "micro-batches; `rank 0 after step 1`: rank 0's peak when its first step was logged (`metrics.jsonl` "
+             "`peak_host_mb`).", "",
+             "| row | procs | tokens | AC | steps | estimate GiB | rank 0 after step 1 GiB | measured peak GiB | error "
+             "| input tokens/s | time to first step s |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         est = r["estimate"]["total"] / 2**30
         if "peak_mb" in r:
             peak = r["peak_mb"] / 1024
-            lines.append(f"| {r['label']} | {r['nproc']} | {r['seq']} | {r['ac']} | {est:.2f} | {peak:.2f} "
-                         f"| {(est - peak) / peak:+.1%} | {r['tokens_per_s']:,.0f} | {r['time_to_first_step_s']:.1f} |")
+            first = f"{r['step_peaks_mb'][0] / 1024:.2f}" if r.get("step_peaks_mb") else "-"
+            lines.append(f"| {r['label']} | {r['nproc']} | {r['seq']} | {r['ac']} | {_steps(r)} | {est:.2f} | {first} "
+                         f"| {peak:.2f} | {(est - peak) / peak:+.1%} | {r['tokens_per_s']:,.0f} "
+                         f"| {r['time_to_first_step_s']:.1f} |")
         else:
             why = r.get("skipped") or f"failed: {r.get('failed')}"
-            lines.append(f"| {r['label']} | {r['nproc']} | {r['seq']} | {r['ac']} | {est:.2f} | - | {why} | - | - |")
+            lines.append(f"| {r['label']} | {r['nproc']} | {r['seq']} | {r['ac']} | {_steps(r)} | {est:.2f} | - | - "
+                         f"| {why} | - | - |")
     lines += ["", "Estimate parts (GiB) per row:", "",
               "| row | " + " | ".join(PARTS) + " |", "|---|" + "---:|" * len(PARTS)]
     for r in rows:
         lines.append(f"| {r['label']} | " + " | ".join(f"{r['estimate'].get(k, 0) / 2**30:.2f}" for k in PARTS) + " |")
     lines += ["", *(f"- {n}" for n in meta.get("notes", [])), ""]
     return "\n".join(lines)
+
+
+def _steps(row: dict[str, Any]) -> str:
+    return next((o.split("=")[1] for o in row["overrides"] if o.startswith("training.max_steps=")), "2")
 
 
 PARTS = ("runtime", "weights", "gradients", "optimizer", "activations", "loss", "vocabulary gradient",
@@ -268,9 +288,10 @@ def main() -> None:
                 r["estimate"] = estimate(recipes[r["model"]], r)
         else:
             only = set(args.only) if args.only else None
-            unknown = sorted((only or set()) - {row["label"] for row in rows_for(args.quick)})
+            labels = [row["label"] for row in rows_for(args.quick)]
+            unknown = sorted((only or set()) - set(labels))
             if unknown:
-                raise SystemExit(f"--only: unknown row(s) {unknown}; rows: {[r['label'] for r in rows_for(args.quick)]}")
+                raise SystemExit(f"--only: unknown row(s) {unknown}; rows: {labels}")
             old = {r["label"]: r for r in (stored["rows"] if stored else [])}
             rows = []
             for row in rows_for(args.quick):

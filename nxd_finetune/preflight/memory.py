@@ -2,8 +2,12 @@
 of a micro-batch's backward), part by part.
 
 It models this implementation, not a textbook transformer, and is checked against measured peak
-resident memory of real runs (``bench/bench_scale.py``, within 10% on a Llama-3.2-1B shape from 512
-to 8192 tokens, every layout and checkpointing mode).
+resident memory of real runs (``bench/bench_scale.py``, a Llama-3.2-1B shape from 512 to 8192
+tokens, every layout and checkpointing mode). It models a run's first step (two micro-batches):
+against 1-2 step runs it was within 10% in 13 of the 15 rows and within 13% in all. On the CPU the
+peak then grows over the next steps, as micro-batches of other shapes fragment glibc's heap: after
+8 steps (3 at 8192 tokens) 11 rows are within 10%, and the estimate is 13-18% under the peaks of
+the 2,048-token rows and of 8,192 tokens with selective checkpointing (``bench/README.md``).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
       the Llama-3.2-1B shape (2 micro-batches): 1.1-1.2 GB free at the peak at 2,048 tokens without
       and with selective checkpointing (1.0 GB counted), 0.34 GB at 512 tokens (0.66 GB counted
       without checkpointing, 0.28 selective); at 8,192 tokens most tensors are 32 MiB or more and
-      are unmapped when freed.
+      are unmapped when freed. Not counted: the growth over a run's next steps, as micro-batches
+      of other shapes fragment the heap further (8 steps at 2,048 tokens: 0.8-1.6 GiB more).
     - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
       copies of the largest trainable tensor) or a save's tensors (the whole stage gathered on the
       writing rank under ZeRO-1 or copied for ``checkpoint.async_save``; at tp > 1 otherwise one
