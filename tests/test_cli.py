@@ -155,6 +155,7 @@ def test_validate_shipped_recipes(capsys, assets, name):
     assert trainable == LORA_TRAINABLE.get(name, total)
     for row in ("weights", "gradients", "optimizer", "activations", "total"):
         assert re.search(rf"{row}\s+.*\d+\.\d+ (KiB|MiB|GiB)", out), row
+    assert "MALLOC_MMAP_THRESHOLD_" in out  # CPU training: the heap's growth and what lowers it
 
 
 @pytest.mark.parametrize(("name", "extra", "expected"), [

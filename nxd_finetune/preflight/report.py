@@ -114,4 +114,8 @@ def print_report(result: Preflight) -> None:
     console.print(f"(busiest rank; activations for micro_batch_size {recipe.training.micro_batch_size} x "
                   f"max_seq_len {recipe.data.max_seq_len}, checkpointing {par.activation_checkpointing}; "
                   f"loss over {targets} per micro-batch; formulas: nxd_finetune.preflight.memory.estimate_memory)")
+    if result.memory.get("allocator cache", 0.0) > 0:  # training on the CPU
+        console.print("(on the CPU the peak can grow past this over a run's first steps, as micro-batches of other "
+                      "shapes fragment glibc's heap: metrics.jsonl's peak_host_mb shows it; "
+                      "MALLOC_MMAP_THRESHOLD_=4194304 in the environment lowers it at a cost in speed)")
     console.print("recipe is valid", style="green")
