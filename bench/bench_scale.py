@@ -5,6 +5,12 @@ and time to first step, for the parallel layouts, a sequence-length sweep and fu
     python bench/bench_scale.py --quick    # a 30M shape, same rows, a few minutes
     python bench/bench_scale.py --report   # redraw the table and plots from the stored results,
                                            # with the estimates recomputed by today's `validate`
+    python bench/bench_scale.py --precision fp32   # fp32 weights and compute (results *_fp32.*)
+
+``--precision auto`` (the default) trains in bf16-mixed on a CPU with native bf16 matrix
+instructions (AVX512-BF16 / AMX) and in fp32 elsewhere, as ``validate`` advises there: on an
+AVX2-only CPU torch's bf16 matmuls take a fallback ~100x slower than fp32. fp32 results are written
+beside the bf16 ones, under their own names.
 
 Every row is what a user runs: ``nxd-finetune validate RECIPE --json`` for the estimate, then
 ``nxd-finetune run RECIPE --nproc N`` in its own processes; the measured numbers come from the
@@ -12,7 +18,7 @@ run's ``summary.json`` (each rank's peak resident memory, ``VmHWM``: anonymous m
 checkpoint pages it maps; input tokens/s; time to the first step). A row whose estimate does not fit
 in the machine's available memory is skipped and says so.
 
-Rows (LoRA r16 all-linear, bf16-mixed, packed rows of ``bench/data/sft.jsonl``, eval off), each
+Rows (LoRA r16 all-linear, bf16-mixed or fp32, packed rows of ``bench/data/sft.jsonl``, eval off), each
 run for 8 optimizer steps (3 at the longest sequence): glibc keeps freed tensors for reuse, and
 micro-batches of different layouts fragment that cache, so a run's peak grows over its first steps
 before it settles. The table shows the peak after the first step beside the run's peak.
@@ -67,11 +73,11 @@ STEPS, STEPS_LONG = 8, 3  # optimizer steps per row; the longest sequence's rows
 LAYOUTS = [("1 process", 1, []), ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, ["parallel.pp=2"]),
            ("dp2 + ZeRO-1", 2, ["parallel.zero1=true"])]
 RECIPE = """\
-model: {{path: {model}, dtype: bf16}}
+model: {{path: {model}, dtype: {dtype}}}
 data: {{train: {data}, format: messages, max_seq_len: 512, packing: true}}
 lora: {{rank: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}}
 training: {{micro_batch_size: 1, grad_accum: 2, max_steps: 2, lr: 1.0e-4, warmup_steps: 0,
-           precision: bf16-mixed, device: cpu, seed: 0}}
+           precision: {precision}, device: cpu, seed: 0}}
 eval: {{before: false}}
 checkpoint: {{every_n_steps: null, save_mode: adapter}}
 logging: {{every_n_steps: 1, progress: false}}
@@ -108,16 +114,29 @@ def build_model(name: str, shape: dict[str, Any]) -> Path:
     return out
 
 
-def steps_for(seq: int, quick: bool) -> int:
+def steps_for(seq: int, quick: bool, steps: int | None = None) -> int:
     """Optimizer steps per row: enough for the heap to reach (nearly) its steady size. glibc keeps
     freed activations for reuse, and micro-batches of different layouts fragment them: a run's
-    peak grows over its first steps (``bench/README.md``)."""
-    return STEPS_LONG if seq >= SETTINGS[quick]["seqs"][-1] else STEPS
+    peak grows over its first steps (``bench/README.md``). ``steps`` (``--steps``) replaces
+    :data:`STEPS`, and caps :data:`STEPS_LONG`."""
+    if seq >= SETTINGS[quick]["seqs"][-1]:
+        return min(STEPS_LONG, steps or STEPS_LONG)
+    return steps or STEPS
 
 
-def rows_for(quick: bool) -> list[dict[str, Any]]:
+def pick_precision(name: str) -> str:
+    """``--precision``: ``bf16`` / ``fp32`` as given; ``auto``: bf16 where this CPU has native bf16
+    matrix instructions, else fp32 (``validate``'s advice on such a CPU)."""
+    if name != "auto":
+        return name
+    from nxd_finetune.preflight.hardware import cpu_supports
+
+    return "bf16" if cpu_supports("bf16") else "fp32"
+
+
+def rows_for(quick: bool, steps: int | None = None) -> list[dict[str, Any]]:
     s = SETTINGS[quick]
-    base = [f"data.max_seq_len={s['base_seq']}", f"training.max_steps={steps_for(s['base_seq'], quick)}"]
+    base = [f"data.max_seq_len={s['base_seq']}", f"training.max_steps={steps_for(s['base_seq'], quick, steps)}"]
     rows = []
     for name, nproc, extra in LAYOUTS:
         rows.append(dict(group="layout", label=f"LoRA {name}", model="lora", nproc=nproc, seq=s["base_seq"],
@@ -126,7 +145,7 @@ def rows_for(quick: bool) -> list[dict[str, Any]]:
         for ac in ("none", "selective", "full"):
             rows.append(dict(group="seq", label=f"LoRA {seq} tokens, AC {ac}", model="lora", nproc=1, seq=seq, ac=ac,
                              overrides=[f"data.max_seq_len={seq}", f"parallel.activation_checkpointing={ac}",
-                                        "training.grad_accum=2", f"training.max_steps={steps_for(seq, quick)}"]))
+                                        "training.grad_accum=2", f"training.max_steps={steps_for(seq, quick, steps)}"]))
     for name, nproc, extra in LAYOUTS[:2]:
         rows.append(dict(group="sft", label=f"full SFT {name}", model="sft", nproc=nproc, seq=s["base_seq"],
                          ac="none", overrides=[*base, "lora=null", "model.dtype=fp32", "training.lr=1e-5", *extra]))
@@ -221,10 +240,10 @@ def plot(meta: dict[str, Any], rows: list[dict[str, Any]], stem: Path) -> list[P
     except ImportError:
         return []
     written = []
+    sweep = [r for r in rows if r["group"] == "seq" and "peak_mb" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     for ac, marker in (("none", "o"), ("selective", "s"), ("full", "^")):
-        pts = [(r["seq"], r["peak_mb"] / 1024, r["estimate"]["total"] / 2**30) for r in rows
-               if r["group"] == "seq" and r["ac"] == ac and "peak_mb" in r]
+        pts = [(r["seq"], r["peak_mb"] / 1024, r["estimate"]["total"] / 2**30) for r in sweep if r["ac"] == ac]
         if pts:
             line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"AC {ac} (measured)")[0]
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker=marker, ls=":", color=line.get_color(),
@@ -235,8 +254,9 @@ def plot(meta: dict[str, Any], rows: list[dict[str, Any]], stem: Path) -> list[P
     ax.set_title(f"{meta['title']}: LoRA, 1 process")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    written.append(stem.with_name(stem.name + "_memory_vs_seq.png"))
-    fig.savefig(written[-1], dpi=110)
+    if sweep:  # a run of the layout rows only (--only) draws no sweep
+        written.append(stem.with_name(stem.name + "_memory_vs_seq.png"))
+        fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
     done = [r for r in rows if r["group"] in ("layout", "sft") and "peak_mb" in r]
@@ -266,11 +286,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 30M shape and shorter sequences (a few minutes)")
     ap.add_argument("--report", action="store_true", help="only redraw from the stored results, estimates recomputed")
     ap.add_argument("--only", action="append", metavar="LABEL",
-                    help="a row label to run, repeatable (others are kept from the stored results)")
+                    help="a row label to run, repeatable (others are kept from the stored results, if any)")
     ap.add_argument("--note", action="append", default=[], help="a line about the conditions, shown under the table")
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="bf16: bf16 weights, bf16-mixed training; fp32: fp32 weights and training; auto: bf16 "
+                         "where the CPU has native bf16 matrix instructions, else fp32")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"optimizer steps per row (default {STEPS}; the longest sequence's rows at most {STEPS_LONG})")
     args = ap.parse_args()
     s = SETTINGS[args.quick]
-    stem = RESULTS / s["name"]
+    precision = pick_precision(args.precision)
+    stem = RESULTS / (s["name"] + ("_fp32" if precision == "fp32" else ""))
     stored = json.loads(stem.with_suffix(".json").read_text()) if stem.with_suffix(".json").is_file() else None
     lora_dir = build_model(*s["lora"])
     sft_dir = build_model(*s["sft"])
@@ -280,7 +306,8 @@ def main() -> None:
         for kind, model_dir in (("lora", lora_dir), ("sft", sft_dir)):
             recipes[kind] = work / f"{kind}.yaml"
             recipes[kind].write_text(RECIPE.format(model=model_dir, data=BENCH / "data" / "sft.jsonl",
-                                                   out=work / "out"))
+                                                   out=work / "out", dtype="bf16" if precision == "bf16" else "fp32",
+                                                   precision="bf16-mixed" if precision == "bf16" else "fp32"))
         if args.report:
             assert stored is not None, f"no stored results at {stem}.json"
             rows, meta = stored["rows"], stored["meta"]
@@ -288,15 +315,16 @@ def main() -> None:
                 r["estimate"] = estimate(recipes[r["model"]], r)
         else:
             only = set(args.only) if args.only else None
-            labels = [row["label"] for row in rows_for(args.quick)]
+            labels = [row["label"] for row in rows_for(args.quick, args.steps)]
             unknown = sorted((only or set()) - set(labels))
             if unknown:
                 raise SystemExit(f"--only: unknown row(s) {unknown}; rows: {labels}")
             old = {r["label"]: r for r in (stored["rows"] if stored else [])}
             rows = []
-            for row in rows_for(args.quick):
-                if only is not None and row["label"] not in only and row["label"] in old:
-                    rows.append(old[row["label"]])
+            for row in rows_for(args.quick, args.steps):
+                if only is not None and row["label"] not in only:
+                    if row["label"] in old:  # kept from the stored results; a row never run stays out
+                        rows.append(old[row["label"]])
                     continue
                 r = run_row(recipes[row["model"]], row, work)
                 rows.append(r)
@@ -305,13 +333,18 @@ def main() -> None:
                 print(f"{r['label']:32s} estimate {r['estimate']['total'] / 2**30:.2f} GiB  {got}  "
                       f"({r.get('wall_s', 0):.0f} s)", flush=True)
             meta = dict(title="Llama-3.2-1B shape" if not args.quick else "30M quick shape",
-                        command=f"python bench/bench_scale.py{' --quick' if args.quick else ''}",
+                        command="python bench/bench_scale.py" + (" --quick" if args.quick else "")
+                        + (f" --precision {args.precision}" if args.precision != "auto" else "")
+                        + (f" --steps {args.steps}" if args.steps else ""),
                         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                 f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB",
                         date=time.strftime("%Y-%m-%d %H:%M"),
-                        shape_note=("LoRA rows: hidden 2048, 16 layers, 32/8 heads, ffn 8192, vocab 128256, tied, "
-                                    "bf16 (1.24B parameters); full SFT rows: the same widths with 4 layers."
-                                    if not args.quick else "hidden 512, 4 layers, vocab 32000."),
+                        shape_note=("LoRA rows: hidden 2048, 16 layers, 32/8 heads, ffn 8192, vocab 128256, tied "
+                                    "(1.24B parameters); full SFT rows: the same widths with 4 layers."
+                                    if not args.quick else "hidden 512, 4 layers, vocab 32000.")
+                        + (" LoRA rows: bf16 weights, bf16-mixed." if precision == "bf16" else
+                           " Every row: fp32 weights and training (`model.dtype: fp32`, `training.precision: fp32`)."),
+                        precision=precision,
                         notes=[*(stored["meta"].get("notes", []) if stored and args.only else []), *args.note])
     RESULTS.mkdir(exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
