@@ -311,6 +311,7 @@ def main() -> None:
         if args.report:
             assert stored is not None, f"no stored results at {stem}.json"
             rows, meta = stored["rows"], stored["meta"]
+            meta["notes"] = [*meta.get("notes", []), *args.note]
             for r in rows:
                 r["estimate"] = estimate(recipes[r["model"]], r)
         else:

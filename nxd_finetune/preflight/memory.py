@@ -7,7 +7,9 @@ tokens, every layout and checkpointing mode). It models a run's first step (two 
 against 1-2 step runs it was within 10% in 13 of the 15 rows and within 13% in all. On the CPU the
 peak then grows over the next steps, as micro-batches of other shapes fragment glibc's heap: after
 8 steps (3 at 8192 tokens) 11 rows are within 10%, and the estimate is 13-18% under the peaks of
-the 2,048-token rows and of 8,192 tokens with selective checkpointing (``bench/README.md``).
+the 2,048-token rows and of 8,192 tokens with selective checkpointing (``bench/README.md``). With
+the ``allocator cache`` part at one process's widths, the tp2 rows went from 7.6-7.8% under to
+0.6% over (bf16-mixed, an AMX Xeon) and 2.2% over (fp32, an AVX2 EPYC).
 """
 
 from __future__ import annotations
@@ -91,8 +93,14 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
       the Llama-3.2-1B shape (2 micro-batches): 1.1-1.2 GB free at the peak at 2,048 tokens without
       and with selective checkpointing (1.0 GB counted), 0.34 GB at 512 tokens (0.66 GB counted
       without checkpointing, 0.28 selective); at 8,192 tokens most tensors are 32 MiB or more and
-      are unmapped when freed. Not counted: the growth over a run's next steps, as micro-batches
-      of other shapes fragment the heap further (8 steps at 2,048 tokens: 0.8-1.6 GiB more).
+      are unmapped when freed. Counted at one process's widths, whatever ``tp`` and sequence
+      parallel: the free space is left by the forward's and backward's temporaries, and at tp > 1
+      many of them stay full-width on every rank (the row-parallel layers' all-reduced outputs and
+      their gradients; under sequence parallel the gathered inputs). Measured on the 1B shape in
+      fp32 at 512 tokens: 1,415 MiB free at the peak in 1 process, 1,126-1,174 at tp2 (0.81x,
+      while the sharded activations are 0.61x). Not counted: the growth over a run's next steps,
+      as micro-batches of other shapes fragment the heap further (8 steps at 2,048 tokens: 0.8-1.6
+      GiB more).
     - ``optimizer step`` / ``checkpoint save``: between steps, AdamW's temporaries (about two fp32
       copies of the largest trainable tensor) or a save's tensors (the whole stage gathered on the
       writing rank under ZeRO-1 or copied for ``checkpoint.async_save``; at tp > 1 otherwise one
@@ -189,17 +197,18 @@ def activation_bytes_per_token(recipe: Recipe, config: Any) -> tuple[float, floa
     return float(sum(kept)), float(sum(recompute))
 
 
-def layer_tensors(recipe: Recipe, config: Any) -> tuple[list[float], list[float]]:
+def layer_tensors(recipe: Recipe, config: Any, unsharded: bool = False) -> tuple[list[float], list[float]]:
     """The tensors behind :func:`activation_bytes_per_token`, as bytes per token each: those one
-    decoder layer keeps for backward, and those of the module checkpointing recomputes at a time."""
+    decoder layer keeps for backward, and those of the module checkpointing recomputes at a time.
+    ``unsharded``: at the widths of one process (as if ``tp`` were 1, without sequence parallel)."""
     par = recipe.parallel
-    t = par.tp
+    t = 1 if unsharded else par.tp
     m, c = _widths(recipe)
     h, f = config.hidden_size, config.intermediate_size
     d = _head_dim(config)
     q = config.num_attention_heads * d
     k = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d
-    sp = t if par.sequence_parallel else 1
+    sp = t if par.sequence_parallel and not unsharded else 1
     shared = m == c  # the norm output is already in the compute dtype: q/k/v (gate/up) share it
     attention = [m * h / sp] * 2 + [c * h / sp] * (1 if shared else 3) + [c * q / t] * 3 + [c * k / t] * 2
     mlp = [c * h / sp] * (1 if shared else 2) + [c * f / t] * 3
@@ -213,10 +222,12 @@ def layer_tensors(recipe: Recipe, config: Any) -> tuple[list[float], list[float]
 
 def heap_activation_bytes(recipe: Recipe, config: Any, stage_layers: int) -> float:
     """The ``allocator cache`` part: the bytes of one micro-batch's activations held in tensors
-    below :data:`HEAP_TENSOR_LIMIT` on a rank (its layers, the recomputed module, the final norm's
-    input and the rotary tables)."""
+    below :data:`HEAP_TENSOR_LIMIT` (a pipeline stage's layers, the recomputed module, the final
+    norm's input and the rotary tables), at one process's widths: tensor and sequence parallel do
+    not shrink the heap's free space the way they shrink the activations
+    (:func:`estimate_memory`)."""
     tokens = recipe.data.max_seq_len * recipe.training.micro_batch_size
-    kept, recompute = layer_tensors(recipe, config)
+    kept, recompute = layer_tensors(recipe, config, unsharded=True)
 
     def small(widths: list[float]) -> float:
         return sum(w * tokens for w in widths if w * tokens < HEAP_TENSOR_LIMIT)
