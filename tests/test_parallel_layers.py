@@ -127,6 +127,25 @@ def _mapping_checks(state: ParallelState, out: dict) -> None:
     (y * (r + 1)).sum().backward()
     out["reduce_from_tp fwd"] = ("close", y.detach(), torch.full((2, 3), float(tot)))
     out["reduce_from_tp bwd identity"] = ("close", x.grad, torch.full((2, 3), float(r + 1)))
+    leaf = torch.full((2, 3), float(r + 1), requires_grad=True)
+    fresh = leaf * 1.0  # a new non-leaf tensor nothing saved: reduce_from_tp_ sums into it
+    y = M.reduce_from_tp_(fresh, g)
+    (y * (r + 1)).sum().backward()
+    out["reduce_from_tp_ fwd"] = ("close", y.detach(), torch.full((2, 3), float(tot)))
+    same = float(y.data_ptr() == fresh.data_ptr())
+    out["reduce_from_tp_ in place"] = ("close", torch.tensor(same), torch.tensor(1.0))
+    out["reduce_from_tp_ bwd identity"] = ("close", leaf.grad, torch.full((2, 3), float(r + 1)))
+    view = leaf.detach().clone()[:, :2]  # a view: summed into a copy, the viewed tensor untouched
+    y = M.reduce_from_tp_(view, g)
+    out["reduce_from_tp_ view copied"] = ("close", view, torch.full((2, 2), float(r + 1)))
+    out["reduce_from_tp_ view fwd"] = ("close", y, torch.full((2, 2), float(tot)))
+    saved = leaf.exp()  # exp keeps its output for backward: summing into it must not pass silently
+    try:
+        M.reduce_from_tp_(saved, g).sum().backward()
+        raised = 0.0
+    except RuntimeError:
+        raised = 1.0
+    out["reduce_from_tp_ saved input raises"] = ("close", torch.tensor(raised), torch.tensor(1.0))
     full = torch.arange(2 * 3 * 4 * tp, dtype=torch.float32).view(2, 3, 4 * tp)
     x = full.clone().requires_grad_()
     y = M.scatter_to_tp(x, g)
@@ -367,7 +386,7 @@ def _llama_worker(rank: int, world: int, tp: int, variants: list[tuple[str, str,
 
 def test_layers_match_unsharded_reference_tp2(tmp_path):
     results = run_world(_layers_worker, 2, tmp_path)
-    assert assert_checks(results) == 2 * 53
+    assert assert_checks(results) == 2 * 59
 
 
 def test_rank_layout_and_groups_world4(tmp_path):

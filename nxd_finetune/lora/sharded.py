@@ -176,7 +176,7 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
             return base(x)
         g = base.group
         x_l = x if base.input_is_parallel else M.scatter_to_tp(x, g)
-        reduce = M.reduce_scatter_to_sequence if base.sequence_parallel else M.reduce_from_tp
+        reduce = M.reduce_scatter_to_sequence if base.sequence_parallel else M.reduce_from_tp_  # fresh outputs
         y = reduce(F.linear(x_l, base.weight), g)
         if base.bias is not None:
             y = y + base.bias

@@ -281,7 +281,7 @@ class RowParallelLinear(_ParallelLinearBase):
         if self.sequence_parallel:
             y = M.reduce_scatter_to_sequence(y, self.group)
         else:
-            y = M.reduce_from_tp(y, self.group)
+            y = M.reduce_from_tp_(y, self.group)  # y: the matmul's own output
         return y + self.bias if self.bias is not None else y
 
 
@@ -344,7 +344,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
         if self.sequence_parallel:
             return M.reduce_scatter_to_sequence(out, self.group)
-        return M.reduce_from_tp(out, self.group)
+        return M.reduce_from_tp_(out, self.group)  # out: masked_fill's own output
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, vocab=[{self.vocab_start}, {self.vocab_end})"

@@ -5,6 +5,8 @@ last dim):
 
 - ``CopyToTP``:      forward identity;                    backward all-reduce (sum).
 - ``ReduceFromTP``:  forward all-reduce (sum);            backward identity.
+  ``reduce_from_tp_`` sums into its input instead of a copy, for a fresh output nothing else uses
+  (a row-parallel matmul's): one hidden-wide tensor less per call on every rank.
 - ``ScatterToTP``:   forward keep this rank's last-dim chunk; backward all-gather on the last dim.
 - ``GatherFromTP``:  forward all-gather on the last dim;  backward keep this rank's chunk.
 
@@ -123,6 +125,20 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class ReduceFromTPInPlace(torch.autograd.Function):
+    """:class:`ReduceFromTP` summing into its input (marked dirty): no copy."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x.detach(), group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class ScatterToTP(torch.autograd.Function):
     """Forward keep this rank's chunk of the last dim; backward all-gather on the last dim."""
 
@@ -198,6 +214,17 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else ReduceFromTP.apply(x, group)
+
+
+def reduce_from_tp_(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`reduce_from_tp` summing into ``x`` itself: for a fresh tensor the caller does not use
+    again and autograd has not saved (a matmul's output). A view or a non-contiguous ``x`` is
+    summed into a copy; a saved one makes backward raise autograd's in-place error."""
+    if group_size(group) == 1:
+        return x
+    if x._base is not None or not x.is_contiguous():
+        return ReduceFromTP.apply(x, group)
+    return ReduceFromTPInPlace.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
