@@ -125,18 +125,14 @@ class ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class ReduceFromTPInPlace(torch.autograd.Function):
-    """:class:`ReduceFromTP` summing into its input (marked dirty): no copy."""
+class ReduceFromTPInPlace(ReduceFromTP):
+    """:class:`ReduceFromTP` summing into its input (marked dirty): no copy; the same backward."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.mark_dirty(x)
         dist.all_reduce(x.detach(), group=group)
         return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class ScatterToTP(torch.autograd.Function):

@@ -94,9 +94,10 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
       and with selective checkpointing (1.0 GB counted), 0.34 GB at 512 tokens (0.66 GB counted
       without checkpointing, 0.28 selective); at 8,192 tokens most tensors are 32 MiB or more and
       are unmapped when freed. Counted at one process's widths, whatever ``tp`` and sequence
-      parallel: the free space is left by the forward's and backward's temporaries, and at tp > 1
-      many of them stay full-width on every rank (the row-parallel layers' all-reduced outputs and
-      their gradients; under sequence parallel the gathered inputs). Measured on the 1B shape in
+      parallel (a measured rule, not a per-tensor account): the free space is left by the
+      forward's and backward's temporaries, and at tp > 1 many of them stay full-width on every
+      rank (the row-parallel layers' all-reduced outputs and their gradients; under sequence
+      parallel the gathered inputs). Measured on the 1B shape in
       fp32 at 512 tokens: 1,415 MiB free at the peak in 1 process, 1,126-1,174 at tp2 (0.81x,
       while the sharded activations are 0.61x). Not counted: the growth over a run's next steps,
       as micro-batches of other shapes fragment the heap further (8 steps at 2,048 tokens: 0.8-1.6
@@ -208,7 +209,7 @@ def layer_tensors(recipe: Recipe, config: Any, unsharded: bool = False) -> tuple
     d = _head_dim(config)
     q = config.num_attention_heads * d
     k = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d
-    sp = t if par.sequence_parallel and not unsharded else 1
+    sp = t if par.sequence_parallel else 1  # 1 when unsharded (t = 1)
     shared = m == c  # the norm output is already in the compute dtype: q/k/v (gate/up) share it
     attention = [m * h / sp] * 2 + [c * h / sp] * (1 if shared else 3) + [c * q / t] * 3 + [c * k / t] * 2
     mlp = [c * h / sp] * (1 if shared else 2) + [c * f / t] * 3
