@@ -1,7 +1,7 @@
 """Generate the benchmark's SFT data: ``bench/data/sft.jsonl`` (messages format).
 
 Deterministic (fixed seed, standard library + the quickstart tokenizer, which is itself built
-deterministically from ``recipes/quickstart/corpus.txt``), so ``python bench/make_data.py``
+deterministically from ``nxd_finetune/assets/quickstart/corpus.txt``), so ``python bench/make_data.py``
 reproduces the shipped file byte for byte.
 
 Lengths: each conversation's total token count (chat template included) is drawn log-uniformly from

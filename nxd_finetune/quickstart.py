@@ -2,9 +2,10 @@
 
 ``ensure_tiny_model()`` builds, once per machine, an HF-format directory holding
 
-- a byte-level BPE tokenizer (``tokenizers``) trained on ``recipes/quickstart/corpus.txt``, with
-  ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` and a chat template using ``<|system|>``, ``<|user|>`` and
-  ``<|assistant|>`` markers; digits are split one per token so number tasks stay learnable;
+- a byte-level BPE tokenizer (``tokenizers``) trained on ``nxd_finetune/assets/quickstart/corpus.txt``
+  (package data, so an installed package builds it too), with ``<|bos|>``, ``<|eos|>``, ``<|pad|>``
+  and a chat template using ``<|system|>``, ``<|user|>`` and ``<|assistant|>`` markers; digits are
+  split one per token so number tasks stay learnable;
 - a randomly initialised (fixed seed) ``LlamaForCausalLM`` of ~4M parameters saved as safetensors.
 
 Nothing is downloaded. The directory lives under ``$NXD_FINETUNE_CACHE`` (default
@@ -25,14 +26,13 @@ from typing import Any
 
 import torch
 
+from nxd_finetune.assets import BUILTIN_PREFIX, QUICKSTART_CORPUS
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import models_cache
 
-BUILTIN_PREFIX = "builtin:"
 TINY_LLAMA = "builtin:tiny-llama"
-QUICKSTART_DIR = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
-CORPUS = QUICKSTART_DIR / "corpus.txt"
+CORPUS = QUICKSTART_CORPUS  # package data: found in an installed package too
 
 _VERSION = 1  # bump when the build below changes in a way the hash would not see
 SEED = 0
@@ -67,7 +67,8 @@ CHAT_TEMPLATE = (
 
 def _build_key() -> str:
     if not CORPUS.is_file():
-        raise ModelLoadError(f"quickstart corpus not found: {CORPUS} (run recipes/quickstart/make_data.py)")
+        raise ModelLoadError(f"quickstart corpus not found: {CORPUS} (reinstall nxd-finetune, or run "
+                             "recipes/quickstart/make_data.py in a checkout)")
     spec = {
         "version": _VERSION,
         "seed": SEED,

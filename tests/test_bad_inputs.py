@@ -39,7 +39,7 @@ def _quickstart_with(tmp: Path, **sections) -> Path:
     for split in ("train", "eval"):
         value = data["data"].get(split)
         if isinstance(value, str) and not Path(value).is_absolute():
-            data["data"][split] = str(QUICKSTART.parent / value)
+            data["data"][split] = str(QUICKSTART.resolve().parent / value)
     if data["data"].get("eval") is None:
         data["eval"] = {**(data.get("eval") or {}), "every_n_steps": None}
     return _recipe(tmp, yaml.safe_dump(data))

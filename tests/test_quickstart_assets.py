@@ -5,17 +5,24 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from nxd_finetune import quickstart
-from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.assets import SHIPPED
+from nxd_finetune.errors import ModelLoadError, RecipeError
+from nxd_finetune.recipe import load_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ASSETS = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "nxd_finetune" / "assets" / "quickstart"
 
 
 def _rows(name):
@@ -35,7 +42,7 @@ def tiny(tiny_dir):
 
 
 def test_make_data_reproduces_shipped_files():
-    spec = importlib.util.spec_from_file_location("make_data", ASSETS / "make_data.py")
+    spec = importlib.util.spec_from_file_location("make_data", ROOT / "recipes" / "quickstart" / "make_data.py")
     make_data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_data)
     for name, text in make_data.render_all().items():
@@ -130,10 +137,9 @@ def test_answer_accuracy(tiny):
 
 
 def test_quickstart_recipe_and_data_fit(tiny, tmp_path):
-    from nxd_finetune.recipe import load_recipe
     from nxd_finetune.sft.loader import build_dataloaders
 
-    recipe = load_recipe(ASSETS.parent / "quickstart.yaml")
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     assert recipe.model.path == "builtin:tiny-llama" and recipe.data.format == "messages"
     _, tok = tiny
     spec = recipe.data.model_dump() | {"cache_dir": str(tmp_path)}
@@ -143,3 +149,27 @@ def test_quickstart_recipe_and_data_fit(tiny, tmp_path):
     assert train["truncated"] == train["dropped"] == 0 and train["fill"] > 0.9
     batch = next(iter(loaders.train))
     assert batch["input_ids"].shape == (recipe.training.micro_batch_size, recipe.data.max_seq_len)
+
+
+def test_builtin_quickstart_recipe_is_the_checkout_one():
+    shipped = load_recipe("builtin:quickstart")
+    assert shipped.model_dump() == load_recipe(ROOT / "recipes" / "quickstart.yaml").model_dump()
+    assert Path(shipped.data.train).parent == ASSETS and Path(shipped.data.train).is_file()
+    assert all(p.is_file() and ROOT / "nxd_finetune" in p.parents for p in SHIPPED)
+    with pytest.raises(RecipeError, match="unknown built-in recipe 'builtin:nope'; known: builtin:quickstart"):
+        load_recipe("builtin:nope")
+
+
+def test_wheel_ships_the_assets(tmp_path):
+    """A wheel built from the project carries every shipped asset (pyproject's package-data), so an
+    installed package runs ``builtin:quickstart`` (the whole installed run: .ci/installed_quickstart.sh)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "nxd_finetune", src / "nxd_finetune", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True)
+    (wheel,) = (tmp_path / "dist").glob("nxd_finetune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for path in SHIPPED:
+        assert path.relative_to(ROOT).as_posix() in names

@@ -21,7 +21,7 @@ from nxd_finetune.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-EVAL_ROWS = [json.loads(line) for line in (ROOT / "recipes" / "quickstart" / "eval.jsonl").read_text().splitlines()]
+EVAL_ROWS = [json.loads(line) for line in (ROOT / "nxd_finetune" / "assets" / "quickstart" / "eval.jsonl").read_text().splitlines()]
 N_QUESTIONS = 16
 MAX_NEW = 6
 

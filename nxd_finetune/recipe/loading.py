@@ -13,9 +13,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from nxd_finetune.assets import builtin_recipe
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.recipe.messages import describe_errors, one_line
 from nxd_finetune.recipe.sections import Recipe
+from nxd_finetune.recipe.yaml_loader import load_yaml
 
 PATH_KEYS: frozenset[tuple[str, str]] = frozenset({
     ("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval"), ("data", "cache_dir"),
@@ -25,35 +27,19 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|builtin:)")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides (values parsed as YAML), validate.
 
     Relative paths in the file resolve against its directory, those in overrides against the
-    current directory (see the module docstring). Raises RecipeError (one line) for a missing or
+    current directory (see the module docstring). ``builtin:quickstart`` names the recipe shipped in
+    the package (:mod:`nxd_finetune.assets`). Raises RecipeError (one line) for a missing or
     unparsable file, a malformed override and every validation failure.
     """
-    file = Path(path)
+    file = builtin_recipe(str(path)) or Path(path)
     if not file.is_file():
         raise RecipeError(f"recipe file not found: {file}")
     try:
-        data = yaml.load(file.read_text(), Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        data = load_yaml(file.read_text())
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
@@ -95,7 +81,9 @@ def _parse_override(text: str) -> tuple[list[str], Any, str]:
     if not _KEY.match(key):
         raise RecipeError(f"override {text!r}: {key!r} is not a dotted key like training.lr")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
+    except (yaml.composer.ComposerError, yaml.constructor.ConstructorError) as e:
+        raise RecipeError(f"override {text!r}: {e.problem}") from None  # too deep or too big, duplicate key
     except yaml.YAMLError:
         raise RecipeError(f"override {text!r}: the value is not valid YAML (quote it)") from None
     return key.split("."), value, text

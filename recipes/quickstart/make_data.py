@@ -2,7 +2,8 @@
 
 Everything here is generated from a fixed seed with the standard library only, so running
 ``python recipes/quickstart/make_data.py`` reproduces the shipped files byte for byte
-(``tests/test_quickstart_assets.py`` checks that).
+(``tests/test_quickstart_assets.py`` checks that). They live in the package,
+``nxd_finetune/assets/quickstart/``, so an installed nxd-finetune has them.
 
 The task: tell whether a number is even or odd. The answer is one token (``even`` / ``odd``) and
 depends only on the number's last digit (the quickstart tokenizer splits digits individually), so a
@@ -21,7 +22,7 @@ import json
 import random
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+OUT = Path(__file__).resolve().parents[2] / "nxd_finetune" / "assets" / "quickstart"
 SEED = 1234
 N_TRAIN = 512
 N_EVAL = 80
@@ -253,8 +254,8 @@ def render_all() -> dict[str, str]:
 
 def main() -> None:
     for name, text in render_all().items():
-        (HERE / name).write_text(text, encoding="utf-8")
-        print(f"wrote {HERE / name} ({len(text.encode())} bytes)")
+        (OUT / name).write_text(text, encoding="utf-8")
+        print(f"wrote {OUT / name} ({len(text.encode())} bytes)")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def prompts(base_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    rows = [json.loads(line) for line in (ROOT / "recipes/quickstart/eval.jsonl").read_text().splitlines()[:4]]
+    rows = [json.loads(line) for line in (ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[:4]]
     texts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
@@ -216,7 +216,7 @@ def test_chat_answer_is_peft_answer(server, base_dir, prompts, expected):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    row = json.loads((ROOT / "recipes/quickstart/eval.jsonl").read_text().splitlines()[0])
+    row = json.loads((ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[0])
     client, _ = server
     resp = client.chat.completions.create(model="qs-single:1", messages=row["messages"][:-1], max_tokens=8,
                                           temperature=0)
