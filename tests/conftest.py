@@ -31,10 +31,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def tiny_hf_config(family: str = "llama", **overrides):
-    """A tiny transformers config; ``family``: llama, mistral or qwen2 (q/k/v bias)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A tiny transformers config; ``family``: llama, mistral, qwen2 (q/k/v bias) or qwen3 (q/k norms)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     return cls(**{**TINY, **overrides})
 
 

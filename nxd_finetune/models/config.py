@@ -1,6 +1,7 @@
 """Decoder configuration read from a HuggingFace ``config.json``.
 
-One dataclass covers the Llama family (Llama 2, Llama 3/3.1/3.2, Mistral, Qwen2/2.5). Field names
+One dataclass covers the Llama family (Llama 2, Llama 3/3.1/3.2, Mistral, Qwen2/2.5) and the families
+that differ from it in a few places (Qwen3: per-head q/k norms), as fields. Field names
 are HF's so ``config.json`` maps onto it directly and parallel code can check divisibility on the
 same names users see in their checkpoints.
 """
@@ -20,8 +21,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+# fields of ours that are not HF config keys (never written by to_hf)
+_DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm")
 
 
 @dataclasses.dataclass
@@ -30,7 +35,9 @@ class DecoderConfig:
 
     ``rope_scaling`` is the HF dict (``rope_type`` / ``type``: ``default``, ``linear`` or ``llama3``)
     or None. ``qkv_bias`` is True for Qwen2 (bias on q/k/v, none on o) and follows
-    ``attention_bias`` (bias on q/k/v/o) for Llama.
+    ``attention_bias`` (bias on q/k/v/o) for Llama and Qwen3. ``qk_norm`` (Qwen3): an RMSNorm over
+    ``head_dim`` applied to every query and key head before rope (``q_norm``/``k_norm``, one weight
+    shared by the heads).
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -49,6 +56,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -94,7 +102,7 @@ class DecoderConfig:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ModelLoadError(f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in fields and k not in ("raw", "architecture")}
+        kwargs = {k: v for k, v in raw.items() if k in fields and k not in _DERIVED}
         # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints
         # write rope_theta + rope_scaling. Normalise to the latter.
         rope_params = raw.get("rope_parameters")
@@ -104,10 +112,12 @@ class DecoderConfig:
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             kwargs["rope_scaling"] = None if kind == "default" else rope_params
         kwargs.update(SUPPORTED_ARCHITECTURES[arch])
-        if arch == "LlamaForCausalLM":
+        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
             kwargs["qkv_bias"] = bool(raw.get("attention_bias", False))
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             kwargs["sliding_window"] = None
+        elif arch == "Qwen3ForCausalLM":  # windows on some layers only (max_window_layers): not modelled
+            raise ModelLoadError("Qwen3 with use_sliding_window=true is not supported")
         return cls(architecture=arch, raw=raw, **kwargs)
 
     def to_hf(self) -> dict[str, Any]:
@@ -115,7 +125,7 @@ class DecoderConfig:
         if self.raw:
             return dict(self.raw)
         model_type = {v: k for k, v in _MODEL_TYPES.items()}[self.architecture]
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("raw", "architecture", "qkv_bias")}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in _DERIVED}
         out.update(architectures=[self.architecture], model_type=model_type, torch_dtype="float32")
         return out
 
@@ -126,7 +136,7 @@ class DecoderConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+        return self.attention_bias and self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
     def num_parameters(self) -> int:
         """Total parameter count, computed from shapes (no tensors built)."""
@@ -136,6 +146,6 @@ class DecoderConfig:
         kv = self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head

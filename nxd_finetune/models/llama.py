@@ -1,4 +1,5 @@
-"""A plain PyTorch decoder for the Llama family (Llama 2/3, Mistral, Qwen2) with HF module names.
+"""A plain PyTorch decoder for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) with HF
+module names; the families' differences are fields of :class:`DecoderConfig`.
 
 Module names equal HuggingFace's so checkpoints load by name and LoRA adapters come out in PEFT
 layout without a renaming table. ``model.layers`` is an ``nn.ModuleDict`` keyed ``"0".."N-1"``: a
@@ -12,114 +13,17 @@ replacing ``nn.Linear``/``nn.Embedding`` modules according to a plan.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.norms import RMSNorm
+from nxd_finetune.models.rope import _rotary_tokens_first, rope_inv_freq, rotary_cos_sin
 
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as HF's LlamaRMSNorm."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """:class:`RMSNorm` of a 16-bit input, the same forward, keeping the input (16-bit) and the
-    fp32 ``rsqrt`` per row for backward instead of the fp32 copy of the input that the autograd
-    ops keep: 2 bytes per element less, twice per layer."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.to(torch.float32)
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (h * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.to(torch.float32) * rstd
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (grad * normed.to(x.dtype)).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
-        d_x = None
-        if ctx.needs_input_grad[0]:
-            g = (grad * weight).to(torch.float32)
-            d_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
-        return d_x, d_weight, None
-
-
-def rope_inv_freq(config: DecoderConfig, device: torch.device | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for ``default``, ``linear`` and ``llama3`` RoPE."""
-    dim = config.head_dim
-    assert dim is not None  # DecoderConfig.__post_init__ derives it
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
-def rotary_cos_sin(
-    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [B, T, head_dim] computed in fp32 (HF's rotate-half layout)."""
-    freqs = position_ids[:, :, None].float() * inv_freq[None, None, :].float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotary_tokens_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rotary` for x laid out ``[B, T, heads, D]`` (the projection's own layout, so the
-    result is contiguous in it and per-sample attention can split it along tokens without copies).
-    ``rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2)``: the sign goes on the small sin."""
-    half = x.shape[-1] // 2
-    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    x1, x2 = x.split(half, dim=-1)
-    return torch.addcmul(x * cos[:, :, None], torch.cat((x2, x1), dim=-1), sin[:, :, None])
+__all__ = ["RMSNorm", "DecoderForCausalLM", "DecoderModel", "DecoderLayer", "Attention", "MLP"]
 
 
 def attention_mask(
@@ -235,6 +139,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=config.o_bias)
+        # Qwen3: per-head norms before rope; they act on whatever heads this rank holds under TP
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -255,8 +162,11 @@ class Attention(nn.Module):
         # the autocast dtype under autocast, the model dtype outside it. CPU and CUDA autocast cast
         # SDPA's inputs to it anyway (same numbers); torch_xla's autocast does not, and SDPA
         # refuses mixed dtypes.
-        q = _rotary_tokens_first(q.view(b, t, -1, self.head_dim), cos, sin).to(v.dtype)
-        k = _rotary_tokens_first(k.view(b, t, -1, self.head_dim), cos, sin).to(v.dtype)
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rotary_tokens_first(q, cos, sin).to(v.dtype)
+        k = _rotary_tokens_first(k, cos, sin).to(v.dtype)
         v = v.view(b, t, -1, self.head_dim)
         if isinstance(mask, SegmentRuns):
             return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths).reshape(b, t, -1), keep_index))

@@ -9,6 +9,9 @@ A plan maps module-name patterns (``*`` matches one dotted name component) to a 
 - ``vocab``:     ``nn.Embedding`` -> :class:`VocabParallelEmbedding`.
 - ``replicate``: kept whole on every TP rank (norms). Under sequence parallel these modules run on
   sequence chunks, so their gradients are partial sums over TP (``grad_sync = tp``).
+- ``replicate_heads``: kept whole on every TP rank, applied to this rank's attention heads (Qwen3's
+  per-head ``q_norm``/``k_norm``): each rank's gradient covers its heads only, so it is always a
+  partial sum over TP (``grad_sync = tp``, with or without sequence parallel).
 
 Llama-family attention under TP: q/o are split on query heads (rank ``r`` holds heads
 ``[r*nq/tp, (r+1)*nq/tp)``), k/v on KV heads. The model derives head counts from projection sizes,
@@ -43,7 +46,7 @@ from nxd_finetune.parallel.layers import (
 )
 from nxd_finetune.parallel.state import ParallelState
 
-STYLES = ("column", "column_kv", "row", "vocab", "replicate")
+STYLES = ("column", "column_kv", "row", "vocab", "replicate", "replicate_heads")
 
 LLAMA_TP_PLAN: dict[str, str] = {
     "model.embed_tokens": "vocab",
@@ -61,11 +64,18 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "lm_head": "column",
 }
 
+QWEN3_TP_PLAN: dict[str, str] = {
+    **LLAMA_TP_PLAN,
+    "model.layers.*.self_attn.q_norm": "replicate_heads",
+    "model.layers.*.self_attn.k_norm": "replicate_heads",
+}
+
 # architecture (config.json) -> plan; Mistral and Qwen2 share Llama's module names
 TP_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_TP_PLAN,
     "MistralForCausalLM": LLAMA_TP_PLAN,
     "Qwen2ForCausalLM": LLAMA_TP_PLAN,
+    "Qwen3ForCausalLM": QWEN3_TP_PLAN,
 }
 
 
@@ -160,6 +170,11 @@ def apply_tp_plan(
         if style is None:
             if any(p is not None for p in module._parameters.values()):
                 raise NxdError(f"TP plan: no entry covers module {name!r} (it holds parameters)")
+            continue
+        if style == "replicate_heads":
+            module.shard_specs = {
+                a: ShardSpec(tuple(p.shape), grad_sync=tp) for a, p in module._parameters.items() if p is not None
+            }
             continue
         if style == "replicate":
             if sp:

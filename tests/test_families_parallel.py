@@ -1,0 +1,160 @@
+"""The families beyond Llama on every parallel layout, through the trainer (real gloo groups).
+
+A tiny random checkpoint of each family (built with `transformers`, the quickstart's tokenizer
+beside it) trains the quickstart's data for 4 optimizer steps of 4 packed 64-token rows, fp32,
+LoRA (``all-linear``) and full fine-tuning. The reference is the single-process ``trainer.run``;
+tp2, tp2 + sequence parallel, pp2 (the family's tied embeddings split over the two stages) and
+dp2 + ZeRO-1 run in one launch of two forked workers (``trainer.run_rank``) and must reproduce its
+loss curve (1e-5 relative), gradient norms (1e-4), eval statistics and final adapter / checkpoint
+(2e-5). Qwen3: the per-head q/k norms see only a rank's heads under tp, so their gradients are
+summed over the tp group; AdamW's first steps hide a gradient's scale, so a gradient-level check
+(one forward/backward at tp2, with and without sequence parallel, every gradient gathered and
+compared with the unsharded model's) runs first.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from nxd_finetune.loss import ce_sum, shift_labels
+from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
+from nxd_finetune.parallel import ParallelDims, ParallelState, allreduce_replicated_grads, apply_tp_plan, tp_plan_for
+from nxd_finetune.parallel.launch import init_distributed, launch
+from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
+from nxd_finetune.parallel.plan import make_slice_reader
+from nxd_finetune.quickstart import ensure_tiny_model
+from nxd_finetune.recipe import load_recipe, recipe_from_dict
+from nxd_finetune.sft import trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+STEPS = 4
+BASE = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_batch_size=2",
+        "training.warmup_steps=1", "training.eps=1e-6", "logging.progress=false", "logging.every_n_steps=1",
+        "eval.every_n_steps=null", "checkpoint.every_n_steps=null"]
+LAYOUTS = {  # every layout sees 4 rows per optimizer step (micro 2 x accum x dp)
+    "tp2": ["parallel.tp=2", "training.grad_accum=2"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "training.grad_accum=2"],
+    "pp2": ["parallel.pp=2", "training.grad_accum=2"],
+    "dp2-zero1": ["parallel.zero1=true", "training.grad_accum=1"],
+}
+MODES = {"lora": ["lora.target_modules=all-linear"], "sft": ["lora=null", "training.lr=5e-4"]}
+# family -> the tiny transformers config (on top of tests/conftest.py's TINY)
+FAMILIES = {
+    "qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+}
+
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")
+
+
+def _family_dir(make_tiny_hf, family: str) -> Path:
+    """The family's tiny checkpoint with the quickstart tokenizer (vocabulary rounded up to even)."""
+    tok_dir = ensure_tiny_model()
+    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+    kind, overrides = FAMILIES[family]
+    _, path = make_tiny_hf(kind, **{**overrides, "vocab_size": vocab + vocab % 2})
+    for f in tok_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def _recipe(model: Path, out: Path, nproc: int, *overrides: str):
+    return load_recipe(QUICKSTART, [*BASE, f"model.path={model}", f"parallel.nproc={nproc}", f"output.dir={out}",
+                                    *overrides])
+
+
+def _run_layouts(recipe_dicts: list[dict]) -> list[dict | None]:
+    torch.set_num_threads(1)
+    return [trainer.run_rank(recipe_from_dict(d)) for d in recipe_dicts]
+
+
+def _final_tensors(summary: dict) -> dict[str, torch.Tensor]:
+    final = Path(summary["output"])
+    name = "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(final / name)
+
+
+def _assert_same_run(name: str, got: dict, ref: dict) -> None:
+    curve = [torch.tensor([h[k] for h in s["history"]], dtype=torch.float64) for s in (got, ref)
+             for k in ("train_loss", "grad_norm")]
+    assert curve[0].shape == (STEPS,), name
+    assert torch.allclose(curve[0], curve[2], rtol=1e-5, atol=0), (name, curve[0].tolist(), curve[2].tolist())
+    assert torch.allclose(curve[1], curve[3], rtol=1e-4, atol=0), (name, curve[1].tolist(), curve[3].tolist())
+    assert got["eval_after"]["eval_loss"] == pytest.approx(ref["eval_after"]["eval_loss"], rel=1e-5), name
+    assert (got["parameters"], got["trainable_parameters"]) == (ref["parameters"], ref["trainable_parameters"])
+    tg, tr = _final_tensors(got), _final_tensors(ref)
+    assert tg.keys() == tr.keys(), (name, sorted(set(tg) ^ set(tr))[:4])
+    for k in tr:
+        assert (tg[k] - tr[k]).abs().max().item() <= 2e-5, (name, k)
+
+
+def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
+    """Worker: ``family/sp/parameter`` -> the largest difference between the tp2 gradient (and
+    ``.../before-sync`` for parameters whose gradient is summed over tp: before that sum) and the
+    unsharded model's; ``.../loss`` the loss's."""
+    torch.set_num_threads(1)
+    init_distributed("gloo")
+    state = ParallelState(ParallelDims.for_world(2, tp=2))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    out: dict[str, float] = {}
+    for family, model_dir in model_dirs.items():
+        ref = load_pretrained(model_dir)
+        loss_ref = ce_sum(ref(ids), shift_labels(labels))
+        loss_ref.backward()
+        for sp in (False, True):
+            config = DecoderConfig.from_hf(model_dir)
+            model = apply_tp_plan(build_model(config), tp_plan_for(config), state, sequence_parallel=sp)
+            materialize(model, model_dir, reader=make_slice_reader(model))
+            loss = ce_sum(model(ids), shift_labels(labels), state.tp_group)
+            loss.backward()
+            tag = f"{family}/sp={sp}"
+            out[f"{tag}/loss"] = (loss - loss_ref).abs().item() / loss_ref.item()  # relative: a sum
+            specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+            for name, p in model.named_parameters():
+                if name in specs and specs[name].grad_sync > 1 and specs[name].partition_dim is None:
+                    out[f"{tag}/{name}/before-sync"] = (p.grad - ref.get_parameter(name).grad).abs().max().item()
+            allreduce_replicated_grads(model, state)
+            for name, p in model.named_parameters():
+                full = gather_shards(p.grad, specs[name], state.tp_group) if name in specs else p.grad
+                out[f"{tag}/{name}"] = (full - ref.get_parameter(name).grad).abs().max().item()
+    return out
+
+
+def test_tp2_gradients_equal_the_unsharded_model(make_tiny_hf):
+    dirs = {family: str(make_tiny_hf(kind, **overrides)[1]) for family, (kind, overrides) in FAMILIES.items()}
+    got = launch(_tp2_grads, 2, dirs, start_method="fork")[0]
+    close = {k: v for k, v in got.items() if not k.endswith("/before-sync")}
+    assert max(close.values()) <= 1e-5, sorted(close.items(), key=lambda kv: -kv[1])[:3]
+    # the gradients of the per-head norms are partial sums over tp before the sync (so it matters)
+    synced = {k for k in got if k.endswith("/before-sync")}
+    assert any("q_norm" in k for k in synced) == any(f.startswith("qwen3") for f in FAMILIES)
+    assert all(got[k] > 1e-3 for k in synced if "_norm" in k and "self_attn" in k), synced
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_layout_reproduces_the_single_process_run(quickstart_cache, make_tiny_hf, tmp_path, family):
+    model = _family_dir(make_tiny_hf, family)
+    refs = {mode: trainer.run(_recipe(model, tmp_path / "ref" / mode, 1, "training.grad_accum=2", *extra))
+            for mode, extra in MODES.items()}
+    names, dicts = [], []
+    for mode, extra in MODES.items():
+        for layout, overrides in LAYOUTS.items():
+            names.append(f"{family}/{mode}/{layout}")
+            dicts.append(_recipe(model, tmp_path / mode / layout, 2, *overrides, *extra).to_dict())
+    results = launch(_run_layouts, 2, dicts, start_method="fork")
+    for name, got in zip(names, results[0], strict=True):
+        assert got["parallel"]["nproc"] == 2, name
+        _assert_same_run(name, got, refs[name.split("/")[1]])
+    # full fine-tuning moved every tensor the layouts were compared on (the per-head norms too)
+    base, sft = load_file(model / "model.safetensors"), _final_tensors(refs["sft"])
+    assert base.keys() == sft.keys()
+    assert all((base[k] - sft[k]).abs().max() > 1e-4 for k in base), [k for k in base if torch.equal(base[k], sft[k])]
