@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.registry import IntegrityError, RegistryError, open_registry, push, remove
 from nxd_finetune.serve.lora_cache import AdapterCache, Selector, parse_selector
-from tests.test_registry import make_adapter
+from tests.registry_helpers import make_adapter
 
 BUCKET = "nxd-test"
 

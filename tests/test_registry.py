@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
@@ -40,53 +35,15 @@ from nxd_finetune.storage import (
     StorageNotFoundError,
     open_storage,
 )
+from tests.registry_helpers import killed_push, make_adapter, s3_client, same_files
 from tests.s3_server import REGISTRY_BUCKET as BUCKET
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 # -- fixtures -----------------------------------------------------------------------------------
-
-
-def make_adapter(path: Path, seed: int = 0, pad_bytes: int = 0) -> Path:
-    """A tiny PEFT-layout LoRA adapter of random tensors; ``pad_bytes`` adds a large tensor."""
-    path.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    tensors = {
-        f"{prefix}.lora_A.weight": rng.standard_normal((4, 32), dtype=np.float32),
-        f"{prefix}.lora_B.weight": rng.standard_normal((32, 4), dtype=np.float32),
-    }
-    if pad_bytes:
-        tensors["pad"] = rng.integers(0, 255, size=pad_bytes, dtype=np.uint8)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": 4,
-        "lora_alpha": 8,
-        "target_modules": ["q_proj"],
-        "base_model_name_or_path": "builtin:tiny-llama",
-        "revision": "abc123",
-        "task_type": "CAUSAL_LM",
-    }
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture
 def adapter(tmp_path):
     return make_adapter(tmp_path / "adapter", seed=0)
-
-
-def same_files(a: Path, b: Path) -> bool:
-    names = ("adapter_config.json", "adapter_model.safetensors")
-    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
-
-
-def s3_client(endpoint: str):
-    import boto3
-
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
 
 
 # -- the registry on both backends ---------------------------------------------------------------
@@ -292,47 +249,6 @@ def test_concurrent_pushes_get_distinct_versions(reg_uri, tmp_path):
         pull(f"{reg_uri}/bot:{v}", dest)
         assert same_files(dirs[i], dest)
     assert open_registry(reg_uri).storage.list("bot/1/.claim-") == []
-
-
-_HANG_SCRIPT = textwrap.dedent(
-    """
-    import sys, time
-    from pathlib import Path
-    from nxd_finetune.registry import open_registry
-
-    src, uri, marker = sys.argv[1:4]
-
-    def progress(fname, n):
-        if fname.endswith(".safetensors"):
-            Path(marker).touch()  # mid-upload of the weights (S3: after a part): the parent kills us now
-            time.sleep(600)
-
-    opts = dict(multipart_threshold=5 << 20, multipart_chunksize=5 << 20, max_concurrency=1) \\
-        if uri.startswith("s3://") else {}
-    open_registry(uri, **opts).push(src, "bot", progress=progress)
-    """
-)
-
-
-def worker_env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
-
-
-def killed_push(uri: str, src: Path, tmp_path: Path) -> None:
-    """A push SIGKILLed in the middle of uploading its weights."""
-    marker = tmp_path / f"uploading-{time.monotonic_ns()}"
-    script = tmp_path / "push_and_hang.py"
-    script.write_text(_HANG_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(src), uri, str(marker)], env=worker_env(tmp_path))
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None, "push subprocess exited before reaching the upload"
-            assert time.monotonic() < deadline, "push subprocess never started uploading"
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
 
 
 def test_push_killed_midway_leaves_no_version(reg_uri, tmp_path):

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from nxd_finetune.registry import open_registry, pull, push
 from nxd_finetune.registry.cli import adapters_app
 from nxd_finetune.registry.gc import collect
+from tests.registry_helpers import killed_push, make_adapter, s3_client, same_files, worker_env
 from tests.s3_server import REGISTRY_BUCKET as BUCKET
-from tests.test_registry import killed_push, make_adapter, s3_client, same_files, worker_env
 
 MIB = 1 << 20
 
@@ -36,13 +36,14 @@ def test_gc_removes_what_killed_pushes_left(reg_uri, tmp_path, request):
     if reg_uri.startswith("s3://"):
         assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) != []
 
-    # what else can linger: a published version with a dead push's claim and a stray file, a
-    # content lock of a dead push, a damaged version, and a version a live push is writing
+    # what else can linger: a published version with a dead push's claim (and a file someone put
+    # there, which gc leaves alone), a content lock of a dead push, a damaged version, and a version
+    # a live push is writing
     good = push(make_adapter(tmp_path / "good", seed=4), f"{reg_uri}/done")
     dead = json.dumps({"host": "elsewhere", "pid": 1, "created": time.time() - 10 * 86400}).encode()
     reg.storage.put_bytes("done/1/.claim-7.json", dead)
     reg.storage.put_bytes("done/1/stray.bin", b"x" * 100)
-    reg.storage.put_bytes("done/pushing/0123abcd/.claim-1.json", dead)
+    reg.storage.put_bytes("done/pushing/0123456789abcdef0123456789abcdef/.claim-1.json", dead)
     push(make_adapter(tmp_path / "dmg", seed=5), f"{reg_uri}/dmg")
     reg.storage.put_bytes("dmg/1/manifest.json", b'{"trunc')
     live = reg.claims._holder("live-push")  # this process: alive
@@ -55,8 +56,9 @@ def test_gc_removes_what_killed_pushes_left(reg_uri, tmp_path, request):
     report = collect(reg)
     assert sorted(g.key for g in report.removed) == sorted(g.key for g in dry.removed)
     removed = {g.key for g in report.removed}
-    assert {"bot/1/.claim-1.json", "done/1/.claim-7.json", "done/1/stray.bin",
-            "done/pushing/0123abcd/.claim-1.json"} <= removed
+    assert {"bot/1/.claim-1.json", "done/1/.claim-7.json",
+            "done/pushing/0123456789abcdef0123456789abcdef/.claim-1.json"} <= removed
+    assert report.left == ["done/1/stray.bin"] and reg.storage.exists("done/1/stray.bin")
     assert [ref for ref, _ in report.damaged] == ["dmg:1"] and report.busy == ["live:1"]
     assert reg.storage.leftovers("") == []
     assert reg.storage.list("bot/") == [] and reg.storage.list("done/pushing/") == []
@@ -74,6 +76,7 @@ def test_gc_removes_what_killed_pushes_left(reg_uri, tmp_path, request):
     assert r.exit_code == 0, r.output
     assert "would remove claim of a dead push: bot/1/.claim-1.json" in r.output
     assert "damaged dmg:1:" in r.output and "skipped live:1: a live push is writing it" in r.output
+    assert "left alone done/1/stray.bin: no push of this registry wrote it" in r.output
     r = CliRunner().invoke(adapters_app, ["gc", reg_uri])
     assert r.exit_code == 0, r.output  # its claim, config, weights (temp / upload) and content lock
     assert f"gc {reg.uri}: removed 4 objects" in r.output and "1 damaged version" in r.output, r.output

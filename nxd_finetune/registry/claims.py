@@ -7,13 +7,20 @@ conditional create of ``<name>/<v>/.claim-1.json`` and only then uploads; the lo
 to the next number before writing anything.
 
 A claim left by a dead push is taken over by creating the next generation
-(``.claim-<gen+1>.json``, again a conditional create, so exactly one taker wins). A claim is dead
-when its holder ran on this machine (same hostname and PID namespace) and its PID is gone, or when
-it is older than the TTL (the only signal for a push that died on another machine). Hence a
-SIGKILLed push is invisible and the next push on the same machine reuses its number; numbers only
-grow, and may skip one held by a push that died elsewhere. A holder checks that it still owns its
-claim before writing the manifest (a push slower than the TTL can lose it), and the manifest create
-stays conditional as the last line of defence. Claims are deleted once the manifest exists.
+(``.claim-<gen+1>.json``, again a conditional create, so exactly one taker wins). Whether a claim
+is dead:
+
+- its holder ran on this machine (same hostname and PID namespace): dead exactly when that process
+  is gone (its PID no longer runs, or runs a process started at another time: a reused PID). The
+  TTL plays no part: an upload however long is never taken over while its process lives;
+- its holder ran on another machine: dead when older than the TTL, the only signal there is.
+
+Hence a SIGKILLed push is invisible and the next push on the same machine reuses its number;
+numbers only grow, and may skip one held by a push that died elsewhere. A holder checks that it
+still owns its claim before writing the manifest (a push on another machine slower than the TTL can
+lose it; an upload that fails because the taker removed its files ends the same way, in one line),
+and the manifest create stays conditional as the last line of defence. Claims are deleted once the
+manifest exists.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import re
 import socket
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from nxd_finetune.registry.errors import RegistryError
@@ -40,15 +48,32 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22); None
+    where there is no ``/proc`` or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # fields after "pid (comm)": state is 3
+    except (ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid: Any, started: Any = None) -> bool:
+    """Whether process ``pid`` runs and, where its start time was recorded, is the same process."""
+    if type(pid) is not int or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
-        return True  # exists, owned by someone else (EPERM)
+        pass  # exists, owned by someone else (EPERM)
+    if type(started) is int:
+        now = _start_time(pid)
+        return now is None or now == started
     return True
 
 
@@ -79,16 +104,15 @@ class Claims:
         """Whether a claim's content shows a dead holder (see the module docstring)."""
         if not isinstance(holder, dict):
             return True
-        created = holder.get("created")
-        if not isinstance(created, int | float) or time.time() - created > self.ttl:
-            return True
         if holder.get("host") == socket.gethostname() and holder.get("pidns") == _pid_namespace():
-            return not _pid_alive(holder.get("pid"))
-        return False
+            return not _pid_alive(holder.get("pid"), holder.get("started"))
+        created = holder.get("created")
+        return not isinstance(created, int | float) or time.time() - created > self.ttl
 
     def _holder(self, push_id: str) -> dict[str, Any]:
-        return {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid(),
-                "created": time.time()}
+        pid = os.getpid()
+        return {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": pid,
+                "started": _start_time(pid), "created": time.time()}
 
     def take(self, name: str, v: int | str, push_id: str) -> int | None:
         """Claim ``name/v`` if it is free (no claim, or a dead holder's): the new generation, or None

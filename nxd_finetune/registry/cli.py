@@ -20,6 +20,7 @@ adapters_app = typer.Typer(
     add_completion=False,
 )
 
+_LEFT_SHOWN = 20  # gc lists at most this many files it leaves alone, then counts the rest
 _REF_HELP = "REGISTRY/NAME[:VERSION|@TAG], e.g. s3://team-adapters/support-bot:3 or ./reg/support-bot@prod"
 
 
@@ -52,7 +53,7 @@ def push_cmd(
     """Publish an adapter directory as the next version of NAME."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 
-    from nxd_finetune.registry import core
+    from nxd_finetune.registry import api
 
     console = _console()
     with Progress(
@@ -71,7 +72,7 @@ def push_cmd(
                 tasks[fname] = bar.add_task(fname, total=(src / fname).stat().st_size)
             bar.advance(tasks[fname], n)
 
-        v = core.push(src, ref, tags=tag or (), progress=progress)
+        v = api.push(src, ref, tags=tag or (), progress=progress)
     tags = f" (tags: {', '.join(v.tags)})" if v.tags else ""
     if v.reused:
         _say(f"unchanged: identical to {v.ref}{tags}", console)
@@ -85,9 +86,9 @@ def pull_cmd(
     dest: Annotated[Path, typer.Argument(help="directory to create (must not exist, or be empty)")],
 ) -> None:
     """Download a version into DEST, verifying every file against its manifest."""
-    from nxd_finetune.registry import core
+    from nxd_finetune.registry import api
 
-    v = core.pull(ref, dest)
+    v = api.pull(ref, dest)
     _say(f"pulled {v.ref} -> {dest}")
 
 
@@ -109,12 +110,16 @@ def ls_cmd(
             _say(f"no adapters in {reg.uri}", console)
             return
         table = Table("name", "versions", "latest", "tags", title=reg.uri)
+        problems = []
         for n in names:
             versions = reg.versions(n)
-            tags = reg.list_tags(n)
+            tags, bad = reg.read_tags(n)
+            problems += bad
             tag_text = ", ".join(f"{t}->{v}" for t, v in sorted(tags.items()))
             table.add_row(n, str(len(versions)), str(versions[-1]) if versions else "-", tag_text)
         console.print(table)
+        for line in problems:
+            _say(f"warning: {line}", console)
         return
     listed = reg.list_versions(name)
     if not listed:
@@ -141,9 +146,9 @@ def show_cmd(ref: Annotated[str, typer.Argument(help=_REF_HELP)]) -> None:
     """Print the manifest of a version (JSON) after a line naming it."""
     import json
 
-    from nxd_finetune.registry import core
+    from nxd_finetune.registry import api
 
-    v = core.show(ref)
+    v = api.show(ref)
     console = _console()
     tags = f"  tags: {', '.join(v.tags)}" if v.tags else ""
     _say(f"{v.ref}{tags}", console)
@@ -182,9 +187,9 @@ def tag_cmd(
     tag: Annotated[str, typer.Argument(help="tag to set or move, e.g. prod")],
 ) -> None:
     """Point TAG at the version REF names (moves the tag if it exists)."""
-    from nxd_finetune.registry import core
+    from nxd_finetune.registry import api
 
-    v = core.tag(ref, tag)
+    v = api.tag(ref, tag)
     _say(f"tagged {v.ref} as {tag}")
 
 
@@ -193,17 +198,23 @@ def gc_cmd(
     registry: Annotated[str, typer.Argument(help="registry root: ./reg, s3://bucket[/prefix]")],
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="list what would be removed; change nothing")] \
         = False,
+    adopt: Annotated[bool, typer.Option("--adopt", help="mark REGISTRY as a registry root first (one written by "
+                                        "an earlier release, which has no marker yet)")] = False,
 ) -> None:
     """Remove what killed pushes left: dead claims, unpublished files, temp files, incomplete S3 uploads.
 
-    A version a live push is still writing is left alone; damaged versions are reported (remove
-    them with `adapters rm REF:VERSION --yes`).
+    Only on a registry root (marked by its pushes); only what a push or rm of this registry wrote.
+    A version a live push is still writing is left alone, published versions are never touched;
+    damaged versions are reported (remove them with `adapters rm REF:VERSION --yes`).
     """
     from nxd_finetune.registry import core
     from nxd_finetune.registry.gc import collect
+    from nxd_finetune.registry.layout import MARKER
 
     console = _console()
-    report = collect(core.open_registry(registry), dry_run=dry_run)
+    report = collect(core.open_registry(registry), dry_run=dry_run, adopt=adopt)
+    if report.adopted:
+        _say(f"{'would mark' if dry_run else 'marked'} {report.registry} as a registry ({MARKER})", console)
     verb = "would remove" if dry_run else "removed"
     for g in report.removed:
         size = f" ({_size(g.size)})" if g.size is not None else ""
@@ -213,6 +224,10 @@ def gc_cmd(
         _say(f"damaged {ref}: {why}; remove it with: {rm}", console)
     for ref in report.busy:
         _say(f"skipped {ref}: a live push is writing it", console)
+    for key in report.left[:_LEFT_SHOWN]:
+        _say(f"left alone {key}: no push of this registry wrote it", console)
+    if len(report.left) > _LEFT_SHOWN:
+        _say(f"left alone {len(report.left) - _LEFT_SHOWN} more files no push of this registry wrote", console)
     total = f" ({_size(report.bytes)})" if report.bytes else ""
     summary = f"{verb} {len(report.removed)} object{'s' * (len(report.removed) != 1)}{total}" if report.removed \
         else "nothing to remove"

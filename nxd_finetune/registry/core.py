@@ -9,6 +9,7 @@ Layout under the root::
     <name>/retired/<N>.json                 a removed version's number: never given out again
     <name>/pushing/<content>/.claim-<gen>.json  a push of that content is in flight: identical
                                             pushes take turns, so they make one version
+    .nxd-registry.json                      the root marker every push writes (:mod:`.layout`)
 
 Visibility: a version exists iff its ``manifest.json`` exists. The manifest is written last, with a
 conditional create, so a push killed at any point leaves no visible version.
@@ -27,8 +28,8 @@ All user-facing failures raise one-line :class:`~nxd_finetune.errors.NxdError` s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
-import json
 import logging
 import os
 import re
@@ -42,8 +43,9 @@ from typing import Any
 from nxd_finetune.registry import manifest as mf
 from nxd_finetune.registry.claims import CLAIM_RE, Claims
 from nxd_finetune.registry.errors import IntegrityError, RegistryError
-from nxd_finetune.registry.ref import LATEST, Ref, check_name, check_tag, parse_ref
-from nxd_finetune.storage import Storage, StorageNotFoundError, open_storage
+from nxd_finetune.registry.layout import ALIASES, PUSHING, RETIRED, mark, read_alias, retired_number
+from nxd_finetune.registry.ref import LATEST, check_name, check_tag
+from nxd_finetune.storage import Storage, StorageError, StorageNotFoundError, open_storage
 from nxd_finetune.storage.atomic import publish_dir
 
 PushProgress = Callable[[str, int], None]
@@ -51,8 +53,6 @@ PushProgress = Callable[[str, int], None]
 
 _VERSION_MANIFEST_RE = re.compile(r"([^/]+)/([1-9][0-9]*)/manifest\.json")
 _MAX_ATTEMPTS = 20
-_RETIRED = "retired"  # <name>/retired/<N>.json: removed version numbers, never reused
-_PUSHING = "pushing"  # <name>/pushing/<content>/.claim-<gen>.json: a push of that content is in flight
 _LOCK_POLL_S = 0.2
 log = logging.getLogger(__name__)
 
@@ -104,24 +104,31 @@ class Registry:
     def retired(self, name: str) -> list[int]:
         """Version numbers of ``name`` that were removed: never given to a push again."""
         out = []
-        for key in self.storage.list(f"{check_name(name)}/{_RETIRED}/"):
-            stem = key.rsplit("/", 1)[1].removesuffix(".json")
-            if stem.isdigit():
-                out.append(int(stem))
+        for key in self.storage.list(f"{check_name(name)}/{RETIRED}/"):
+            if (n := retired_number(key.rsplit("/", 1)[1].removesuffix(".json"))) is not None:
+                out.append(n)
         return sorted(out)
 
     def list_tags(self, name: str) -> dict[str, int]:
-        """User tags of ``name`` -> version (``latest`` excluded: it is derived)."""
-        tags = {}
-        for key in self.storage.list(f"{check_name(name)}/aliases/"):
+        """User tags of ``name`` -> version (``latest`` excluded: it is derived); malformed alias
+        files are skipped (:meth:`read_tags` reports them)."""
+        return self.read_tags(name)[0]
+
+    def read_tags(self, name: str) -> tuple[dict[str, int], list[str]]:
+        """``(tags, problems)``: user tags of ``name`` -> version, and one line for each alias file
+        that is not a tag (malformed: hand-edited, a bad version number)."""
+        tags, problems = {}, []
+        for key in self.storage.list(f"{check_name(name)}/{ALIASES}/"):
             tag = key.rsplit("/", 1)[1].removesuffix(".json")
-            if tag == LATEST or not key.endswith(".json"):
+            if tag == LATEST or not key.endswith(".json") or "/" in key[len(name) + len(ALIASES) + 2:]:
                 continue
             try:
-                tags[tag] = int(json.loads(self.storage.get_bytes(key))["version"])
-            except (StorageNotFoundError, ValueError, KeyError, TypeError):
-                continue  # removed meanwhile or not ours: not a tag
-        return tags
+                tags[tag] = read_alias(self.storage.get_bytes(key))[0]
+            except StorageNotFoundError:
+                continue  # removed meanwhile
+            except RegistryError as e:
+                problems.append(f"{self.uri.rstrip('/')}/{key} is malformed ({e}): tag {tag!r} skipped")
+        return tags, problems
 
     def list_versions(self, name: str) -> list[Version]:
         """Every visible version of ``name`` with its manifest and tags, ascending."""
@@ -141,13 +148,14 @@ class Registry:
         where = f"{self.uri.rstrip('/')}/{name}"
         if version is None and tag not in (None, LATEST):
             try:
-                alias = json.loads(self.storage.get_bytes(f"{name}/aliases/{check_tag(tag)}.json"))
-                version = int(alias["version"])
+                data = self.storage.get_bytes(f"{name}/{ALIASES}/{check_tag(tag)}.json")
             except StorageNotFoundError:
                 raise RegistryError(f"{where} has no tag {tag!r}") from None
-            except (ValueError, KeyError, TypeError):
-                raise RegistryError(f"{where}: alias {tag!r} is malformed") from None
-            self._check_tagged(name, tag, version, alias.get("manifest_sha256"))
+            try:
+                version, sha = read_alias(data)
+            except RegistryError as e:
+                raise RegistryError(f"{where}: alias {tag!r} is malformed ({e})") from None
+            self._check_tagged(name, tag, version, sha)
         if version is not None:
             if not self.storage.exists(f"{name}/{version}/{mf.MANIFEST}"):
                 known = ", ".join(map(str, self.versions(name))) or "none"
@@ -207,6 +215,15 @@ class Registry:
         """
         found = self.show(name, version, tag)
         dest = Path(dest).absolute()
+        try:
+            return self._pull_into(found, dest)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise RegistryError(f"cannot write {dest}: {e.strerror or e}") from None
+
+    def _pull_into(self, found: Version, dest: Path) -> Version:
+        name = found.name
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise RegistryError(f"destination {dest} already exists and is not an empty directory")
         with publish_dir(dest) as tmp:
@@ -249,6 +266,7 @@ class Registry:
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
         push_id = uuid.uuid4().hex
+        mark(self.storage)  # this root is a registry: adapters gc works here, and only here
         # pushes of identical content take turns (a lock named by the content): the first publishes,
         # the others then find it as the latest version and reuse it
         content = hashlib.sha256(mf.dumps(entries)).hexdigest()[:32]
@@ -259,7 +277,7 @@ class Registry:
                 for t in tags:
                     self._write_alias(name, t, same)
                 return dataclasses.replace(self.show(name, same), reused=True)
-            lock = self.claims.take(f"{name}/{_PUSHING}", content, push_id)
+            lock = self.claims.take(f"{name}/{PUSHING}", content, push_id)
             if lock is not None:
                 break
             if not waited:
@@ -274,7 +292,7 @@ class Registry:
             return dataclasses.replace(self.show(name, same), reused=True)
         finally:
             try:
-                self.claims.drop(f"{name}/{_PUSHING}", content, lock)
+                self.claims.drop(f"{name}/{PUSHING}", content, lock)
             except Exception:  # noqa: BLE001 - never mask the push's own outcome; gc removes it
                 pass
 
@@ -304,9 +322,14 @@ class Registry:
         raise RegistryError(f"could not publish {name} after {_MAX_ATTEMPTS} attempts (too much contention)")
 
     def _upload_and_publish(self, name, v, gen, files, entries, adapter_base, meta, progress) -> dict | None:
-        for fname, path in files.items():
-            cb = (lambda n, _f=fname: progress(_f, n)) if progress else None
-            self.storage.put_file(path, f"{name}/{v}/{fname}", cb)
+        try:
+            for fname, path in files.items():
+                cb = (lambda n, _f=fname: progress(_f, n)) if progress else None
+                self.storage.put_file(path, f"{name}/{v}/{fname}", cb)
+        except (OSError, StorageError) as e:
+            if not isinstance(e, OSError) or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self._check_owned(name, v, gen)  # the upload failed because a taker removed it
+            raise
         for key in self.storage.list(f"{name}/{v}/"):  # leftovers of a dead push we took over
             base = key.rsplit("/", 1)[1]
             if base not in files and not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
@@ -314,14 +337,19 @@ class Registry:
         for item in self.storage.leftovers(f"{name}/{v}/"):  # its temp files / unfinished uploads
             self.storage.drop_leftover(item)
         manifest = mf.build_manifest(name, v, adapter_base, entries, meta)
-        if not self.claims.owns(name, v, gen):
-            raise RegistryError(
-                f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claims.ttl:.0f}s "
-                "and another push took the version over); push again"
-            )
+        self._check_owned(name, v, gen)
         if self.storage.put_bytes(f"{name}/{v}/{mf.MANIFEST}", mf.dumps(manifest), if_none_match=True):
             return manifest
         return None
+
+    def _check_owned(self, name: str, v: int, gen: int) -> None:
+        """The one line a push that lost its claim ends with (only a push on another machine that
+        ran past the claim TTL can lose it: on this machine a claim lives as long as its process)."""
+        if not self.claims.owns(name, v, gen):
+            raise RegistryError(
+                f"push of {name}:{v} lost its claim (it ran longer than the claim TTL of {self.claims.ttl:.0f}s "
+                "and another push or adapters gc on another machine took the version over); push again"
+            )
 
     # -- tags and removal -------------------------------------------------------------------------
 
@@ -355,7 +383,7 @@ class Registry:
         where = f"{self.uri.rstrip('/')}/{name}:{v}"
         if sha is None:
             raise RegistryError(f"{where} does not exist; tag {tag!r} not set")
-        key = f"{name}/aliases/{tag}.json"
+        key = f"{name}/{ALIASES}/{tag}.json"
         body = mf.dumps({"version": v, "manifest_sha256": sha})
         self.storage.put_bytes(key, body)
         if self._manifest_sha(name, v) != sha:
@@ -374,7 +402,7 @@ class Registry:
             except RegistryError:
                 pass  # removed meanwhile: best effort (latest is resolved by listing)
         else:
-            self.storage.delete(f"{name}/aliases/{LATEST}.json")
+            self.storage.delete(f"{name}/{ALIASES}/{LATEST}.json")
 
     def tag(self, name: str, tag: str, version: int | None = None, from_tag: str | None = None) -> Version:
         """Point ``tag`` at the version ``version``/``from_tag`` selects (latest if neither); moves an existing tag."""
@@ -400,18 +428,18 @@ class Registry:
             found = Version(self.uri, name, v, {})  # damaged: removable by its number
         # the number is retired before the version disappears: no later push takes it again, so a
         # REF to it (lineage, a tag copied elsewhere) never names other weights
-        self.storage.put_bytes(f"{name}/{_RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
+        self.storage.put_bytes(f"{name}/{RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
         self.storage.delete(f"{name}/{found.version}/{mf.MANIFEST}")
         self.storage.delete_prefix(f"{name}/{found.version}/")
         # listed again now that the manifest is gone: a tag written before that is dropped here, a
         # tag written after it finds the version gone and takes itself back (_write_alias)
         tags = {t for t, tv in self.list_tags(name).items() if tv == found.version} | set(found.tags)
         for t in sorted(tags):
-            key = f"{name}/aliases/{t}.json"
+            key = f"{name}/{ALIASES}/{t}.json"
             try:
-                if int(json.loads(self.storage.get_bytes(key))["version"]) == found.version:
+                if read_alias(self.storage.get_bytes(key))[0] == found.version:
                     self.storage.delete(key)  # not a tag moved elsewhere meanwhile
-            except (StorageNotFoundError, ValueError, KeyError, TypeError):
+            except (StorageNotFoundError, RegistryError):
                 pass
         self._refresh_latest(name)
         return dataclasses.replace(found, tags=tuple(sorted(tags)))
@@ -423,67 +451,3 @@ class Registry:
 def open_registry(uri: str | os.PathLike, **storage_options) -> Registry:
     """A :class:`Registry` on ``uri`` (local path, ``file://`` or ``s3://``)."""
     return Registry(open_storage(uri, **storage_options))
-
-
-def push(
-    src: str | os.PathLike,
-    ref: str,
-    tags: Iterable[str] = (),
-    metadata: Mapping[str, Any] | None = None,
-    progress: PushProgress | None = None,
-) -> Version:
-    """Push ``src`` to ``REGISTRY/NAME`` (a version or tag in ``ref`` is refused: use ``tags``)."""
-    r = parse_ref(ref)
-    if r.version is not None or r.tag is not None:
-        raise RegistryError(f"push takes REGISTRY/NAME without :VERSION/@TAG (got {ref!r}); tag with --tag")
-    return open_registry(r.registry).push(src, r.name, tags, metadata, progress)
-
-
-def pull(ref: str, dest: str | os.PathLike) -> Version:
-    """Pull ``REGISTRY/NAME[:VERSION|@TAG]`` into ``dest``; see :meth:`Registry.pull`."""
-    r = parse_ref(ref)
-    return open_registry(r.registry).pull(r.name, dest, r.version, r.tag)
-
-
-def show(ref: str) -> Version:
-    """The version ``ref`` names, with manifest and tags."""
-    r = parse_ref(ref)
-    return open_registry(r.registry).show(r.name, r.version, r.tag)
-
-
-def remove(ref: str) -> Version:
-    """Remove the version ``ref`` names (needs ``:VERSION`` or ``@TAG``)."""
-    r = parse_ref(ref)
-    return open_registry(r.registry).remove(r.name, r.version, r.tag)
-
-
-def tag(ref: str, new_tag: str) -> Version:
-    """Point ``new_tag`` at the version ``ref`` names."""
-    r = parse_ref(ref)
-    return open_registry(r.registry).tag(r.name, new_tag, r.version, r.tag)
-
-
-def list_names(registry: str | os.PathLike) -> list[str]:
-    """Adapter names with at least one version in ``registry``."""
-    return open_registry(registry).list_names()
-
-
-def list_versions(registry: str | os.PathLike, name: str) -> list[Version]:
-    """All versions of ``name`` in ``registry``, ascending."""
-    return open_registry(registry).list_versions(name)
-
-
-__all__ = [
-    "Ref",
-    "Registry",
-    "Version",
-    "list_names",
-    "list_versions",
-    "open_registry",
-    "parse_ref",
-    "pull",
-    "push",
-    "remove",
-    "show",
-    "tag",
-]

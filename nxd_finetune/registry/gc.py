@@ -1,20 +1,34 @@
-"""``adapters gc``: remove what killed pushes left in a registry, never what a live push needs.
+"""``adapters gc``: remove what killed pushes of this registry left, and nothing else.
 
-What a push leaves when it dies (SIGKILL, lost machine, network) and what ``gc`` does with it:
+gc works only on a registry root, one that holds the marker every push writes
+(:data:`~nxd_finetune.registry.layout.MARKER`); on any other root it deletes nothing and raises one
+line. A root that holds published versions but no marker (a registry written before markers
+existed) is marked with ``adopt=True`` (``adapters gc ROOT --adopt``) once its owner confirms it is
+the registry root, not a folder above one.
 
-- an unpublished version directory (claims, uploaded files, no ``manifest.json``): removed whole
-  once its claim is dead (by the rules of :mod:`nxd_finetune.registry.claims`); ``gc`` first takes
-  the claim itself, so no push can start writing there while it deletes;
-- claims left in a published version (a push killed between the manifest and the cleanup): removed;
-- temp files (local) and incomplete multipart uploads (S3) inside a version directory: removed when
-  the version is published or its claim is dead; elsewhere (tags, retired numbers) when older than
-  :data:`MIN_AGE_S`;
-- files in a published version that its manifest does not list: removed;
-- content locks of identical pushes (``<name>/pushing/``) whose holder is dead: removed;
-- damaged versions (a manifest that does not parse) are reported, not removed: ``adapters rm``
-  removes one by its number.
+What gc removes, each only where a push (or ``rm``) of this registry provably wrote it:
 
-``dry_run`` reports the same list and changes nothing.
+- a dead push's claim (``<name>/<v>/.claim-<gen>.json``; dead by the rules of
+  :mod:`nxd_finetune.registry.claims`: on this machine, only once its process is gone) and, in an
+  unpublished version directory, the adapter files (names a push uploads) next to it. gc first
+  takes the claim itself, so no push starts writing there while it deletes;
+- claims left in a published version (a push killed between the manifest and the cleanup);
+- the adapter files of a version whose number is retired (an ``rm`` killed after it removed the
+  manifest);
+- temp files (local, ``.nxdtmp-<id>-<file>``) and incomplete multipart uploads (S3) of those
+  files in a published version or one whose claim is dead; temp files of the registry's own small
+  files (aliases, retired numbers, claims, the marker) older than :data:`MIN_AGE_S`;
+- content locks of identical pushes (``<name>/pushing/<content>/.claim-<gen>.json``) whose
+  holder is dead.
+
+What gc never removes: a published version or any file it lists; a version a live push holds
+(reported as busy); a damaged version (a manifest that does not parse: reported, ``adapters rm``
+removes it by its number); and anything else under the root: files no push writes, files in a
+version directory that no claim or retired number accounts for, deeper folders, other registries
+below this one. Those in version-shaped directories (``<name>/<number>/<file>``) are reported as
+left alone; the rest is not looked at.
+
+``dry_run`` reports the same lists and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,16 +41,23 @@ from dataclasses import dataclass, field
 
 from nxd_finetune.registry import manifest as mf
 from nxd_finetune.registry.claims import CLAIM_RE
-from nxd_finetune.registry.core import _PUSHING, Registry
+from nxd_finetune.registry.core import Registry
 from nxd_finetune.registry.errors import RegistryError
+from nxd_finetune.registry.layout import ALIASES, MARKER, PUSHING, RETIRED, is_marked, mark
+from nxd_finetune.registry.ref import NAME_RE
 from nxd_finetune.storage import Leftover, StorageNotFoundError
+from nxd_finetune.storage.base import TMP_PREFIX
 from nxd_finetune.storage.local import LocalStorage
 
 MIN_AGE_S = 3600.0
-"""Temp files and uploads outside version directories are removed only when older than this."""
+"""Temp files outside version directories are removed only when older than this."""
 
-_VERSION_KEY = re.compile(r"([^/]+)/([1-9][0-9]*)/(.+)")
-_LOCK_KEY = re.compile(rf"([^/]+)/{_PUSHING}/([^/]+)/(\.claim-[1-9][0-9]*\.json)")
+_NAME = r"(?![^/]*\.\.)" + NAME_RE.pattern
+_VERSION_KEY = re.compile(rf"({_NAME})/([1-9][0-9]{{0,17}})/([^/]+)")
+_LOCK_KEY = re.compile(rf"({_NAME})/{PUSHING}/([0-9a-f]{{32}})/(\.claim-[1-9][0-9]*\.json)")
+_SMALL_KEY = re.compile(rf"{re.escape(MARKER)}|{_NAME}/({ALIASES}/{_NAME}\.json|{RETIRED}/[1-9][0-9]*\.json"
+                        rf"|{PUSHING}/[0-9a-f]{{32}}/\.claim-[1-9][0-9]*\.json)")
+_TEMP_NAME = re.compile(rf"{re.escape(TMP_PREFIX)}[0-9a-f]{{32}}-[^/]+")
 
 
 @dataclass(frozen=True)
@@ -51,22 +72,47 @@ class Garbage:
 @dataclass
 class GcReport:
     """What ``gc`` found: ``removed`` (or, with ``dry_run``, what it would remove), ``damaged``
-    versions as ``name:version`` with the reason, and ``busy``: version dirs a live push holds."""
+    versions as ``name:version`` with the reason, ``busy``: version dirs a live push holds,
+    ``left``: keys in version directories that no push of this registry wrote (never touched),
+    ``adopted``: the root was marked as a registry by this call."""
 
     registry: str
     dry_run: bool
     removed: list[Garbage] = field(default_factory=list)
     damaged: list[tuple[str, str]] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    adopted: bool = False
 
     @property
     def bytes(self) -> int:
         return sum(g.size or 0 for g in self.removed)
 
 
-def collect(reg: Registry, *, dry_run: bool = False, min_age_s: float = MIN_AGE_S) -> GcReport:
-    """Find (and unless ``dry_run`` remove) what dead pushes left in ``reg``; see the module docstring."""
-    report = GcReport(reg.uri, dry_run)
+def check_registry_root(reg: Registry, *, adopt: bool = False, dry_run: bool = False) -> bool:
+    """Refuse (one line) a root that is not a registry by its marker; with ``adopt``, mark a root
+    that holds published versions (unless ``dry_run``). Return whether it was adopted."""
+    if is_marked(reg.storage):
+        return False
+    names = reg.list_names()
+    usable = [n for n in names if reg._usable(n)[0]]
+    if not usable:
+        raise RegistryError(f"{reg.uri} is not an adapter registry (no {MARKER}, no published versions); "
+                            "gc runs on a registry root, the folder or s3:// prefix that pushes go to")
+    if not adopt:
+        shown = ", ".join(usable[:3]) + (", ..." if len(usable) > 3 else "")
+        raise RegistryError(f"{reg.uri} holds adapters ({shown}) but no registry marker {MARKER} (registries "
+                            "written by earlier releases have none; every push writes it); if this is the "
+                            f"registry root, mark it with: nxd-finetune adapters gc {reg.uri} --adopt")
+    if not dry_run:
+        mark(reg.storage)
+    return True
+
+
+def collect(reg: Registry, *, dry_run: bool = False, min_age_s: float = MIN_AGE_S, adopt: bool = False) -> GcReport:
+    """Find (and unless ``dry_run`` remove) what dead pushes left in ``reg``; see the module docstring.
+    Raises :class:`RegistryError` for a root that is not a registry (:func:`check_registry_root`)."""
+    report = GcReport(reg.uri, dry_run, adopted=check_registry_root(reg, adopt=adopt, dry_run=dry_run))
     keys = reg.storage.list("")
     leftovers = reg.storage.leftovers("")
     dirs: dict[tuple[str, int], list[str]] = defaultdict(list)
@@ -78,16 +124,18 @@ def collect(reg: Registry, *, dry_run: bool = False, min_age_s: float = MIN_AGE_
             locks[(m.group(1), m.group(2))].append(key)
     stray: dict[tuple[str, int], list[Leftover]] = defaultdict(list)
     for item in leftovers:
-        if m := _VERSION_KEY.fullmatch(item.key):
+        if item.size is not None and not _TEMP_NAME.fullmatch(item.handle.rsplit("/", 1)[-1]):
+            continue  # not one of our writers' temp files
+        if (m := _VERSION_KEY.fullmatch(item.key)) and mf.FILE_RE.fullmatch(m.group(3)):
             stray[(m.group(1), int(m.group(2)))].append(item)
-        elif item.age_s >= min_age_s:
-            _drop(reg, report, Garbage(_leftover_word(item), item.handle, item.size), item)
+        elif item.size is not None and _SMALL_KEY.fullmatch(item.key) and item.age_s >= min_age_s:
+            _drop(reg, report, Garbage("temp file", item.handle, item.size), item)
 
     for name, v in sorted(set(dirs) | set(stray)):
         _version_dir(reg, report, name, v, dirs.get((name, v), []), stray.get((name, v), []))
     for (name, content), lock_keys in sorted(locks.items()):
-        gens = reg.claims.generations(f"{name}/{_PUSHING}", content)
-        if gens and not _dead(reg, f"{name}/{_PUSHING}/{content}/.claim-{gens[-1]}.json"):
+        gens = reg.claims.generations(f"{name}/{PUSHING}", content)
+        if gens and not _dead(reg, f"{name}/{PUSHING}/{content}/.claim-{gens[-1]}.json"):
             continue
         for key in lock_keys:
             _delete(reg, report, Garbage("lock of a dead push", key))
@@ -96,6 +144,8 @@ def collect(reg: Registry, *, dry_run: bool = False, min_age_s: float = MIN_AGE_
 
 def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list[str], stray: list[Leftover]) -> None:
     claims = [f for f in files if CLAIM_RE.fullmatch(f)]
+    ours = [f for f in files if mf.FILE_RE.fullmatch(f) and f not in claims and f != mf.MANIFEST]
+    others = [f for f in files if f not in claims and f not in ours and f != mf.MANIFEST]
     if mf.MANIFEST in files:
         try:
             listed = set(reg._manifest(name, v)["files"])
@@ -104,11 +154,16 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
             return
         for f in claims:
             _delete(reg, report, Garbage("claim of a finished push", f"{name}/{v}/{f}"))
-        for f in files:
-            if f not in listed and f != mf.MANIFEST and not CLAIM_RE.fullmatch(f):
-                _delete(reg, report, Garbage("file its manifest does not list", f"{name}/{v}/{f}"))
-        for item in stray:
-            _drop(reg, report, Garbage(_leftover_word(item), item.handle, item.size), item)
+        report.left += [f"{name}/{v}/{f}" for f in files if f not in listed and f != mf.MANIFEST and f not in claims]
+        _drop_all(reg, report, stray)
+        return
+    if not claims:  # no push holds it: an rm killed midway (a retired number), else not ours
+        if v in reg.retired(name):
+            _delete_files(reg, report, "file of a removed version", name, v, ours)
+            _drop_all(reg, report, stray)
+            report.left += [f"{name}/{v}/{f}" for f in others]
+        else:
+            report.left += [f"{name}/{v}/{f}" for f in files]
         return
     # unpublished: take the claim (as a push taking over would), so nobody writes here meanwhile
     gen = None if report.dry_run else reg.claims.take(name, v, f"gc-{uuid.uuid4().hex}")
@@ -123,11 +178,11 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
         if busy:
             report.busy.append(f"{name}:{v}")
         return
-    for f in files:
-        what = "claim of a dead push" if CLAIM_RE.fullmatch(f) else "file of an unpublished version"
-        _delete(reg, report, Garbage(what, f"{name}/{v}/{f}", _size(reg, f"{name}/{v}/{f}")))
-    for item in stray:
-        _drop(reg, report, Garbage(_leftover_word(item), item.handle, item.size), item)
+    for f in claims:
+        _delete(reg, report, Garbage("claim of a dead push", f"{name}/{v}/{f}"))
+    _delete_files(reg, report, "file of an unpublished version", name, v, ours)
+    _drop_all(reg, report, stray)
+    report.left += [f"{name}/{v}/{f}" for f in others]
     if gen is not None:
         reg.claims.drop(name, v, gen)
 
@@ -150,14 +205,21 @@ def _size(reg: Registry, key: str) -> int | None:
         return None
 
 
-def _leftover_word(item: Leftover) -> str:
-    return "temp file" if item.size is not None else "incomplete upload"
-
-
 def _delete(reg: Registry, report: GcReport, g: Garbage) -> None:
     if not report.dry_run:
         reg.storage.delete(g.key)
     report.removed.append(g)
+
+
+def _delete_files(reg: Registry, report: GcReport, what: str, name: str, v: int, files: list[str]) -> None:
+    for f in files:
+        _delete(reg, report, Garbage(what, f"{name}/{v}/{f}", _size(reg, f"{name}/{v}/{f}")))
+
+
+def _drop_all(reg: Registry, report: GcReport, items: list[Leftover]) -> None:
+    for item in items:
+        _drop(reg, report, Garbage("temp file" if item.size is not None else "incomplete upload", item.handle,
+                                   item.size), item)
 
 
 def _drop(reg: Registry, report: GcReport, g: Garbage, item: Leftover) -> None:

@@ -8,7 +8,13 @@ else -- notably pickle-based ``.bin``/``.pt``/``.pkl`` -- or any subdirectory is
 nothing a registry hands out is ever unpickled. A ``manifest.json`` found in the directory (one
 written by ``pull``) is ignored: the registry writes its own.
 
-Only JSON and safetensors *headers* are parsed; safetensors payloads are hashed, never loaded.
+A symbolic link in the directory is followed only when it stays inside it: a link to a file
+elsewhere (``notes.txt -> ~/.aws/credentials``) is refused, so a push never stores what was not
+in the adapter directory.
+
+The adapter is checked by the function ``merge`` and ``lora.init_from`` read it with
+(:func:`nxd_finetune.lora.io.read_adapter`: its config, and its tensors through safetensors, which
+refuses overlapping or out-of-range offsets), so the registry never stores an adapter they refuse.
 
 Manifest (``format: nxd-adapter-manifest/1``)::
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 import re
 import struct
 from collections.abc import Mapping
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import nxd_finetune
+from nxd_finetune.errors import AdapterError
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.ref import parse_ref
 
@@ -61,13 +69,14 @@ def check_file_name(name: str) -> str:
 def scan_adapter_dir(src: str | Path) -> dict[str, Path]:
     """Validate an adapter directory; return ``{file name: path}`` of the files to push (sorted).
 
-    Raises :class:`RegistryError` naming every offending entry, a missing required file, an
-    ``adapter_config.json`` that is not a JSON object, or a ``.safetensors`` file whose header does
-    not parse.
+    Raises :class:`RegistryError` naming every offending entry, a link leaving the directory, a
+    missing required file, an ``adapter_config.json`` that is not a JSON object, an adapter that
+    ``read_adapter`` refuses, or a ``.safetensors`` file whose header does not parse.
     """
     src = Path(src)
     if not src.is_dir():
         raise RegistryError(f"adapter directory {str(src)!r} does not exist or is not a directory")
+    check_links(src)
     files: dict[str, Path] = {}
     bad: list[str] = []
     for entry in sorted(src.iterdir()):
@@ -85,21 +94,36 @@ def scan_adapter_dir(src: str | Path) -> dict[str, Path]:
     missing = [f for f in REQUIRED_FILES if f not in files]
     if missing:
         raise RegistryError(f"{src} is not a PEFT adapter directory: missing {', '.join(missing)}")
-    _check_lora(src, read_adapter_config(files["adapter_config.json"]))
+    read_adapter_config(files["adapter_config.json"])
     for name, path in files.items():
         if name.endswith(".safetensors"):
             check_safetensors_header(path)
+    _check_lora(src)
     return files
 
 
-def _check_lora(src: str | Path, cfg: dict[str, Any]) -> None:
-    """What ``run`` (``lora.init_from``) and ``merge`` accept (a LoRA for a causal LM, without the
-    PEFT features we do not implement), checked before anything is uploaded."""
-    from nxd_finetune.errors import AdapterError
-    from nxd_finetune.lora.config import LoraConfig
+def check_links(src: Path) -> None:
+    """Refuse an entry of ``src`` that is a symbolic link resolving outside ``src`` (or nowhere)."""
+    root = src.resolve()
+    outside = []
+    for entry in sorted(src.iterdir()):
+        if entry.is_symlink():
+            target = entry.resolve()
+            if not target.is_relative_to(root) or not target.exists():
+                outside.append(f"{entry.name} -> {os.readlink(entry)}")
+    if outside:
+        raise RegistryError(f"{src} holds links to files outside it, which the registry refuses: "
+                            f"{', '.join(outside)} (copy the files in instead)")
+
+
+def _check_lora(src: Path) -> None:
+    """What ``run`` (``lora.init_from``) and ``merge`` accept: the function they read an adapter
+    with (a LoRA for a causal LM, without the PEFT features we do not implement, whose tensors
+    safetensors reads), called before anything is uploaded."""
+    from nxd_finetune.lora.io import read_adapter
 
     try:
-        LoraConfig.from_peft_dict(cfg)
+        read_adapter(src)
     except AdapterError as e:
         raise RegistryError(f"{src}: {e}") from None
 

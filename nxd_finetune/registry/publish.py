@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nxd_finetune.registry.core import Version, push
+from nxd_finetune.registry.api import push
+from nxd_finetune.registry.core import Version
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.manifest import (
     ALLOWED_FILES,
     FILE_RE,
     MANIFEST,
+    check_links,
 )
 from nxd_finetune.registry.ref import parse_ref
 
@@ -94,6 +96,7 @@ def publish_run(
     metadata = _json_safe(
         {"recipe": recipe_dict, "metrics": metrics, "parallel": parallel, "lineage": lineage, "base_model": base}
     )
+    check_links(src)  # before the copy below follows them
     files = sorted(p for p in src.iterdir() if p.name != MANIFEST)
     skipped = [p.name for p in files if p.is_dir() or not FILE_RE.fullmatch(p.name) or ".." in p.name]
     if not skipped:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from nxd_finetune.registry.errors import RegistryError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+VERSION_RE = re.compile(r"[1-9][0-9]{0,17}")
+"""A version number as text: ASCII digits only (``str.isdigit`` also takes ``²``), below 10**18."""
 LATEST = "latest"
 
 
@@ -68,7 +70,7 @@ def parse_ref(text: str) -> Ref:
             tag = None
     elif ":" in tail:
         tail, _, raw = tail.partition(":")
-        if not raw.isdigit() or int(raw) < 1:
+        if not VERSION_RE.fullmatch(raw):
             raise RegistryError(f"invalid version {raw!r} in REF {text!r}: versions are integers 1, 2, 3, ...")
         version = int(raw)
     check_name(tail)

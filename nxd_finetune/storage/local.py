@@ -1,20 +1,51 @@
-"""Local backend of the storage seam: a directory tree (see :mod:`nxd_finetune.storage.base`)."""
+"""Local backend of the storage seam: a directory tree (see :mod:`nxd_finetune.storage.base`).
+
+The operating system's refusals (a path component over the file system's name limit, a file where
+a directory should be, permissions) are one-line :class:`StorageError` errors naming the path; a full
+disk stays the ``OSError`` it is (the CLI says "no space left" and exits 1).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 from nxd_finetune.storage.base import TMP_PREFIX, Keys, Leftover, Leftovers, Progress, Storage, check_key
 from nxd_finetune.storage.errors import StorageError, StorageNotFoundError
 
 _COPY_CHUNK = 1 << 20
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _os_errors(op: str) -> Callable[[Callable[Concatenate[LocalStorage, _P], _R]],
+                                    Callable[Concatenate[LocalStorage, _P], _R]]:
+    """Turn an ``OSError`` of a :class:`LocalStorage` method into one :class:`StorageError` line
+    ("cannot ``op`` PATH: reason"); ENOSPC/EDQUOT propagate unchanged."""
+
+    def wrap(method: Callable[Concatenate[LocalStorage, _P], _R]) -> Callable[Concatenate[LocalStorage, _P], _R]:
+        @functools.wraps(method)
+        def wrapper(self: LocalStorage, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            try:
+                return method(self, *args, **kwargs)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if e.errno in (errno.ENOTDIR, errno.EEXIST) and (file := _file_in_the_way(e.filename)):
+                    raise StorageError(f"cannot {op} under {self.uri}: {file} is a file, not a directory") from None
+                raise StorageError(f"cannot {op} {e.filename or self.uri}: {e.strerror or e}") from None
+
+        return wrapper
+
+    return wrap
 
 
 class LocalStorage(Storage):
@@ -31,6 +62,7 @@ class LocalStorage(Storage):
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
 
+    @_os_errors("write")
     def put_file(self, local: str | os.PathLike, key: str, progress: Progress | None = None) -> None:
         dst = self._path(key)
         tmp = self._tmp_beside(dst)
@@ -60,6 +92,7 @@ class LocalStorage(Storage):
         finally:
             tmp.unlink(missing_ok=True)
 
+    @_os_errors("write")
     def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> bool:
         dst = self._path(key)
         tmp = self._tmp_beside(dst)
@@ -75,21 +108,25 @@ class LocalStorage(Storage):
         finally:
             tmp.unlink(missing_ok=True)
 
+    @_os_errors("read")
     def get_file(self, key: str, local: str | os.PathLike) -> None:
         try:
             shutil.copyfile(self._path(key), local)
         except FileNotFoundError:
             raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from None
 
+    @_os_errors("read")
     def get_bytes(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError):
             raise StorageNotFoundError(f"{self.uri}/{key} does not exist") from None
 
+    @_os_errors("read")
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    @_os_errors("list")
     def list(self, prefix: str = "") -> Keys:
         # Walk only the directory that contains the prefix, then filter by the string prefix.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
@@ -105,6 +142,7 @@ class LocalStorage(Storage):
                     keys.append(key)
         return sorted(keys)
 
+    @_os_errors("list")
     def leftovers(self, prefix: str = "") -> Leftovers:
         """Temp files (``.nxdtmp-<id>-<name>``) of writers that never finished, under ``prefix``."""
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
@@ -128,6 +166,7 @@ class LocalStorage(Storage):
                 found.append(Leftover(key, max(0.0, now - st.st_mtime), st.st_size, handle))
         return sorted(found, key=lambda x: x.handle)
 
+    @_os_errors("delete")
     def drop_leftover(self, item: Leftover) -> None:
         path = self.root / check_key(item.handle)
         if not path.name.startswith(TMP_PREFIX):
@@ -135,6 +174,7 @@ class LocalStorage(Storage):
         path.unlink(missing_ok=True)
         self._prune(path.parent)
 
+    @_os_errors("list")
     def list_dirs(self, prefix: str = "") -> Keys:
         if prefix and not prefix.endswith("/"):
             raise StorageError(f"list_dirs needs '' or a prefix ending in '/', got {prefix!r}")
@@ -143,6 +183,7 @@ class LocalStorage(Storage):
             return []
         return sorted(p.name for p in start.iterdir() if p.is_dir() and any(_has_files(p)))
 
+    @_os_errors("delete")
     def delete_prefix(self, prefix: str) -> int:
         """As :meth:`Storage.delete_prefix`; also removes temp files that killed writers left there."""
         count = super().delete_prefix(prefix)
@@ -152,6 +193,7 @@ class LocalStorage(Storage):
             self._prune(directory.parent)
         return count
 
+    @_os_errors("delete")
     def delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
@@ -165,6 +207,17 @@ class LocalStorage(Storage):
             except OSError:
                 break
             parent = parent.parent
+
+
+def _file_in_the_way(filename: object) -> Path | None:
+    """The nearest existing ancestor of ``filename`` (or itself) when it is not a directory."""
+    if not isinstance(filename, str | os.PathLike):
+        return None
+    path = Path(filename)
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
 
 
 def _has_files(path: Path):
