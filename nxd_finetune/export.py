@@ -7,7 +7,10 @@ Two steps, for every world size:
    over tensor parallel and united over the pipeline stages (full SFT at tp > 1 and pp = 1 streams
    instead: each tensor is gathered when the writer's shard needs it, :func:`export_model`);
 2. :func:`write_final` -- rank 0 writes the save mode into a temporary sibling of the output
-   directory and renames it into place (complete or absent):
+   directory and renames it into place (complete or absent); a previous run's directory there is
+   swapped for it in one step (``renameat2`` exchange on Linux), so at every instant it is the
+   old artefact or the new one, then removed (fault-injection points ``final-written:0`` and
+   ``final-swapped:0`` of ``NXD_FINETUNE_FAILPOINT`` kill the writer around the swap):
 
    - ``adapter``: a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, whose
      metadata records the base's identity, :mod:`nxd_finetune.lora.identity`) and the tokenizer
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -39,11 +43,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.lora import LoraConfig, adapter_state_dict, gather_adapter_state_dict, write_adapter_files
 from nxd_finetune.models import DecoderConfig, copy_generation_config, save_pretrained
 from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.parallelize import RankModel
-from nxd_finetune.storage.atomic import publish_dir
+from nxd_finetune.storage.atomic import publish_dir, remove_leftovers
 
 SaveMode = Literal["adapter", "base_and_adapter", "merged", "full"]
 SAVE_MODES: tuple[str, ...] = ("adapter", "base_and_adapter", "merged")  # LoRA's; full SFT writes "full"
@@ -125,9 +130,11 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
                             revision=spec.revision, config_hash=config.config_hash(),
                             identity=base_identity(config, spec.source_dir))
 
-    if out_dir.exists():  # a previous run's artefact in this output directory
-        shutil.rmtree(out_dir)
-    with publish_dir(out_dir) as tmp:
+    # a previous run's artefact here is swapped for the new one in one step (never removed first);
+    # what a killed writer of this directory left beside it goes first
+    remove_leftovers(out_dir)
+    with publish_dir(out_dir, replace=True, before_swap=functools.partial(failpoint, "final-written", 0),
+                     after_swap=functools.partial(failpoint, "final-swapped", 0)) as tmp:
         if lora is None:
             save_pretrained(config, tensors.items() if isinstance(tensors, dict) else tensors, tmp, spec.dtype)
             copy_generation_config(spec.source_dir, tmp)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 from pathlib import Path
 
@@ -59,3 +60,32 @@ def test_killed_at_a_random_point_resumes_byte_identical(env, reference, tmp_pat
     assert [r["step"] for r in records(out) if "train_loss" in r] == list(range(1, STEPS + 1)), seed
     assert [p for p in out.rglob(".nxdtmp-*")] == [], seed  # nothing half-written left in the output
     assert [p for p in Path(env["TMPDIR"]).glob("nxd-ckpt-*")] == [], seed  # nor in the temp directory
+
+
+
+def test_killed_while_replacing_final_leaves_a_complete_final(env, tmp_path):  # noqa: F811
+    """A re-run that extends a finished run replaces its ``final/``; killed with the new directory
+    written but not yet swapped in, or swapped in but the old one not yet removed, ``final/`` is a
+    whole adapter (the old or the new one), and the next run ends as an uninterrupted extension."""
+    names = ("adapter_model.safetensors", "adapter_config.json")
+    first = tmp_path / "first"
+    code, log = finish(start(env, first, f"training.max_steps={STEPS - 2}"))
+    assert code == 0, log[-2000:]
+    old = {n: (first / "final" / n).read_bytes() for n in names}
+    clean = tmp_path / "clean"
+    shutil.copytree(first, clean)
+    code, log = finish(start(env, clean))
+    assert code == 0, log[-2000:]
+    new = {n: (clean / "final" / n).read_bytes() for n in names}
+    assert old != new
+    for point in ("final-written", "final-swapped"):
+        out = tmp_path / point
+        shutil.copytree(first, out)
+        code, log = finish(start(env, out, failpoint=f"{point}:0"))
+        assert code == -signal.SIGKILL, (point, log[-2000:])
+        now = {n: (out / "final" / n).read_bytes() for n in names}
+        assert now == (old if point == "final-written" else new), point
+        code, log = finish(start(env, out))
+        assert code == 0, log[-2000:]
+        assert {n: (out / "final" / n).read_bytes() for n in names} == new, point
+        assert [p.name for p in out.iterdir() if p.name.startswith(".final")] == [], point  # the killed copy

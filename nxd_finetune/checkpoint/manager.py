@@ -301,6 +301,13 @@ class CheckpointManager:
             ref.cleanup()
 
     @staticmethod
+    def read_extra_json(ref: CheckpointRef) -> dict[str, Any]:
+        """The JSON part of a checkpoint's ``extra`` (its tensors left as stored references), e.g.
+        the recipe it was saved under, read before :meth:`load` reads any tensor."""
+        data = json.loads(ref.read_bytes(F.EXTRA_JSON))
+        return data if isinstance(data, dict) else {}
+
+    @staticmethod
     def _read_extra(ref: CheckpointRef) -> dict[str, Any]:
         data = json.loads(ref.read_bytes(F.EXTRA_JSON))
         tensors = {}

@@ -43,10 +43,18 @@ from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.manager import CheckpointManager
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
+from nxd_finetune.recipe.resume import (
+    OPTIMIZER_KEYS,
+    SCHEDULE_KEYS,
+    RecipeChange,
+    changed_keys,
+    check_resume,
+    describe_changes,
+)
 from nxd_finetune.sft.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 
 if TYPE_CHECKING:
-    from nxd_finetune.recipe import Recipe
+    from nxd_finetune.recipe import Recipe, TrainingSection
     from nxd_finetune.sft.engine import Engine
 
 
@@ -181,6 +189,27 @@ class Resumed:
     eval_before: dict[str, float]
 
 
+def apply_training_changes(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                           training: TrainingSection, changes: list[RecipeChange]) -> None:
+    """After a resume restored ``optimizer`` and ``scheduler`` from a checkpoint (which carries the
+    old lr, betas, eps and weight decay), give them the recipe's new values where it changed them;
+    the LR of the next step is then the new schedule's at the resumed step. The decay group is the
+    first one (``sft.engine``'s parameter groups); the others keep no weight decay."""
+    if not changed_keys(changes, OPTIMIZER_KEYS + SCHEDULE_KEYS):
+        return  # nothing to do: the restored values are the run's (an exact resume stays exact)
+    groups = optimizer.param_groups
+    for i, group in enumerate(groups):
+        group["betas"], group["eps"] = tuple(training.betas), training.eps
+        group["initial_lr"] = training.lr
+        if i == 0:
+            group["weight_decay"] = training.weight_decay
+    scheduler.base_lrs = [training.lr for _ in groups]
+    step = scheduler.last_epoch
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(step)
+    scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() (logging) reports
+
+
 class TrainingCheckpoints:
     """Checkpoints of one run from its recipe's ``checkpoint`` section.
 
@@ -225,8 +254,11 @@ class TrainingCheckpoints:
             self._barrier()
             return None
         e = self.engine
+        saved_recipe = self.manager.read_extra_json(ref).get("recipe")
+        changes = check_resume(saved_recipe, self.recipe, ref.uri, ref.step) if isinstance(saved_recipe, str) else []
         extra = self.manager.load(ref, e.modules, e.optimizer)
         e.scheduler.load_state_dict(extra["scheduler"])
+        apply_training_changes(e.optimizer, e.scheduler, self.recipe.training, changes)
         self.loader.load_state_dict(extra["data"])
         for key, value in extra["train_state"].items():
             setattr(train_state, key, value)
@@ -237,6 +269,9 @@ class TrainingCheckpoints:
                 purge_tensorboard(self.out_dir, ref.step)
             self._remove_after(ref.step, f"resuming from step {ref.step}")
             print(f"resumed from {ref.uri} (step {ref.step})", flush=True)
+            line = describe_changes(changes, ref.step)
+            if line:
+                print(line, flush=True)
         self._barrier()
         if ref.uri == f"{self.manager.uri}/step-{ref.step:08d}":
             self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice

@@ -8,16 +8,67 @@ complete directory; a writer that fails or is killed leaves at most a hidden tem
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.renameat2  # type: ignore[no-any-return]  # glibc 2.28+
+    except (OSError, AttributeError):
+        return None
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``): at every instant
+    each path holds one of the two. False where the system or filesystem cannot (nothing moved)."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    """Put the finished ``tmp`` at an existing ``dest``: swapped atomically where the system can,
+    so ``dest`` is the old or the new directory at every instant, and the old one is removed after
+    (a kill in between leaves it as the hidden ``tmp`` sibling). Elsewhere the old one is first
+    renamed aside (``dest`` is briefly absent, never half-written)."""
+    if not exchange_dirs(tmp, dest):
+        aside = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.rename(dest, aside / dest.name)
+        os.rename(tmp, dest)
+        tmp.mkdir()
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_leftovers(dest: str | os.PathLike) -> list[Path]:
+    """Remove the hidden siblings that killed writers of ``dest`` left (``.<name>.partial-*``,
+    ``.<name>.old-*``); only for a ``dest`` with a single writer at a time (a run's ``final/``)."""
+    dest = Path(dest)
+    found = [p for pattern in (f".{dest.name}.partial-*", f".{dest.name}.old-*") for p in dest.parent.glob(pattern)]
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
 
 @contextlib.contextmanager
 def publish_dir(
-    dest: str | os.PathLike, *, already_published: Callable[[Path], bool] | None = None
+    dest: str | os.PathLike, *, already_published: Callable[[Path], bool] | None = None, replace: bool = False,
+    before_swap: Callable[[], None] | None = None, after_swap: Callable[[], None] | None = None,
 ) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``dest``; on a clean exit rename it to ``dest``.
 
@@ -38,7 +89,14 @@ def publish_dir(
         try:
             if dest.is_dir() and not any(dest.iterdir()):
                 dest.rmdir()
-            os.rename(tmp, dest)
+            if replace and dest.is_dir():
+                if before_swap is not None:
+                    before_swap()
+                _replace(tmp, dest)  # tmp now holds the old directory, removed below
+                if after_swap is not None:
+                    after_swap()
+            else:
+                os.rename(tmp, dest)
         except OSError:
             if already_published is None or not already_published(dest):
                 raise
