@@ -211,10 +211,16 @@ def precompile_command(tool: str, recipe_path: str, overrides: Sequence[str], re
     resume, no registry push, outputs in ``out_dir``. The graphs do not depend on the step count or
     the learning rate, so the cache serves the full run with the same recipe.
     """
-    ours = [
+    ours = precompile_overrides(recipe, steps, out_dir)
+    return [tool, python, "-m", "nxd_finetune", "run", os.path.abspath(recipe_path), *overrides, *ours]
+
+
+def precompile_overrides(recipe: Recipe, steps: int, out_dir: str) -> list[str]:
+    """The overrides that make a ``run`` a precompile run (:func:`precompile_command`): they change
+    neither the layout nor the batch (the per-rank shapes and micro-batches per step stay)."""
+    return [
         "training.device=xla", f"training.max_steps={steps}", "training.epochs=null",
         f"training.warmup_steps={min(recipe.training.warmup_steps, steps)}",
         "checkpoint.every_n_steps=null", "checkpoint.resume=null", "output.registry=null",
         f"output.dir={out_dir}", "logging.progress=false",
     ]
-    return [tool, python, "-m", "nxd_finetune", "run", os.path.abspath(recipe_path), *overrides, *ours]

@@ -188,16 +188,24 @@ def test_k8s_gpu_pytorchjob_and_precompile_job(capsys, neuron_recipe, tmp_path):
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "8"} and "nodeSelector" not in c
 
     out = tmp_path / "precompile.yaml"
-    k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=64", "--nodes", "2", "--pvc", "fsx-claim",
+    k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=32", "--nodes", "1", "--pvc", "fsx-claim",
         "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml", "-o", str(out))
     (pre,) = yaml.safe_load_all(out.read_text())
     assert pre["apiVersion"] == "batch/v1" and pre["kind"] == "Job" and pre["spec"]["backoffLimit"] == 0
     c = pre["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] + c["args"] == ["nxd-finetune", "precompile", "/fsx/recipes/sft.yaml", "parallel.nproc=64",
+    assert c["command"] + c["args"] == ["nxd-finetune", "precompile", "/fsx/recipes/sft.yaml", "parallel.nproc=32",
                                         "--nproc", "32", "--steps", "3"]
     assert c["resources"]["limits"] == {"aws.amazon.com/neuron": "16"}
     env = {e["name"]: e["value"] for e in c["env"]}
     assert "--cache_dir=/fsx/neuron-cache" in env["NEURON_CC_FLAGS"]  # where the training job will look
+    # several nodes: the training job's pods and torchrun line under neuron_parallel_compile
+    (pre,) = k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=64", "--nodes", "2", "--pvc",
+                 "fsx-claim", "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml")
+    assert pre["kind"] == "PyTorchJob" and pre["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    c = pre["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    argv = c["command"] + c["args"]
+    assert argv[:2] == ["neuron_parallel_compile", "torchrun"] and argv[argv.index("--nproc-per-node") + 1] == "32"
+    assert "training.max_steps=3" in argv and "output.dir=/tmp/nxd-precompile" in argv
 
 
 def test_k8s_refuses_a_layout_that_does_not_split(capsys, neuron_recipe):
@@ -208,12 +216,13 @@ def test_k8s_refuses_a_layout_that_does_not_split(capsys, neuron_recipe):
     assert e.value.code == 2
     assert capsys.readouterr().err == ("error: parallel.nproc=64 (tp 8 x pp 1 x dp 8) does not split over 3 nodes; "
                                        "set parallel.nproc to a multiple of 3\n")
+    for bad in ("Bad_Name", "8b-lora-run", "run-"):  # a DNS-1035 label starts with a letter
+        with pytest.raises(SystemExit):
+            main(["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=8", "--name", bad])
+        assert f"job name {bad!r} is not a Kubernetes name" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["k8s", "precompile-job", str(neuron_recipe), "parallel.nproc=16", "--nodes", "4"])
-    assert "one node runs 4 process(es), not a multiple of tp*pp=8*1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=8", "--name", "Bad_Name"])
-    assert "job name 'Bad_Name' is not a Kubernetes name" in capsys.readouterr().err
+        main(["k8s", "precompile-job", str(neuron_recipe), "parallel.nproc=8", "--name", "8b-lora-pre", "--pvc", "c"])
+    assert "job name '8b-lora-pre' is not a Kubernetes name" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- container images

@@ -40,10 +40,12 @@ RecipePathOpt = Annotated[str | None, typer.Option(
 OutOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")]
 
 
-def _load(recipe: Path, overrides: list[str] | None) -> Recipe:
+def _load(recipe: Path, overrides: list[str] | None, recipe_path: str) -> Recipe:
+    """The recipe as the pods read it: its relative paths against ``recipe_path``'s directory there."""
+    from nxd_finetune.cluster.volume import pod_recipe_base
     from nxd_finetune.recipe import load_recipe
 
-    return load_recipe(recipe, overrides or [])
+    return load_recipe(recipe, overrides or [], base_dir=pod_recipe_base(recipe_path))
 
 
 def _pod(image: str, accelerator: str, efa: int, instance_type: str | None, pvc: str | None, mount_path: str,
@@ -85,10 +87,10 @@ def pytorchjob_cmd(
     """Write a Kubeflow `PyTorchJob` (training operator) that trains RECIPE on `--nodes` pods."""
     from nxd_finetune.cluster.k8s import pytorchjob, to_yaml
 
-    loaded = _load(recipe, overrides)
+    in_pods = recipe_path or str(recipe)
+    loaded = _load(recipe, overrides, in_pods)
     pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
-    doc = pytorchjob(loaded, recipe_path or str(recipe), overrides or [], pod, nodes=nodes, name=name,
-                     max_restarts=max_restarts)
+    doc = pytorchjob(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, max_restarts=max_restarts)
     _write(to_yaml(doc), output)
 
 
@@ -111,10 +113,15 @@ def precompile_job_cmd(
     recipe_path: RecipePathOpt = None,
     output: OutOpt = None,
 ) -> None:
-    """Write a one-node `Job` running `nxd-finetune precompile` for the training job's layout."""
+    """Write the job that fills the Neuron compile cache (on `--pvc`) with the training job's graphs.
+
+    Same recipe, overrides and `--nodes` as `k8s pytorchjob`: the exact training layout. One node: a
+    `Job` running `nxd-finetune precompile`; several: a `PyTorchJob` running `neuron_parallel_compile
+    torchrun ...` on as many pods."""
     from nxd_finetune.cluster.k8s import precompile_job, to_yaml
 
-    loaded = _load(recipe, overrides)
+    in_pods = recipe_path or str(recipe)
+    loaded = _load(recipe, overrides, in_pods)
     pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
-    doc = precompile_job(loaded, recipe_path or str(recipe), overrides or [], pod, nodes=nodes, name=name, steps=steps)
+    doc = precompile_job(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, steps=steps)
     _write(to_yaml(doc), output)

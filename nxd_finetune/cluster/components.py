@@ -89,7 +89,7 @@ def finetune(
     if nnodes < 1 or nproc_per_node < 1:
         raise NxdError(f"nnodes and nproc_per_node must be 1 or more, got {nnodes} and {nproc_per_node}")
     layout = NodeLayout(nnodes, nproc_per_node)
-    recipe_env = _recipe_env(local_recipe or recipe, list(overrides), layout, accelerator, efa, max_restarts)
+    recipe_env = _recipe_env(local_recipe or recipe, list(overrides), layout, accelerator, efa)
     if nnodes == 1 and rdzv_backend == "c10d" and rdzv_endpoint is None:
         endpoint = "localhost:0"  # one agent: any free port
     else:
@@ -122,11 +122,10 @@ def finetune(
     )
 
 
-def _recipe_env(path: str, overrides: list[str], layout: NodeLayout, accelerator: str, efa: int,
-                max_restarts: int) -> dict[str, str]:
+def _recipe_env(path: str, overrides: list[str], layout: NodeLayout, accelerator: str, efa: int) -> dict[str, str]:
     """Check the layout against the recipe and return its environment, where the recipe is readable here."""
     if not Path(path).is_file():
-        return job_env(None, accelerator, efa, max_restarts)
+        return job_env(None, accelerator, efa)
     from nxd_finetune.recipe import load_recipe
 
     # as under torchrun (nxd_finetune.cli): the world is parallel.nproc unless an override sets it
@@ -135,7 +134,7 @@ def _recipe_env(path: str, overrides: list[str], layout: NodeLayout, accelerator
     if recipe.parallel.nproc != layout.world_size:
         raise NxdError(f"parallel.nproc={recipe.parallel.nproc} but the job has {layout.nnodes} node(s) x "
                        f"{layout.nproc_per_node} process(es) = {layout.world_size}")
-    return job_env(recipe, accelerator, efa, max_restarts)
+    return job_env(recipe, accelerator, efa)
 
 
 def _quote(arg: str) -> str:

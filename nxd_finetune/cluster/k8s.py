@@ -1,11 +1,19 @@
 """Kubernetes manifests for a recipe, without TorchX: a Kubeflow training-operator ``PyTorchJob``
 (one ``Master`` and ``nodes - 1`` ``Worker`` pods, each running ``torchrun`` with
-``nproc_per_node = parallel.nproc / nodes`` processes) and a one-node precompile ``Job``
-(``nxd-finetune precompile``, filling the Neuron compile cache on the shared volume).
+``nproc_per_node = parallel.nproc / nodes`` processes) and the precompile job that fills the Neuron
+compile cache on the shared volume with the training job's graphs.
+
+The precompile job runs the training job's exact layout, so it traces the same per-rank shapes, the
+same micro-batches per step and the same collectives: on one node a ``Job`` running
+``nxd-finetune precompile`` with all the processes; on several a ``PyTorchJob`` of as many pods as
+training, each running ``neuron_parallel_compile`` around the training job's ``torchrun`` line (the
+pattern of the Neuron multi-node examples), with the precompile overrides of
+:func:`nxd_finetune.neuron.precompile_overrides`.
 
 Plain dicts (:func:`pytorchjob`, :func:`precompile_job`) written as YAML by :func:`to_yaml`; the
 ``nxd-finetune k8s`` commands (:mod:`.cli`) load the recipe first, so the manifests follow its
-layout and its ``neuron:`` section (:mod:`.spec`).
+layout and its ``neuron:`` section (:mod:`.spec`). With a shared volume (``pvc``) the compile cache
+goes on it and the recipe's paths the pods cannot see are warned about (:mod:`.volume`).
 
 The PyTorchJob's pods rendezvous through c10d on the master pod: the operator sets
 ``MASTER_ADDR`` / ``MASTER_PORT`` in every pod and Kubernetes expands ``$(MASTER_ADDR)`` in the
@@ -19,13 +27,23 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nxd_finetune.cluster.spec import INSTANCE_TYPE_LABEL, device_resources, job_env, node_layout, torchrun_command
+from nxd_finetune.cluster.spec import (
+    INSTANCE_TYPE_LABEL,
+    NodeLayout,
+    device_resources,
+    job_env,
+    node_layout,
+    torchrun_command,
+)
+from nxd_finetune.cluster.volume import cache_on_volume, warn_unseen_paths
 from nxd_finetune.errors import NxdError
+from nxd_finetune.neuron import PARALLEL_COMPILE, precompile_overrides
 from nxd_finetune.recipe import Recipe
 
 PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?")
+_NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label: the operator names Services after it
+PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +64,11 @@ class PodSettings:
 
 
 def check_name(name: str) -> str:
-    """``name`` if it is a valid Kubernetes object name (lowercase letters, digits, ``-``), else NxdError."""
+    """``name`` if it is a DNS-1035 label (what the training operator accepts: lowercase letters,
+    digits and ``-``, starting with a letter, ending with a letter or digit), else NxdError."""
     if not _NAME.fullmatch(name):
         raise NxdError(f"job name {name!r} is not a Kubernetes name: lowercase letters, digits and '-', "
-                       "starting and ending with a letter or digit, at most 52 characters")
+                       "starting with a letter and ending with a letter or digit, at most 52 characters")
     return name
 
 
@@ -89,46 +108,78 @@ def _pod_spec(container: dict[str, Any], pod: PodSettings, restart_policy: str) 
     return spec
 
 
+def _on_volume(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
+               precompile: bool) -> tuple[Recipe, list[str]]:
+    """The recipe and overrides the pods get: with a shared volume the Neuron compile cache on it
+    (:func:`.volume.cache_on_volume`) and a warning per recipe path the pods cannot see. A
+    precompile job needs the volume (its compile cache would die with its pod)."""
+    if pod.pvc is None:
+        if precompile and pod.accelerator == "neuron":
+            raise NxdError("the precompile job needs a shared volume for the compile cache (--pvc CLAIM): "
+                           "on a pod's own disk the graphs are lost with the pod")
+        return recipe, list(overrides)
+    if pod.accelerator == "neuron":
+        recipe, overrides = cache_on_volume(recipe, overrides, pod.pvc, pod.mount_path, require=precompile)
+    warn_unseen_paths(recipe, pod.pvc, pod.mount_path, skip=("neuron.compile_cache",))
+    return recipe, list(overrides)
+
+
+def _pytorchjob_doc(name: str, pod: PodSettings, cmd: list[str], layout: NodeLayout, env: dict[str, str],
+                    container_name: str = "pytorch") -> dict[str, Any]:
+    """A ``PyTorchJob`` of ``layout.nnodes`` pods (one Master, the rest Workers) running ``cmd``."""
+    ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]
+
+    def template() -> dict[str, Any]:  # one per replica type (no YAML anchors)
+        container = _container(container_name, pod, cmd, layout.nproc_per_node, env, ports)
+        return {"spec": _pod_spec(container, pod, "Never")}
+
+    replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template()}}
+    if layout.nnodes > 1:
+        replicas["Worker"] = {"replicas": layout.nnodes - 1, "restartPolicy": "Never", "template": template()}
+    return {
+        "apiVersion": PYTORCHJOB_API,
+        "kind": "PyTorchJob",
+        "metadata": {"name": check_name(name), "namespace": pod.namespace,
+                     "labels": {"app.kubernetes.io/name": "nxd-finetune"}},
+        "spec": {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0}, "pytorchReplicaSpecs": replicas},
+    }
+
+
+def _master_torchrun(layout: NodeLayout, recipe_path: str, overrides: Sequence[str], name: str,
+                     max_restarts: int = 0) -> list[str]:
+    return torchrun_command(layout, recipe_path, overrides, rdzv_backend="c10d",
+                            rdzv_endpoint="$(MASTER_ADDR):$(MASTER_PORT)", rdzv_id=check_name(name),
+                            max_restarts=max_restarts)
+
+
 def pytorchjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
                name: str, max_restarts: int = 0) -> dict[str, Any]:
     """The ``PyTorchJob`` training ``recipe`` (its path inside the pods: ``recipe_path``, then
     ``overrides``) on ``nodes`` pods of ``parallel.nproc / nodes`` processes. Raises NxdError when
     the layout does not split over the nodes or the name is not a Kubernetes name."""
     layout = node_layout(recipe, nodes)
-    cmd = torchrun_command(layout, recipe_path, overrides, rdzv_backend="c10d",
-                           rdzv_endpoint="$(MASTER_ADDR):$(MASTER_PORT)", rdzv_id=check_name(name),
-                           max_restarts=max_restarts)
-    env = job_env(recipe, pod.accelerator, pod.efa, max_restarts)
-    ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]
-    def template() -> dict[str, Any]:  # one per replica type (no YAML anchors)
-        return {"spec": _pod_spec(_container("pytorch", pod, cmd, layout.nproc_per_node, env, ports), pod, "Never")}
-
-    replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template()}}
-    if nodes > 1:
-        replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "Never", "template": template()}
-    return {
-        "apiVersion": PYTORCHJOB_API,
-        "kind": "PyTorchJob",
-        "metadata": {"name": name, "namespace": pod.namespace,
-                     "labels": {"app.kubernetes.io/name": "nxd-finetune"}},
-        "spec": {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0}, "pytorchReplicaSpecs": replicas},
-    }
+    recipe, overrides = _on_volume(recipe, overrides, pod, precompile=False)
+    cmd = _master_torchrun(layout, recipe_path, overrides, name, max_restarts)
+    return _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa))
 
 
 def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
                    name: str, steps: int = 5) -> dict[str, Any]:
-    """A one-node ``Job`` running ``nxd-finetune precompile`` with one node's share of the
-    processes (``parallel.nproc / nodes``: tp and pp as in the recipe, dp divided by ``nodes``), so
-    the Neuron compile cache (``neuron.compile_cache`` on the shared volume) holds the graphs of
-    the training job's ranks before it starts."""
+    """The job that fills the compile cache with the graphs of :func:`pytorchjob`'s ranks (same
+    recipe, overrides and ``nodes``): the training layout exactly (tp, pp, dp, ZeRO-1 shards,
+    micro-batches per step), for ``steps`` steps. One node: a ``Job`` running ``nxd-finetune
+    precompile --nproc parallel.nproc``; several: a ``PyTorchJob`` whose pods run
+    ``neuron_parallel_compile torchrun ...`` as training runs ``torchrun``. Needs a shared volume
+    on Neuron (``pod.pvc``), where the cache goes."""
     layout = node_layout(recipe, nodes)
-    par = recipe.parallel
-    if layout.nproc_per_node % (par.tp * par.pp):
-        raise NxdError(f"one node runs {layout.nproc_per_node} process(es), not a multiple of tp*pp={par.tp}*{par.pp}: "
-                       "keep tensor and pipeline groups within a node to precompile on one")
+    recipe, overrides = _on_volume(recipe, overrides, pod, precompile=True)
+    env = job_env(recipe, pod.accelerator, pod.efa)
+    if nodes > 1:
+        run_overrides = [*overrides, *precompile_overrides(recipe, steps, PRECOMPILE_OUT)]
+        cmd = [PARALLEL_COMPILE, *_master_torchrun(layout, recipe_path, run_overrides, name)]
+        return _pytorchjob_doc(name, pod, cmd, layout, env, container_name="pytorch")
     cmd = ["nxd-finetune", "precompile", recipe_path, *overrides, "--nproc", str(layout.nproc_per_node),
            "--steps", str(steps)]
-    env = job_env(recipe, pod.accelerator, pod.efa)
     container = _container("precompile", pod, cmd, layout.nproc_per_node, env)
     return {
         "apiVersion": "batch/v1",

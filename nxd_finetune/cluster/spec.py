@@ -69,23 +69,23 @@ def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0) -> dic
     return out
 
 
-def job_env(recipe: Recipe | None, accelerator: str, efa: int = 0, max_restarts: int = 0) -> dict[str, str]:
+def job_env(recipe: Recipe | None, accelerator: str, efa: int = 0) -> dict[str, str]:
     """The environment of every pod: on Neuron what the recipe's ``neuron:`` section implies
     (``NEURON_CC_FLAGS`` with the compile cache, the precision preset's ``XLA_*`` / ``NEURON_RT_*``
     variables; :func:`nxd_finetune.neuron.neuron_env` of an empty environment), libfabric's EFA
-    settings when the pod has EFA interfaces, and with restarts a fresh store per attempt
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see :mod:`nxd_finetune.parallel.launch`). Without a
-    recipe (not readable here) no Neuron variables: the workers set them themselves at start."""
+    settings when the pod has EFA interfaces, and always a fresh process-group store per attempt
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with the agent's store shared, a multi-node worker
+    group restarted by torch elastic hangs in gloo's ``connectFullMesh`` (see
+    :mod:`nxd_finetune.parallel.launch`). Without a recipe (not readable here) no Neuron
+    variables: the workers set them themselves at start."""
     from nxd_finetune.neuron import neuron_env
-    from nxd_finetune.parallel.launch import SHARE_STORE_ENV
+    from nxd_finetune.parallel.launch import SHARE_STORE_ENV  # torch: imported only when a job is made
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = {SHARE_STORE_ENV: "1"}
     if accelerator == "neuron" and recipe is not None:
         env.update(neuron_env(recipe, environ={}))
     if efa:
         env.update(EFA_ENV)
-    if max_restarts:
-        env[SHARE_STORE_ENV] = "1"
     return env
 
 

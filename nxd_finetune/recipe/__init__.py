@@ -22,7 +22,7 @@ keyword and a ``data.chat_template`` holding ``{{`` or ``{%`` is an inline templ
 """
 
 from nxd_finetune.recipe.checks import check_against_model
-from nxd_finetune.recipe.loading import PATH_KEYS, load_recipe, recipe_from_dict, resolve_path
+from nxd_finetune.recipe.loading import PATH_KEYS, is_uri, load_recipe, recipe_from_dict, resolve_path
 from nxd_finetune.recipe.sections import (
     FORMAT_FIELDS,
     CheckpointSection,
@@ -53,6 +53,7 @@ __all__ = [
     "Recipe",
     "TrainingSection",
     "check_against_model",
+    "is_uri",
     "load_recipe",
     "recipe_from_dict",
     "resolve_path",

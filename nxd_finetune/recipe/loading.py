@@ -27,13 +27,15 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://|builtin:)")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recipe:
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = (), base_dir: str | None = None) -> Recipe:
     """Read a YAML recipe, apply ``key.path=value`` overrides (values parsed as YAML), validate.
 
     Relative paths in the file resolve against its directory, those in overrides against the
     current directory (see the module docstring). ``builtin:quickstart`` names the recipe shipped in
-    the package (:mod:`nxd_finetune.assets`). Raises RecipeError (one line) for a missing or
-    unparsable file, a malformed override and every validation failure.
+    the package (:mod:`nxd_finetune.assets`). ``base_dir``: resolve the file's relative paths against
+    it instead (the recipe's directory as another machine sees it: a cluster's pods). Raises
+    RecipeError (one line) for a missing or unparsable file, a malformed override and every
+    validation failure.
     """
     file = builtin_recipe(str(path)) or Path(path)
     if not file.is_file():
@@ -50,7 +52,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(f"{file}: the top level must be a mapping of sections, got {type(data).__name__}")
-    data = _resolve_paths(data, file.resolve().parent)
+    data = _resolve_paths(data, Path(base_dir) if base_dir else file.resolve().parent)
     parsed = [_parse_override(text) for text in overrides]
     cwd = Path.cwd()
     for keys, value, text in parsed:
@@ -102,9 +104,14 @@ def _set_path(data: dict, keys: list[str], value: Any, text: str) -> None:
     node[keys[-1]] = value
 
 
+def is_uri(value: str) -> bool:
+    """Whether a path value is a URI with a scheme (``s3://``, ``hf://``) or a ``builtin:`` name, not a file."""
+    return bool(_SCHEME.match(value))
+
+
 def resolve_path(value: str, base: Path) -> str:
     """``value`` made absolute against ``base``; URIs with a scheme and ``builtin:`` unchanged."""
-    if _SCHEME.match(value):
+    if is_uri(value):
         return value
     p = Path(value).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)

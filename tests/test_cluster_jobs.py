@@ -1,0 +1,195 @@
+"""The ``nxd-finetune k8s`` jobs against what their pods will run: the precompile job traces the
+training job's per-rank layout (every shipped recipe, several node counts), the compile cache and
+the recipe's paths on the shared volume, the restart-safe store variable in every generated spec."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nxd_finetune import neuron
+from nxd_finetune.cli import main
+from nxd_finetune.cluster.components import finetune
+from nxd_finetune.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
+STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def k8s(capsys, *args: str) -> tuple[list[dict], str]:
+    """``nxd-finetune k8s ARGS``: the manifests written and stderr (warnings)."""
+    try:
+        main(["k8s", *args])
+    except SystemExit as e:  # typer exits 0 after a command
+        assert e.code in (0, None), capsys.readouterr().err
+    out = capsys.readouterr()
+    return list(yaml.safe_load_all(out.out)), out.err
+
+
+def pods(doc: dict) -> list[dict]:
+    """The container of every pod a manifest starts (PyTorchJob replicas counted)."""
+    if doc["kind"] == "Job":
+        return [doc["spec"]["template"]["spec"]["containers"][0]]
+    return [spec["template"]["spec"]["containers"][0] for spec in doc["spec"]["pytorchReplicaSpecs"].values()
+            for _ in range(spec["replicas"])]
+
+
+def rank_layout(recipe_file: Path, run_args: list[str], world: int | None) -> dict:
+    """What every rank of ``nxd_finetune run RECIPE OVERRIDES`` runs, loaded as the CLI loads it
+    (under torchrun ``parallel.nproc`` is the world, unless an override sets it)."""
+    overrides = run_args[1:]
+    if world is not None and not any(o.startswith("parallel.nproc=") for o in overrides):
+        overrides = [f"parallel.nproc={world}", *overrides]
+    r = load_recipe(recipe_file, overrides)
+    p, t = r.parallel, r.training
+    return {"nproc": p.nproc, "tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages,
+            "zero1": p.zero1, "sequence_parallel": p.sequence_parallel, "micro_batch": t.micro_batch_size,
+            "grad_accum": t.grad_accum_steps(p.dp), "max_seq_len": r.data.max_seq_len, "packing": r.data.packing,
+            "precision": t.precision, "checkpointing": p.activation_checkpointing,
+            "lora": r.lora.model_dump() if r.lora else None, "neuron": r.neuron.model_dump()}
+
+
+def torchrun_layout(recipe_file: Path, argv: list[str]) -> dict:
+    """The rank layout of a pod running ``torchrun ... -m nxd_finetune run ...``."""
+    world = int(argv[argv.index("--nnodes") + 1]) * int(argv[argv.index("--nproc-per-node") + 1])
+    run = argv.index("run", argv.index("-m"))
+    return rank_layout(recipe_file, argv[run + 1:], world)
+
+
+@pytest.fixture
+def standin_compiler(tmp_path, monkeypatch) -> Path:
+    """``neuron_parallel_compile`` on PATH writing the command it wraps, one argument a line (the
+    Neuron SDK is not here; ``nxd-finetune precompile`` hands it the run it would trace)."""
+    record = tmp_path / "wrapped.txt"
+    tool = tmp_path / "bin" / neuron.PARALLEL_COMPILE
+    tool.parent.mkdir()
+    tool.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {shlex.quote(str(record))}\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr(neuron, "neuron_available", lambda: True)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
+def precompile_layout(recipe_file: Path, doc: dict, capsys, record: Path) -> dict:
+    """The rank layout the precompile manifest traces: a PyTorchJob's torchrun line, or the run the
+    one-node Job's ``nxd-finetune precompile`` starts (through the CLI, with the stand-in compiler)."""
+    (container, *others) = pods(doc)
+    argv = container["command"] + container["args"]
+    assert all(c["command"] + c["args"] == argv for c in others)
+    if doc["kind"] == "PyTorchJob":
+        assert argv[0] == neuron.PARALLEL_COMPILE
+        return torchrun_layout(recipe_file, argv[1:])
+    assert argv[:2] == ["nxd-finetune", "precompile"]
+    with pytest.raises(SystemExit) as e:
+        main(argv[1:])
+    assert e.value.code in (0, None), capsys.readouterr().err
+    capsys.readouterr()
+    wrapped = record.read_text().splitlines()  # python -m nxd_finetune run RECIPE ...
+    assert wrapped[1:4] == ["-m", "nxd_finetune", "run"]
+    return rank_layout(recipe_file, wrapped[4:], None)  # `run` starts parallel.nproc processes itself
+
+
+CASES = [(path, nodes, []) for path in SHIPPED for nodes in (1, 2, 4, 8)
+         if load_recipe(path).parallel.nproc % nodes == 0]
+CASES += [(ROOT / "recipes" / "quickstart.yaml", 2, ["parallel.nproc=8", "parallel.tp=2",
+                                                     "training.global_batch_size=32", "training.grad_accum=null"])]
+
+
+@pytest.mark.parametrize("recipe, nodes, overrides", CASES,
+                         ids=[f"{p.stem}-{n}node{'-' + str(len(o)) + 'ov' if o else ''}" for p, n, o in CASES])
+def test_precompile_traces_the_training_layout(recipe, nodes, overrides, capsys, standin_compiler):
+    common = [str(recipe), *overrides, "--nodes", str(nodes), "--pvc", "fsx-claim"]
+    (train,), _ = k8s(capsys, "pytorchjob", *common)
+    (pre,), _ = k8s(capsys, "precompile-job", *common, "--steps", "2")
+    train_pods, pre_pods = pods(train), pods(pre)
+    assert len(train_pods) == len(pre_pods) == nodes
+    train_argv = train_pods[0]["command"] + train_pods[0]["args"]
+    expected = torchrun_layout(recipe, train_argv)
+    assert expected["nproc"] == load_recipe(recipe, overrides).parallel.nproc
+    assert precompile_layout(recipe, pre, capsys, standin_compiler) == expected
+    for key in ("resources", "env"):  # same devices and the same Neuron variables (compile cache included)
+        assert pre_pods[0][key] == train_pods[0][key]
+
+
+# ----------------------------------------------------------------------------- the shared volume
+
+RECIPE = """\
+model: {path: /models/llama}
+data: {train: data/train.jsonl, eval: /fsx/data/eval.jsonl, format: messages}
+training: {device: xla, precision: bf16, max_steps: 10}
+parallel: {nproc: 8, tp: 8}
+output: {dir: /outputs/sft}
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    path = tmp_path / "sft.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+def env_of(doc: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in pods(doc)[0]["env"]}
+
+
+def test_the_compile_cache_goes_on_the_volume_and_unseen_paths_are_named(capsys, recipe):
+    (job,), err = k8s(capsys, "pytorchjob", str(recipe), "--pvc", "fsx-claim", "--recipe-path", "/fsx/r/sft.yaml")
+    argv = pods(job)[0]["command"] + pods(job)[0]["args"]
+    assert argv[-1] == "neuron.compile_cache=/fsx/neuron-cache"  # the workers' recipe says it too
+    assert "--cache_dir=/fsx/neuron-cache" in shlex.split(env_of(job)["NEURON_CC_FLAGS"])
+    # data/train.jsonl lies beside the recipe in the pods: /fsx/r/data/train.jsonl, on the volume
+    assert err.splitlines() == [
+        f"warning: {key}={path} is not on the shared volume (fsx-claim at /fsx): the pods cannot share it; "
+        "put it under the mount or into the image" for key, path in (("model.path", "/models/llama"),
+                                                                    ("output.dir", "/outputs/sft"))]
+    # the recipe given as a relative path: its data/ is relative to the image's working directory
+    _, err = k8s(capsys, "pytorchjob", str(recipe), "--pvc", "fsx-claim", "--recipe-path", "sft.yaml",
+                 "output.dir=/fsx/out", "model.path=s3://models/llama")
+    assert [line.split(" is not")[0] for line in err.splitlines()] == [f"warning: data.train={recipe.parent}/data/"
+                                                                      "train.jsonl"]
+    (pre,), err = k8s(capsys, "precompile-job", str(recipe), "--pvc", "fsx-claim", "--mount-path", "/", "--name",
+                      "pre")
+    assert "--cache_dir=/neuron-cache" in env_of(pre)["NEURON_CC_FLAGS"] and err == ""
+
+
+def test_a_compile_cache_off_the_volume(capsys, recipe):
+    args = [str(recipe), "neuron.compile_cache=/var/tmp/cache", "--pvc", "fsx-claim", "output.dir=/fsx/o",
+            "model.path=/fsx/m", "--recipe-path", "/fsx/sft.yaml"]
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "precompile-job", *args])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: neuron.compile_cache=/var/tmp/cache is not on the shared volume (fsx-claim at /fsx), so the training "
+        "pods cannot read what precompile compiles; set it under the mount or leave it unset\n")
+    (job,), err = k8s(capsys, "pytorchjob", *args)  # training alone still runs: warned
+    assert err.startswith("warning: neuron.compile_cache=/var/tmp/cache is not on the shared volume")
+    assert len(err.splitlines()) == 1 and "--cache_dir=/var/tmp/cache" in env_of(job)["NEURON_CC_FLAGS"]
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "precompile-job", str(recipe)])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: the precompile job needs a shared volume for the compile cache (--pvc CLAIM): on a pod's own disk "
+        "the graphs are lost with the pod\n")
+
+
+# ----------------------------------------------------------------------------- restarts across nodes
+
+
+def test_every_generated_spec_sets_the_restart_safe_store(capsys, recipe):
+    docs = [k8s(capsys, "pytorchjob", str(recipe), "--nodes", n, "--accelerator", a)[0][0]
+            for n in ("1", "2") for a in ("neuron", "gpu", "cpu")]
+    docs += [k8s(capsys, "precompile-job", str(recipe), "--nodes", n, "--pvc", "c", "--mount-path", "/")[0][0]
+             for n in ("1", "2")]
+    for doc in docs:
+        for container in pods(doc):
+            assert {e["name"]: e["value"] for e in container["env"]}[STORE_ENV] == "1"
+    for nnodes, restarts in ((1, 0), (2, 0), (2, 3)):
+        app = finetune(recipe=str(recipe), nnodes=nnodes, nproc_per_node=8 // nnodes, max_restarts=restarts)
+        assert app.roles[0].env[STORE_ENV] == "1"
+        app = finetune(recipe="/not/here.yaml", nnodes=nnodes, max_restarts=restarts)  # recipe unreadable here
+        assert app.roles[0].env[STORE_ENV] == "1"
