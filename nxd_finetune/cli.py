@@ -231,6 +231,9 @@ def _mount_subcommands() -> None:
     from nxd_finetune.cluster.cli import k8s_app
 
     app.add_typer(k8s_app, name="k8s", help="Write Kubernetes manifests for a recipe (PyTorchJob, precompile Job).")
+    from nxd_finetune.nxdt.cli import import_app
+
+    app.add_typer(import_app, name="import", help="Import NxD Training YAML configs and sharded checkpoints.")
 
 
 _mount_subcommands()

@@ -1,0 +1,139 @@
+"""Finding and reading NxD's sharded checkpoints, as ``neuronx_distributed/trainer/checkpoint.py``
+writes them::
+
+    <dir>/<tag>/checkpoint                          marker: a checkpoint directory
+    <dir>/<tag>/done                                marker: the save completed
+    <dir>/<tag>/model/dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt        one per tp x pp rank
+    <dir>/<tag>/model/dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt.tensors/tensor_N.pt   (save_xser only)
+    <dir>/<tag>/optim/..., scheduler.pt, user_content.pt         (not read)
+
+A ``.pt`` file is read with ``torch.load(weights_only=True)`` only. With ``save_xser`` the model
+file holds ``torch_xla``'s ``TensorReference(tid)`` objects in place of tensors, each tensor in
+``<file>.tensors/tensor_<tid>.pt``: the one class allowed beyond tensors and containers is a
+stand-in with that class's name, which holds the id and nothing else. Anything else that needs
+a full unpickler is refused with one line.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_finetune.errors import ModelLoadError
+
+SHARD = re.compile(r"^dp_rank_(\d+)(_ep_rank_\d+)?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+DONE, MARKER = "done", "checkpoint"
+
+
+class TensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``: the id of a tensor that
+    ``xser.save`` wrote to ``tensor_<tid>.pt``. Allowed by name in the weights-only unpickler."""
+
+    tid: int
+
+
+TensorReference.__module__ = "torch_xla.utils.serialization"
+
+
+def find_tag(path: str | Path) -> Path:
+    """The checkpoint (tag) directory for ``path``: a tag directory, its ``model/`` directory, or
+    a checkpoint root holding tags (the newest complete one, as NxD's ``load_checkpoint`` picks).
+    Raises ModelLoadError when there is none or the tag has no ``done`` marker."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"NxD checkpoint directory not found: {p}")
+    if p.name == "model" and any(SHARD.match(f.name) for f in p.iterdir()):
+        p = p.parent
+    if not (p / "model").is_dir():
+        tags = [d for d in p.iterdir() if d.is_dir() and (d / "model").is_dir()]
+        done = sorted((d for d in tags if (d / DONE).is_file()), key=lambda d: ((d / DONE).stat().st_mtime, d.name))
+        if not done:
+            what = f"{len(tags)} checkpoint(s) without a 'done' marker" if tags else "no <tag>/model/ directory"
+            raise ModelLoadError(f"{p} holds no complete NxD checkpoint ({what})")
+        p = done[-1]
+    if not (p / DONE).is_file():
+        raise ModelLoadError(f"{p} is an incomplete NxD checkpoint: no 'done' marker (the save did not finish)")
+    return p
+
+
+def shard_files(tag: Path) -> dict[tuple[int, int], Path]:
+    """(tp_rank, pp_rank) -> model file of ``tag``; every rank of the tp x pp grid must be there."""
+    found: dict[tuple[int, int], Path] = {}
+    for f in sorted((tag / "model").iterdir()):
+        m = SHARD.match(f.name)
+        if not m:
+            continue
+        if m.group(2):
+            raise ModelLoadError(f"{f.name}: expert-parallel (MoE) checkpoints are not supported")
+        if int(m.group(1)) != 0:
+            continue  # model files are written by dp rank 0
+        found[(int(m.group(3)), int(m.group(4)))] = f
+    if not found:
+        raise ModelLoadError(f"{tag / 'model'} holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt file")
+    tp = 1 + max(t for t, _ in found)
+    pp = 1 + max(p for _, p in found)
+    missing = [f"tp_rank_{t:02d}_pp_rank_{p:02d}" for t in range(tp) for p in range(pp) if (t, p) not in found]
+    if missing:
+        raise ModelLoadError(f"{tag / 'model'} misses {len(missing)} of its {tp}x{pp} shards, first {missing[0]}")
+    return found
+
+
+def grid(files: Mapping[tuple[int, int], Path]) -> tuple[int, int]:
+    """(tp, pp) sizes of a complete shard grid."""
+    return 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+
+
+def _load(file: Path) -> Any:
+    try:
+        with torch.serialization.safe_globals([TensorReference]):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "Unsupported" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
+        raise ModelLoadError(f"{file}: needs a full unpickler, which is never used on checkpoints "
+                             f"(only tensors and plain containers are read): {first}") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise ModelLoadError(f"{file}: unreadable ({' '.join(str(e).split())[:200]})") from None
+
+
+def _resolve_refs(obj: Any, folder: Path) -> Any:
+    if isinstance(obj, TensorReference):
+        t = _load(folder / f"tensor_{obj.tid}.pt")
+        if not isinstance(t, torch.Tensor):
+            raise ModelLoadError(f"{folder}/tensor_{obj.tid}.pt does not hold a tensor")
+        return t
+    if isinstance(obj, dict):
+        return {k: _resolve_refs(v, folder) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_resolve_refs(v, folder) for v in obj)
+    return obj
+
+
+def read_shard(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """One rank's model file: (tensors by NxD name, the ``lora_config`` dict NxD's LoRA saves
+    beside an adapter, or None). A file written with ``save_xser`` has its tensors read from the
+    ``.tensors`` folder beside it. A state dict nested under ``model`` (the converter's
+    ``--model_key``) is unwrapped."""
+    obj = _load(file)
+    folder = file.with_name(file.name + ".tensors")
+    if folder.is_dir():
+        obj = _resolve_refs(obj, folder)
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and not any(
+            isinstance(v, torch.Tensor) for v in obj.values()):
+        obj = obj["model"]
+    if not isinstance(obj, dict):
+        raise ModelLoadError(f"{file}: expected a state dict, found {type(obj).__name__}")
+    lora_config = obj.pop("lora_config", None)
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in obj.items():
+        if not isinstance(v, torch.Tensor):
+            raise ModelLoadError(f"{file}: entry {k!r} is a {type(v).__name__}, not a tensor")
+        tensors[str(k)] = v
+    if lora_config is not None and not isinstance(lora_config, dict):
+        raise ModelLoadError(f"{file}: lora_config is a {type(lora_config).__name__}, not a mapping")
+    return tensors, lora_config
