@@ -5,6 +5,8 @@ corrupted versions and cached copies, the base-model check. tests/vllm/ runs it 
 from __future__ import annotations
 
 import json
+import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.registry import IntegrityError, RegistryError, open_registry, push, remove
-from nxd_finetune.serve.lora_cache import AdapterCache, Selector, parse_selector
+from nxd_finetune.serve.lora_cache import AdapterCache, Selector, WrongBaseError, parse_selector, read_selector
 from tests.registry_helpers import make_adapter
 
 BUCKET = "nxd-test"
@@ -27,6 +29,7 @@ def with_config_hash(path: Path, config_hash: str) -> Path:
 
 
 def corrupt(path: Path) -> None:
+    path.chmod(0o644)  # cached copies are read-only (root writes anyway)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # same size, other content
     path.write_bytes(bytes(data))
@@ -39,6 +42,12 @@ def test_parse_selector():
     assert parse_selector("bot@latest") == Selector("bot")
     for other in ("", "org/model", "/abs/path", "bot:x", "bot:0", "../bot", "bad name"):
         assert parse_selector(other) is None, other
+    for text, reason in (("org/model", "'org/model' is not a registry adapter name: expected NAME, NAME:VERSION"),
+                         ("bot:0", "invalid version '0': versions are integers"),
+                         ("bad name", "invalid adapter name 'bad name'"), ("bot@", "invalid tag ''")):
+        with pytest.raises(RegistryError) as e:
+            read_selector(text)
+        assert str(e.value).startswith(reason), (text, str(e.value))
 
 
 def test_from_env(tmp_path):
@@ -99,24 +108,16 @@ def test_corrupted_version_is_refused_and_not_cached(moto_s3, tmp_path):
     assert not [p for p in cache_dir.rglob("*") if p.is_file()]  # nothing cached, no partial copy
 
 
-def test_cached_copy_is_reused_rechecked_and_never_stale(tmp_path):
+def test_cached_copy_is_reused_read_only_and_never_stale(tmp_path):
     reg = str(tmp_path / "reg")
     push(make_adapter(tmp_path / "a"), f"{reg}/bot")
     cache = AdapterCache([reg], tmp_path / "cache")
     first = cache.fetch("bot:1")
-    stamp = (first.path / "adapter_model.safetensors").stat().st_mtime_ns
+    weights = first.path / "adapter_model.safetensors"
+    assert {stat.S_IMODE(f.stat().st_mode) for f in first.path.iterdir()} == {0o444}  # not writable in place
+    stamp = weights.stat().st_mtime_ns
     assert cache.fetch("bot:1").path == first.path
-    assert (first.path / "adapter_model.safetensors").stat().st_mtime_ns == stamp  # not pulled again
-
-    corrupt(first.path / "adapter_model.safetensors")  # altered in the cache: pulled again
-    again = cache.fetch("bot:1")
-    assert again.path == first.path
-    assert json.loads((again.path / "manifest.json").read_text())["files"] == (
-        open_registry(reg).show("bot", 1).manifest["files"]
-    )
-    assert (again.path / "adapter_model.safetensors").read_bytes() == (
-        tmp_path / "a/adapter_model.safetensors"
-    ).read_bytes()
+    assert weights.stat().st_mtime_ns == stamp  # not pulled again
 
     # version 1 published again with other content (as a registry that reused numbers could):
     # the cache holds copies by content, so it fetches a new one
@@ -133,6 +134,62 @@ def test_cached_copy_is_reused_rechecked_and_never_stale(tmp_path):
     assert other.path != first.path and (other.path / "adapter_model.safetensors").read_bytes() == (
         tmp_path / "b/adapter_model.safetensors"
     ).read_bytes()
+    assert weights.read_bytes() == (tmp_path / "a/adapter_model.safetensors").read_bytes()  # the old copy stays
+
+
+def test_an_altered_copy_is_left_in_place_and_replaced_under_a_new_path(tmp_path):
+    """A server may read a copy again at any time: an altered one is never removed or rewritten."""
+    reg = str(tmp_path / "reg")
+    src = make_adapter(tmp_path / "a")
+    push(src, f"{reg}/bot")
+    cache = AdapterCache([reg], tmp_path / "cache")
+    first = cache.fetch("bot:1").path
+    corrupt(first / "adapter_model.safetensors")
+    altered = (first / "adapter_model.safetensors").read_bytes()
+
+    again = cache.fetch("bot:1").path
+    assert again == first.with_name(first.name + ".1")
+    assert (again / "adapter_model.safetensors").read_bytes() == (src / "adapter_model.safetensors").read_bytes()
+    assert (first / "adapter_model.safetensors").read_bytes() == altered
+    assert cache.fetch("bot:1").path == again  # the first verified copy, not a third one
+    # a load of the path handed out first reads the replacement, in this process or any other
+    for loader in (cache, AdapterCache([reg], tmp_path / "cache")):
+        assert loader.ensure(first) == again
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, again.name]  # no temp dir left
+
+
+def test_ensure_pulls_a_copy_removed_by_hand_again(moto_s3, tmp_path):
+    s3 = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    src = make_adapter(tmp_path / "a")
+    push(src, f"{s3}/bot")
+    cache_dir = tmp_path / "cache"
+    path = AdapterCache([s3], cache_dir).fetch("bot").path
+    assert AdapterCache([s3], cache_dir).ensure(path) == path  # intact: the same path
+    shutil.rmtree(cache_dir)  # rm -rf of the cache while a server holds the path
+
+    loader = AdapterCache([s3], cache_dir)  # as in the engine process: nothing in memory
+    assert loader.ensure(path) == path
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (path / name).read_bytes() == (src / name).read_bytes()
+    outside = make_adapter(tmp_path / "elsewhere")
+    assert loader.ensure(outside) == outside  # not a cached copy: not this cache's business
+
+
+def test_ensure_refuses_what_the_registry_cannot_give_again(tmp_path):
+    reg = str(tmp_path / "reg")
+    push(make_adapter(tmp_path / "a"), f"{reg}/bot")
+    push(make_adapter(tmp_path / "b", seed=1), f"{reg}/bot")
+    cache_dir = tmp_path / "cache"
+    cache = AdapterCache([reg], cache_dir)
+    v1, v2 = cache.fetch("bot:1").path, cache.fetch("bot:2").path
+
+    corrupt(v1 / "adapter_model.safetensors")
+    remove(f"{reg}/bot:1")
+    with pytest.raises(RegistryError, match=r"bot:1 does not exist"):
+        cache.ensure(v1)
+    corrupt(v2 / "adapter_model.safetensors")
+    with pytest.raises(IntegrityError, match="came from a registry this cache is not given"):
+        AdapterCache([str(tmp_path / "other")], cache_dir).ensure(v2)
 
 
 def test_base_model_check(tmp_path, tiny_llama_dir, make_tiny_hf):
@@ -143,6 +200,6 @@ def test_base_model_check(tmp_path, tiny_llama_dir, make_tiny_hf):
     assert cache.fetch("bot", base_model=str(tiny_llama_dir)).version == 1
     assert cache.fetch("bot", base_model="org/some-hub-model").version == 1  # not a local directory: not checked
     other_dir = make_tiny_hf("llama", num_hidden_layers=3)[1]
-    with pytest.raises(RegistryError, match=f"does not fit the served base {other_dir}: the adapter was trained on a "
+    with pytest.raises(WrongBaseError, match=f"does not fit the served base {other_dir}: the adapter was trained on a "
                        f"base with config hash {right}"):
         cache.fetch("bot", base_model=str(other_dir))

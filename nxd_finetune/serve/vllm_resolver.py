@@ -11,32 +11,54 @@ dependency of nxd-finetune. With ``NXD_FINETUNE_LORA_REGISTRY`` set, :func:`regi
 serves a request whose ``model`` is ``NAME``, ``NAME:VERSION`` or ``NAME@TAG``: vLLM asks its
 resolvers for an adapter of that name, this one pulls the version into the local cache (every
 file's sha256 checked against the version's manifest, see :mod:`nxd_finetune.serve.lora_cache`)
-and returns a ``LoRARequest`` for the copy. vLLM keeps a resolved adapter under the name it was
-asked for, so a bare ``NAME`` stays the version that was latest at its first request; ask for
-``NAME:VERSION`` to pin one.
+and returns a ``LoRARequest`` for the copy.
 
-A version whose stored files do not match its manifest, an unknown version or tag, an adapter
-trained on another base and an unreadable registry are refused: the resolver logs the one-line
-reason and answers None, so the client gets vLLM's "model does not exist" (404) and nothing is
-cached or loaded.
+What vLLM 0.32's interface leaves to it, and what this module does about it:
+
+- vLLM asks resolvers only for a name it has not loaded, keeps the answer under that name until
+  ``POST /v1/unload_lora_adapter`` removes it, and numbers (slots) adapters by name. So ``NAME``
+  and ``NAME@TAG`` stay the version they named at their first request, and ``NAME``, ``NAME@TAG``
+  and ``NAME:VERSION`` naming one version take one slot each (the README says how to unload).
+- vLLM keeps only the copy's path, and reads the files again from it in its engine process when it
+  loads an adapter it had evicted from its CPU cache. :func:`register` therefore wraps vLLM's
+  ``WorkerLoRAManager._load_adapter`` (in the engine processes it is loaded into) so that every
+  load of a cached copy checks its files first (:meth:`AdapterCache.ensure`) and reads a verified
+  copy: an altered file or a cache removed by hand is pulled again from the registry instead of
+  being served or taking the engine down. Where that method is missing (another vLLM), one warning
+  says the check is off; the copies' files are read-only and never removed either way.
+- The reason a name is refused reaches the client: a registry answer that is not a servable
+  adapter raises a vLLM client error, which vLLM's API server turns into the HTTP status and
+  message (404: no such name, version or tag, or not a registry name; 400: a version that fails
+  its check or was trained on another base; 503: a registry that cannot be read). A name that is
+  not a registry name, or that no registry holds, is left to the resolvers registered after this
+  one (None) when there are any. The server log has the reason in one line either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+from http import HTTPStatus
+from pathlib import Path
 
+import msgspec
+from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMError, VLLMNotFoundError
 from vllm.logger import init_logger
+from vllm.lora.lora_model import LoRAModel
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
+from vllm.lora.worker_manager import WorkerLoRAManager
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.serve.lora_cache import ENV_REGISTRY, AdapterCache
+from nxd_finetune.registry.errors import IntegrityError, RegistryError
+from nxd_finetune.serve.lora_cache import ENV_REGISTRY, AdapterCache, WrongBaseError, read_selector
 
 RESOLVER_NAME = "nxd-finetune registry"
 
 # under "vllm." so that vLLM's logging configuration (handlers, format, VLLM_LOGGING_LEVEL) applies
 logger = init_logger("vllm.plugins.nxd_finetune")
+
+_vllm_load_adapter = getattr(WorkerLoRAManager, "_load_adapter", None)
+_load_cache: AdapterCache | None = None  # the cache whose copies every load checks (this process's)
 
 
 class RegistryLoRAResolver(LoRAResolver):
@@ -46,28 +68,79 @@ class RegistryLoRAResolver(LoRAResolver):
         self.cache = cache
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
-        """The ``LoRARequest`` for the cached copy of ``lora_name`` (``NAME[:VERSION|@TAG]``), or None
-        when no registry holds it or it is refused (the reason is logged)."""
+        """The ``LoRARequest`` for a verified cached copy of ``lora_name`` (``NAME[:VERSION|@TAG]``).
+
+        None when ``lora_name`` is not a registry name or no registry holds it and another resolver
+        comes after this one; otherwise a refusal raises the :class:`vllm.exceptions.VLLMError` whose
+        status and message vLLM's API server answers with (see the module docstring)."""
         try:
             found = await asyncio.to_thread(self.cache.fetch, lora_name, base_model_name)
         except NxdError as e:
             logger.error("nxd-finetune registry: refused LoRA adapter %r: %s", lora_name, e)
-            return None
+            raise client_error(e, self.cache.registries) from None
         if found is None:
-            return None
+            try:
+                read_selector(lora_name)
+                reason = f"no adapter {lora_name.partition('@')[0].partition(':')[0]!r} in the served registries"
+            except RegistryError as e:
+                reason = str(e)
+            logger.info("nxd-finetune registry: not serving %r: %s", lora_name, reason)
+            if not _last_resolver():
+                return None
+            raise VLLMNotFoundError(f"The model `{lora_name}` does not exist: {reason}.")
         logger.info("nxd-finetune registry: serving %r as %s from %s", lora_name, found.ref, found.path)
         # vLLM assigns its own id when it loads a resolved adapter; this one is only a valid placeholder
-        lora_id = int(hashlib.sha256(found.ref.encode()).hexdigest()[:8], 16) + 1
-        return LoRARequest(
-            lora_name=lora_name, lora_int_id=lora_id, lora_path=str(found.path), base_model_name=base_model_name
-        )
+        return LoRARequest(lora_name=lora_name, lora_int_id=1, lora_path=str(found.path),
+                           base_model_name=base_model_name)
+
+
+def client_error(e: NxdError, registries: list[str]) -> VLLMError:
+    """The vLLM error a refusal answers with: 503 for a registry that cannot be read, 400 for a
+    version that fails its check or does not fit the base, 404 for an unknown version or tag. The
+    message leaves out registry locations (the server log has them)."""
+    message = str(e)
+    for uri in sorted(registries, key=len, reverse=True):
+        message = message.replace(uri.rstrip("/") + "/", "")
+    if not isinstance(e, RegistryError):
+        return GracefulHTTPError(f"the adapter registry cannot be read: {message}", HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(e, (IntegrityError, WrongBaseError)):
+        return VLLMClientError(f"LoRA adapter refused: {message}")
+    return VLLMNotFoundError(message)
+
+
+def _last_resolver() -> bool:
+    """No resolver is registered after this one (vLLM asks them in registration order)."""
+    names = list(LoRAResolverRegistry.get_supported_resolvers())
+    return bool(names) and names[-1] == RESOLVER_NAME
+
+
+def _checked_load_adapter(self: WorkerLoRAManager, lora_request: LoRARequest) -> LoRAModel:
+    """vLLM's ``WorkerLoRAManager._load_adapter``, reading a verified copy of a cached adapter."""
+    assert _vllm_load_adapter is not None
+    if _load_cache is not None:
+        try:
+            path = _load_cache.ensure(Path(lora_request.lora_path))
+        except NxdError as e:
+            logger.error("nxd-finetune registry: cannot load LoRA adapter %r again: %s", lora_request.lora_name, e)
+            raise
+        if str(path) != lora_request.lora_path:
+            lora_request = msgspec.structs.replace(lora_request, lora_path=str(path))
+    return _vllm_load_adapter(self, lora_request)
 
 
 def register() -> None:
-    """vLLM's plugin hook: register :class:`RegistryLoRAResolver` when ``NXD_FINETUNE_LORA_REGISTRY``
-    is set (vLLM calls it in every process it starts; registering again replaces the instance)."""
+    """vLLM's plugin hook: register :class:`RegistryLoRAResolver` and check every load of a cached
+    copy, when ``NXD_FINETUNE_LORA_REGISTRY`` is set (vLLM calls it in every process it starts;
+    registering again replaces the instance)."""
+    global _load_cache
     cache = AdapterCache.from_env()
     if cache is None:
         logger.debug("nxd-finetune registry LoRA resolver not enabled: %s is not set", ENV_REGISTRY)
         return
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, RegistryLoRAResolver(cache))
+    _load_cache = AdapterCache(cache.registries, cache.cache_dir)  # the engine's loads: their own instance
+    if _vllm_load_adapter is None:
+        logger.warning("nxd-finetune registry: this vLLM has no WorkerLoRAManager._load_adapter; an adapter "
+                       "evicted and loaded again is read from its cached copy without a check")
+    else:
+        WorkerLoRAManager._load_adapter = _checked_load_adapter  # type: ignore[method-assign]
