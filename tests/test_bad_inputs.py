@@ -72,6 +72,17 @@ CASES = {
     "tp does not divide heads": lambda t: (["validate", QUICKSTART, "parallel.nproc=3", "parallel.tp=3"], "tp"),
     "sequence parallel without tp": lambda t: (["validate", QUICKSTART, "parallel.sequence_parallel=true"],
                                                "sequence_parallel"),
+    "yaml alias bomb": lambda t: (["validate", _recipe(t, _alias_bomb("  lr: "))], "nested aliases"),
+    "yaml alias bomb in an override": lambda t: (["validate", QUICKSTART, _alias_bomb("training.lr=")],
+                                                 "nested aliases"),
+    "yaml nested 50000 deep": lambda t: (["validate", _recipe(t, "model:\n  path: " + "[" * 50000 + "]" * 50000)],
+                                         "nested deeper than"),
+    "lr infinite": lambda t: (["validate", QUICKSTART, "training.lr=.inf"], "training.lr must be a finite number"),
+    "lr nan": lambda t: (["validate", QUICKSTART, "training.lr=.nan"], "training.lr must be a finite number"),
+    "alpha infinite": lambda t: (["validate", QUICKSTART, "lora.alpha=.inf"], "lora.alpha must be a finite number"),
+    "epochs infinite": lambda t: (["validate", QUICKSTART, "training.max_steps=null", "training.epochs=.inf"],
+                                  "training.epochs must be a finite number"),
+    "beta nan": lambda t: (["validate", QUICKSTART, "training.betas=[0.9, .nan]"], "training.betas[1]"),
     "resume and no-resume": lambda t: (["run", QUICKSTART, "--resume", "x", "--no-resume"], "--no-resume"),
     "bad checkpoint module": lambda t: (["run", QUICKSTART, *SHORT, f"output.dir={t / 'out'}",
                                          "parallel.activation_checkpointing=selective",
@@ -114,6 +125,14 @@ CASES = {
     "show unknown name": lambda t: (["adapters", "show", f"{t}/reg/nobody"], "nobody"),
     "tag missing version": lambda t: (["adapters", "tag", f"{t}/reg/bot:3", "prod"], "bot"),
 }
+
+
+def _alias_bomb(prefix: str) -> str:
+    """A "billion laughs": nine levels of ten aliases, 10^9 values once expanded (a few hundred bytes)."""
+    levels = ["x0: &x0 [a, a, a, a, a, a, a, a, a, a]"]
+    levels += [f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 10)}]" for i in range(1, 9)]
+    value = "{" + ", ".join(levels) + "}"
+    return f"training:\n{prefix}{value}\n" if prefix.startswith(" ") else prefix + value
 
 
 def _model_dir(tmp: Path, config: dict | None) -> Path:

@@ -4,6 +4,7 @@ closest valid key for a typo (aliases from other trainers first), the expected t
 from __future__ import annotations
 
 import difflib
+import reprlib
 import types
 import typing
 from collections.abc import Sequence
@@ -33,8 +34,14 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    """``repr(value)`` in at most 60 characters, built with ``reprlib`` so that a huge value (a
+    long list, a structure of shared references) is never rendered whole."""
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -110,6 +117,8 @@ def _describe_one(e: Any, data: dict, root: type[BaseModel]) -> tuple[list[str],
     if kind in _BOUNDS:
         bound = e["ctx"][_BOUND_CTX[kind]]
         return path, f"{dotted}{index} must be {_BOUNDS[kind]} {bound}, got {_short(e['input'])}"
+    if kind == "finite_number":
+        return path, f"{dotted}{index} must be a finite number, got {_short(e['input'])}"
     if kind == "too_short":
         return path, f"{dotted} must not be empty"
     expected = _describe_type(field.annotation) if field is not None else "a mapping"

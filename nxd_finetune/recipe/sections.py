@@ -26,7 +26,8 @@ FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no recipe number means anything as inf or nan (training.lr=.inf trained NaN until a save failed)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSection(_Section):
