@@ -12,7 +12,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from nxd_finetune.registry import open_registry, pull, push
+from nxd_finetune.registry import Registry, open_registry, pull, push
 from nxd_finetune.registry.cli import adapters_app
 from nxd_finetune.registry.gc import collect
 from tests.registry_helpers import killed_push, make_adapter, s3_client, same_files, worker_env
@@ -166,3 +166,87 @@ def test_tag_racing_rm_never_leaves_a_dangling_tag(reg_uri, tmp_path):
     assert reg.list_tags("bot") == {}, "a tag outlived its version"
     for _i, outcome in tagged:  # a refused tag says why in one line
         assert outcome == "ok" or "removed" in outcome or "does not exist" in outcome, outcome
+
+
+_SLOW_PUSH_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import nxd_finetune.registry.api as api
+    from nxd_finetune.cli import main
+    from nxd_finetune.registry.core import Registry, open_registry
+
+    src, uri, uploading, go = sys.argv[1:5]
+    if uri.startswith("s3://"):  # a multipart upload, paused after its first part
+        api.open_registry = lambda u: open_registry(u, multipart_threshold=5 << 20, multipart_chunksize=5 << 20,
+                                                    max_concurrency=1)
+    push = Registry.push
+
+    def slow_push(self, src, name, tags=(), metadata=None, progress=None):
+        def slow(fname, n):
+            if progress is not None:
+                progress(fname, n)
+            if fname.endswith(".safetensors") and not Path(go).exists():
+                Path(uploading).touch()  # a long upload, still running: the parent looks now
+                while not Path(go).exists():
+                    time.sleep(0.02)
+        return push(self, src, name, tags, metadata, slow)
+
+    Registry.push = slow_push
+    main(["adapters", "push", src, uri + "/bot"])
+    """
+)
+
+_OTHER_MACHINE_GC_SCRIPT = textwrap.dedent(
+    """
+    import json, socket, sys
+    socket.gethostname = lambda: "another-machine"  # gc run on another machine: the TTL is all it has
+    from nxd_finetune.registry import Registry
+    from nxd_finetune.registry.gc import collect
+
+    report = collect(Registry(sys.argv[1], claim_ttl=0.0))
+    print(json.dumps(sorted(g.key for g in report.removed)))
+    """
+)
+
+
+def test_a_live_push_past_the_ttl_keeps_its_claim_on_its_machine(reg_uri, tmp_path, request):
+    """A real second process uploading for longer than the claim TTL: on its own machine neither gc
+    nor a push takes its version over while it lives; gc on another machine (where the TTL is the
+    only signal) does, and the push then ends in its one line, leaving nothing behind."""
+    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=11 * MIB)
+    uploading, go = tmp_path / "uploading", tmp_path / "go"
+    (tmp_path / "slow_push.py").write_text(_SLOW_PUSH_SCRIPT)
+    (tmp_path / "other_gc.py").write_text(_OTHER_MACHINE_GC_SCRIPT)
+    env = worker_env(tmp_path)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "slow_push.py"), str(src), reg_uri, str(uploading),
+                             str(go)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not uploading.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the push never started uploading"
+            time.sleep(0.02)
+        reg = Registry(reg_uri, claim_ttl=0.0)  # every claim is past this TTL
+        claim = reg.storage.list("bot/1/.claim-")
+        assert claim == ["bot/1/.claim-1.json"]
+        report = collect(reg)
+        assert report.busy == ["bot:1"] and report.removed == []  # its process lives: not taken over
+        assert reg.storage.list("bot/1/.claim-") == claim
+        assert reg.push(make_adapter(tmp_path / "other", seed=4), "bot").version == 2  # skips 1
+
+        out = subprocess.run([sys.executable, str(tmp_path / "other_gc.py"), reg_uri], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        removed = json.loads(out.stdout)
+        assert "bot/1/.claim-1.json" in removed and "bot/1/adapter_config.json" in removed, removed
+    finally:
+        go.touch()
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith("error: push of bot:1 lost its claim"), stderr
+    assert reg.versions("bot") == [2]
+    assert reg.storage.list("bot/1/") == [] and reg.storage.leftovers("") == []  # nothing left behind
+    if reg_uri.startswith("s3://"):
+        assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) == []

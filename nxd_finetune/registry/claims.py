@@ -156,13 +156,19 @@ class Claims:
             v += 1
         raise RegistryError(f"could not claim a version of {name} in {self.storage.uri}")
 
-    def release(self, name: str, v: int, gen: int, uploaded: Iterable[str]) -> None:
-        """Best effort after a failed push: drop our files and claim if ``v`` is still ours and unpublished."""
+    def release(self, name: str, v: int, gen: int, uploaded: Iterable[str], push_id: str) -> None:
+        """Best effort after a failed push: drop our files and claim if ``v`` is unpublished and
+        still ours -- or ours again: a push that lost its claim takes it back where nobody live
+        holds it (the taker finished or gave up), so files it wrote after the taker cleaned up do
+        not linger without a claim."""
         try:
-            if self.owns(name, v, gen) and not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
+            if not self.owns(name, v, gen):
+                gen = self.take(name, v, push_id) or 0
+            if gen and not self.storage.exists(f"{name}/{v}/{MANIFEST}"):
                 for fname in uploaded:
                     self.storage.delete(f"{name}/{v}/{fname}")
-                self.storage.delete(self._key(name, v, gen))
+            if gen:
+                self.drop(name, v, gen)
         except Exception:  # noqa: BLE001 - never mask the error that made the push fail
             pass
 

@@ -310,7 +310,7 @@ class Registry:
             try:
                 published = self._upload_and_publish(name, v, gen, files, entries, adapter_base, meta, progress)
             except BaseException:
-                self.claims.release(name, v, gen, files)
+                self.claims.release(name, v, gen, files, push_id)
                 raise
             if published is not None:
                 self.claims.clear(name, v)

@@ -69,8 +69,11 @@ def _env(*names: str) -> str | None:
 
 def translate_error(exc: BaseException, uri: str, op: str) -> StorageError:
     """Map a boto3/botocore exception raised by ``op`` on ``uri`` to a one-line :class:`StorageError`."""
-    if isinstance(exc, S3UploadFailedError) and isinstance(exc.__cause__, BaseException):
-        exc = exc.__cause__
+    if isinstance(exc, S3UploadFailedError):  # boto3 raises it while handling the real error
+        inner = exc.__cause__ or exc.__context__
+        if not isinstance(inner, bce.BotoCoreError | bce.ClientError):
+            return StorageError(f"S3 {op} on {uri} failed: {exc}".replace("\n", " "))
+        exc = inner
     if isinstance(exc, bce.ProfileNotFound):
         return StorageCredentialsError(f"AWS profile {exc.kwargs.get('profile')!r} not found (for {uri})")
     if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError):
