@@ -54,7 +54,8 @@ exp_manager:
     mode: max
     save_last: False
     filename: '${name}--{step}-{consumed_samples}'
-    model_parallel_size: ${multiply:${distributed_strategy.tensor_model_parallel_size}, ${distributed_strategy.pipeline_model_parallel_size}}
+    model_parallel_size: ${multiply:${distributed_strategy.tensor_model_parallel_size},
+      ${distributed_strategy.pipeline_model_parallel_size}}
     every_n_train_steps: ${trainer.val_check_interval}
     use_master_weights_in_ckpt: False
   log_parameter_norm: True
@@ -224,6 +225,8 @@ def test_sft_lora_config_to_valid_recipe(capsys, workdir):
     assert recipe["model"]["path"] == str(model_dir)
     # resolved interpolation, reported; keys with no counterpart say why
     assert "exp_manager.checkpoint_callback_params.model_parallel_size" in lines
+    resolved = resolve_config(tmp / "sft_lora.yaml")
+    assert resolved["exp_manager"]["checkpoint_callback_params"]["model_parallel_size"] == 4  # ${multiply:2, 2}
     assert "NKI flash-attention" in lines["model.fusions.flash_attention"]
     assert "max_position_embeddings=1024 with 64" in lines["model.max_position_embeddings"]
     assert "export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=5" in lines["aync_exec_max_inflight_requests"]
