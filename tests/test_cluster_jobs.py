@@ -193,3 +193,15 @@ def test_every_generated_spec_sets_the_restart_safe_store(capsys, recipe):
         assert app.roles[0].env[STORE_ENV] == "1"
         app = finetune(recipe="/not/here.yaml", nnodes=nnodes, max_restarts=restarts)  # recipe unreadable here
         assert app.roles[0].env[STORE_ENV] == "1"
+
+
+def test_max_restarts_with_one_process_is_said(capsys, quickstart_cache, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(ROOT / "recipes" / "quickstart.yaml"), "--max-restarts", "2", "training.max_steps=1",
+              "training.warmup_steps=0", "eval.every_n_steps=null", "eval.before=false",
+              f"output.dir={tmp_path / 'out'}", "logging.progress=false"])
+    err = capsys.readouterr().err
+    assert e.value.code in (0, None), err
+    said = [line for line in err.splitlines() if line.startswith("warning: parallel.max_restarts")]
+    assert said == ["warning: parallel.max_restarts=2 is ignored with one process: restarts need the elastic "
+                    "launcher's workers (--nproc 2 or more)"]

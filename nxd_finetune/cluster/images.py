@@ -1,10 +1,12 @@
 """The container images under ``docker/``: which Dockerfile builds what, their build command, and a
 small Dockerfile reader (instructions with their arguments) for checks without a Docker daemon.
 
-- ``docker/Dockerfile.cpu``: ``python:3.11-slim`` (``BASE_IMAGE``) + CPU torch (``TORCH_INDEX_URL``;
-  a CUDA index makes a GPU image) + ``pip install ".[s3,tensorboard]"``.
+- ``docker/Dockerfile.cpu``: ``python:3.11-slim`` (``BASE_IMAGE``) + CPU torch ``TORCH_VERSION``
+  (``TORCH_INDEX_URL``; a CUDA index makes a GPU image), pinned as installed, + ``pip install
+  ".[s3,tensorboard,etcd]"`` (``etcd``: python-etcd, for torchrun's etcd rendezvous).
 - ``docker/Dockerfile.neuron``: an AWS Neuron training image (``BASE_IMAGE``) whose torch /
   torch-neuronx / torch-xla / neuronx-cc are pinned as installed, + the same ``pip install``.
+  Both pass hadolint (``tests/test_cluster.py``).
 
 Both copy the project to ``/opt/nxd-finetune`` (recipes included) and check ``nxd-finetune --help``.
 """

@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nxd_finetune.errors import NxdError
+from nxd_finetune.errors import NxdError, NxdWarning
 from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.metrics import MetricsWriter, Progress
@@ -203,10 +204,17 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     """
     from nxd_finetune.parallel.launch import in_launched_env, launch
 
+    restarts = recipe.parallel.max_restarts
     if in_launched_env():
+        if restarts and os.environ.get("RANK") == "0":
+            warnings.warn(f"parallel.max_restarts={restarts} is ignored under torchrun: its own --max-restarts "
+                          "decides", NxdWarning, stacklevel=2)
         return run_rank(_recipe_for_world(recipe, int(os.environ["WORLD_SIZE"])))
     _preflight(recipe)
     if recipe.parallel.nproc == 1:
+        if restarts:
+            warnings.warn(f"parallel.max_restarts={restarts} is ignored with one process: restarts need the "
+                          "elastic launcher's workers (--nproc 2 or more)", NxdWarning, stacklevel=2)
         return run_rank(recipe)
     prepare_shared(recipe)
     results = launch(_worker, recipe.parallel.nproc, recipe.to_dict(), max_restarts=recipe.parallel.max_restarts)

@@ -1,0 +1,64 @@
+"""The cluster commands of the README and ``docs/trainium.md`` as written: TorchX lines rendered
+with ``--dryrun``, ``torchx log`` handles parsed by TorchX, every ``torchrun`` line with the
+restart-safe store variable."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = {name: (ROOT / name).read_text() for name in ("README.md", "docs/trainium.md")}
+STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def shell_blocks(text: str) -> list[str]:
+    """The commands of every ```bash block: continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"^ *```bash\n(.*?)^ *```", text, re.S | re.M):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        commands += [line.split(" # ")[0].strip() for line in joined.splitlines() if line.strip()
+                     and not line.lstrip().startswith("#")]
+    return commands
+
+
+def test_readme_torchx_kubernetes_line_renders(tmp_path):
+    (line,) = [c for c in shell_blocks(DOCS["README.md"]) if c.startswith("torchx run") and "kubernetes" in c]
+    argv = shlex.split(line)
+    argv[argv.index("run") + 1:argv.index("run") + 1] = ["--dryrun"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([str(Path(sys.executable).with_name("torchx")), *argv[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = yaml.safe_load(proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
+    assert job["spec"]["queue"] == "default" and len(job["spec"]["tasks"]) == 2
+    container = job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e["value"] for e in container["env"]}[STORE_ENV.split("=")[0]] == "1"
+
+
+def test_torchx_log_handles_parse():
+    from torchx.specs.api import parse_app_handle
+
+    handles = [h for text in DOCS.values() for h in re.findall(r"torchx log ([^`]+)`", text)]
+    assert handles
+    for handle in handles:
+        parsed = parse_app_handle(handle.replace("<app id>", "sft-run-x1"))
+        assert parsed.scheduler_backend == "kubernetes" and parsed.app_id == "default:sft-run-x1"
+
+
+def test_every_documented_torchrun_sets_the_store_variable():
+    """Every torchrun command a user copies: the docs' bash blocks (a block may export it once) and
+    the README's inline commands (docs/trainium.md's inline mentions describe what tests ran)."""
+    for name, text in DOCS.items():
+        for block in re.findall(r"^ *```bash\n(.*?)^ *```", text, re.S | re.M):
+            if "torchrun " in block and f"export {STORE_ENV}" not in block:
+                for command in shell_blocks(f"```bash\n{block}```"):
+                    assert "torchrun " not in command or STORE_ENV in command, (name, command)
+    for command in re.findall(r"`([^`]*\btorchrun --[^`]*)`", DOCS["README.md"]):
+        assert STORE_ENV in command, command
