@@ -205,3 +205,35 @@ def test_max_restarts_with_one_process_is_said(capsys, quickstart_cache, tmp_pat
     said = [line for line in err.splitlines() if line.startswith("warning: parallel.max_restarts")]
     assert said == ["warning: parallel.max_restarts=2 is ignored with one process: restarts need the elastic "
                     "launcher's workers (--nproc 2 or more)"]
+
+
+# ----------------------------------------------------------------------------- pod settings
+
+
+def pod_templates(doc: dict) -> list:
+    """Every pod template of a manifest read through the ``kubernetes`` client's models."""
+    from kubernetes.client import ApiClient
+
+    raw = ([doc["spec"]["template"]] if doc["kind"] == "Job"
+           else [spec["template"] for spec in doc["spec"]["pytorchReplicaSpecs"].values()])
+    return [ApiClient()._ApiClient__deserialize(t, "V1PodTemplateSpec") for t in raw]
+
+
+def test_env_and_service_account_reach_every_pod(capsys, recipe):
+    extra = ["--env", "AWS_REGION=us-west-2", "--env", "FI_PROVIDER=sockets", "--env", "EMPTY=",
+             "--service-account", "s3-reader", "--pvc", "fsx-claim", "--nodes", "2", "--efa", "8"]
+    for command in ("pytorchjob", "precompile-job"):
+        (doc,), _ = k8s(capsys, command, str(recipe), *extra)
+        templates = pod_templates(doc)
+        assert len(templates) == 2
+        for template in templates:
+            assert template.spec.service_account_name == "s3-reader"
+            (container,) = template.spec.containers
+            env = {e.name: e.value for e in container.env}
+            assert env["AWS_REGION"] == "us-west-2" and env["EMPTY"] == ""
+            assert env["FI_PROVIDER"] == "sockets" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"  # given wins
+            assert env[STORE_ENV] == "1" and "NEURON_CC_FLAGS" in env
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "pytorchjob", str(recipe), "--env", "NO_EQUALS"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: --env 'NO_EQUALS': write KEY=VALUE with KEY of letters, digits and '_' (not starting with a digit)\n")

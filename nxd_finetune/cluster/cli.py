@@ -38,6 +38,10 @@ NameOpt = Annotated[str, typer.Option("--name", help="Job name (lowercase letter
 RecipePathOpt = Annotated[str | None, typer.Option(
     "--recipe-path", help="The recipe's path inside the pods (default: RECIPE as given).")]
 OutOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")]
+EnvOpt = Annotated[list[str] | None, typer.Option("--env", metavar="KEY=VALUE",
+                                                  help="An environment variable of every pod (repeatable).")]
+ServiceAccountOpt = Annotated[str | None, typer.Option(
+    "--service-account", help="serviceAccountName of the pods (e.g. one with an IAM role for S3).")]
 
 
 def _load(recipe: Path, overrides: list[str] | None, recipe_path: str) -> Recipe:
@@ -49,11 +53,13 @@ def _load(recipe: Path, overrides: list[str] | None, recipe_path: str) -> Recipe
 
 
 def _pod(image: str, accelerator: str, efa: int, instance_type: str | None, pvc: str | None, mount_path: str,
-         cpu: str | None, memory: str | None, namespace: str) -> PodSettings:
-    from nxd_finetune.cluster.k8s import PodSettings
+         cpu: str | None, memory: str | None, namespace: str, env: list[str] | None,
+         service_account: str | None) -> PodSettings:
+    from nxd_finetune.cluster.k8s import PodSettings, parse_env
 
     return PodSettings(image=image, accelerator=accelerator, efa=efa, instance_type=instance_type, pvc=pvc,
-                       mount_path=mount_path, cpu=cpu, memory=memory, namespace=namespace)
+                       mount_path=mount_path, cpu=cpu, memory=memory, namespace=namespace,
+                       env=parse_env(env or []), service_account=service_account)
 
 
 def _write(text: str, output: Path | None) -> None:
@@ -82,6 +88,8 @@ def pytorchjob_cmd(
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0,
                                               help="torch elastic restarts (resume from the newest checkpoint).")] = 0,
     recipe_path: RecipePathOpt = None,
+    env: EnvOpt = None,
+    service_account: ServiceAccountOpt = None,
     output: OutOpt = None,
 ) -> None:
     """Write a Kubeflow `PyTorchJob` (training operator) that trains RECIPE on `--nodes` pods."""
@@ -89,7 +97,8 @@ def pytorchjob_cmd(
 
     in_pods = recipe_path or str(recipe)
     loaded = _load(recipe, overrides, in_pods)
-    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
+    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
+               service_account)
     doc = pytorchjob(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, max_restarts=max_restarts)
     _write(to_yaml(doc), output)
 
@@ -111,6 +120,8 @@ def precompile_job_cmd(
     name: NameOpt = "nxd-finetune-precompile",
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to trace.")] = 5,
     recipe_path: RecipePathOpt = None,
+    env: EnvOpt = None,
+    service_account: ServiceAccountOpt = None,
     output: OutOpt = None,
 ) -> None:
     """Write the job that fills the Neuron compile cache (on `--pvc`) with the training job's graphs.
@@ -122,6 +133,7 @@ def precompile_job_cmd(
 
     in_pods = recipe_path or str(recipe)
     loaded = _load(recipe, overrides, in_pods)
-    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace)
+    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
+               service_account)
     doc = precompile_job(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, steps=steps)
     _write(to_yaml(doc), output)

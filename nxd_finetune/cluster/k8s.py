@@ -43,6 +43,7 @@ from nxd_finetune.recipe import Recipe
 PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label: the operator names Services after it
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
 
 
@@ -50,7 +51,9 @@ PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its
 class PodSettings:
     """What every pod of a job shares. ``pvc`` / ``mount_path``: a PersistentVolumeClaim (FSx for
     Lustre on EKS) mounted in every pod; ``cpu`` / ``memory``: Kubernetes quantities (``"120"``,
-    ``"480Gi"``) requested and limited, None leaves them out."""
+    ``"480Gi"``) requested and limited, None leaves them out. ``env``: more environment variables
+    (they win over the generated ones); ``service_account``: the pods' ``serviceAccountName``
+    (IAM roles for service accounts give them S3 access on EKS)."""
 
     image: str
     accelerator: str = "neuron"
@@ -61,6 +64,21 @@ class PodSettings:
     cpu: str | None = None
     memory: str | None = None
     namespace: str = "default"
+    env: tuple[tuple[str, str], ...] = ()
+    service_account: str | None = None
+
+
+def parse_env(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE`` texts as pairs; NxdError (one line) for one without ``=`` or with a key that is
+    not an environment variable name."""
+    out = []
+    for text in pairs:
+        key, sep, value = text.partition("=")
+        if not sep or not _ENV_KEY.fullmatch(key):
+            raise NxdError(f"--env {text!r}: write KEY=VALUE with KEY of letters, digits and '_' (not starting "
+                           "with a digit)")
+        out.append((key, value))
+    return tuple(out)
 
 
 def check_name(name: str) -> str:
@@ -89,7 +107,7 @@ def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int
         "imagePullPolicy": "IfNotPresent",
         "command": args[:1],
         "args": args[1:],
-        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "env": [{"name": k, "value": v} for k, v in {**env, **dict(pod.env)}.items()],
         "resources": {"limits": limits, "requests": requests},
         "volumeMounts": mounts,
     }
@@ -105,6 +123,8 @@ def _pod_spec(container: dict[str, Any], pod: PodSettings, restart_policy: str) 
     spec: dict[str, Any] = {"restartPolicy": restart_policy, "containers": [container], "volumes": volumes}
     if pod.instance_type:
         spec["nodeSelector"] = {INSTANCE_TYPE_LABEL: pod.instance_type}
+    if pod.service_account:
+        spec["serviceAccountName"] = pod.service_account
     return spec
 
 
