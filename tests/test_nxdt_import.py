@@ -151,7 +151,7 @@ NXD_LORA_CONFIG = {"bias": "none", "init_lora_weights": "default", "lora_alpha":
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def reference_adapter(model, seed: int = 3):
+def reference_adapter(model, seed: int = 3, targets: list[str] = PEFT_TARGETS):
     """A PEFT model on ``model`` whose q/k/v share one A and gate/up one A (as NxD's fused layers
     train one A), every LoRA weight random; returns (peft model, its adapter tensors by file key)."""
     import copy
@@ -159,13 +159,13 @@ def reference_adapter(model, seed: int = 3):
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, lora_dropout=0.05,
-                                                                 target_modules=PEFT_TARGETS))
+                                                                 target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(peft_model.named_parameters()):
             if "lora_" in _:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-        for layer in peft_model.base_model.model.model.layers:
+        for layer in peft_model.base_model.model.model.layers if "q_proj" in targets else []:
             for proj in ("k_proj", "v_proj"):
                 getattr(layer.self_attn, proj).lora_A.default.weight.copy_(layer.self_attn.q_proj.lora_A.default.weight)
             layer.mlp.up_proj.lora_A.default.weight.copy_(layer.mlp.gate_proj.lora_A.default.weight)
@@ -235,3 +235,26 @@ def test_lora_merged_gqa_with_replication_refused(capsys, tmp_path, llama):
     tag = write_checkpoint(tmp_path / "ckpt", "t", shard_lora(files, cfg, 4, 1, m=2, merged=True))
     code, _, err = cli(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "o", "--config", path)
     assert code == 2 and "merge_sharded_lora: false" in err and err.count("\n") == 1
+
+
+def test_lora_o_proj_alone_needs_the_kv_layout(capsys, tmp_path, llama):
+    """Without a qkv_proj adapter nothing in the files shows whether the 2x kv replication was Trn1's
+    or Trn2's, which decides o_proj's column order: one line asks for --kv-layout; given, bit exact."""
+    model, path, cfg = llama
+    _, files = reference_adapter(model, targets=["o_proj", "down_proj"])
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_lora(files, cfg, 4, 2, m=2))
+    code, _, err = cli(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "o", "--config", path)
+    assert code == 2 and err.count("\n") == 1 and "--kv-layout interleaved (Trn1) or blocked (Trn2)" in err
+    run_ok(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "o", "--config", path,
+           "--kv-layout", "interleaved")
+    assert_bit_equal(load_file(tmp_path / "o" / "adapter_model.safetensors"), files)
+
+
+def test_bf16_checkpoint_keeps_its_dtype(capsys, tmp_path, llama):
+    model, path, cfg = llama
+    hf = {k: v.to(torch.bfloat16) for k, v in hf_tensors(model).items()}
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_model(hf, cfg, 2, 2))
+    run_ok(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "hf", "--config", path)
+    assert_bit_equal(read_hf(tmp_path / "hf"), hf)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"

@@ -23,7 +23,7 @@ from nxd_finetune.models import DecoderConfig, checkpoint_index, copy_generation
 from nxd_finetune.nxdt.checkpoint import find_tag, grid, read_shard, shard_files
 from nxd_finetune.nxdt.config import resolve_config
 from nxd_finetune.nxdt.layout import KvLayout, Tensors, unite_model
-from nxd_finetune.nxdt.lora import fixed_order, lora_config_from, split_base, unite_adapter
+from nxd_finetune.nxdt.lora import lora_config_from, o_proj_order, split_base, unite_adapter
 from nxd_finetune.storage.atomic import publish_dir
 
 
@@ -58,7 +58,9 @@ def model_source(path: str | Path) -> ModelSource:
 
 
 def _write_base(tensors: Tensors, out: Path, src: ModelSource, tokenizer: Path | None) -> None:
-    save_pretrained(src.config, tensors.items(), out)
+    dtypes = {t.dtype for t in tensors.values()}
+    # config.json's dtype follows the tensors (NxD's bf16 checkpoints of an fp32 config.json)
+    save_pretrained(src.config, tensors.items(), out, dtypes.pop() if len(dtypes) == 1 else None)
     copy_generation_config(src.config_dir, out)
     save_tokenizer(tokenizer, out)
 
@@ -101,9 +103,8 @@ def import_checkpoint(directory: str | Path, out: str | Path, source: ModelSourc
                         source, tokenizer)
         if not has_lora:
             return f"imported the model of {where} -> {out} (HF checkpoint)"
-        o_order = fixed_order(source.config, source.kv_replicator or 1,
-                              "interleaved" if kv_layout == "auto" else kv_layout)
-        tensors, targets = unite_adapter(lora_shards, source.config, kv_layout, o_order)
+        tensors, targets = unite_adapter(lora_shards, source.config, kv_layout,
+                                         o_proj_order(source.config, tp, source.kv_replicator, kv_layout))
         r = next(t for k, t in tensors.items() if k.endswith("lora_A.weight")).shape[0]
         cfg = lora_config_from(lora_saved, r)
         cfg.target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})

@@ -18,7 +18,7 @@ PEFT's, so ``r`` and ``lora_alpha`` carry over as they are.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -119,10 +119,10 @@ def _gqa_b(b: dict[str, list[torch.Tensor]], config: DecoderConfig, want: KvLayo
 
 
 def unite_adapter(shards: dict[tuple[int, int], Tensors], config: DecoderConfig, want: KvLayout = "auto",
-                  o_order: torch.Tensor | None = None) -> tuple[Tensors, list[str]]:
+                  o_order: Callable[[], torch.Tensor | None] = lambda: None) -> tuple[Tensors, list[str]]:
     """Every rank's LoRA tensors -> (PEFT file keys -> tensors, the HF module names wrapped).
-    ``o_order``: the query order of ``o_proj``'s input where no ``qkv_proj`` adapter of the same
-    layer shows it (from the base checkpoint), None for HF's order."""
+    ``o_order()``: the query order of ``o_proj``'s input (None: HF's order) where no ``qkv_proj``
+    adapter of the same layer shows it; it raises where that order cannot be known."""
     tp = 1 + max(t for t, _ in shards)
     pp = 1 + max(p for _, p in shards)
     sizes = _sizes(config)
@@ -149,8 +149,8 @@ def unite_adapter(shards: dict[tuple[int, int], Tensors], config: DecoderConfig,
             where = f"pp stage {p}: {prefix}"
             if kind in _ROW:
                 a = torch.cat(_ranks(parts["lora_A"], in_f, 1, where + ".lora_A"), dim=1)
-                order = orders.get(prefix.rsplit(".", 1)[0]) if kind == "o_proj" else None
-                order = order if order is not None else (o_order if kind == "o_proj" else None)
+                parent_name = prefix.rsplit(".", 1)[0]
+                order = (orders[parent_name] if parent_name in orders else o_order()) if kind == "o_proj" else None
                 if order is not None:
                     a = unshuffle_columns(a, order, hd)
                 found = {kind: (a, _replicated(parts["lora_B"], where + ".lora_B"))}
@@ -177,9 +177,21 @@ def unite_adapter(shards: dict[tuple[int, int], Tensors], config: DecoderConfig,
     return out, targets
 
 
-def fixed_order(config: DecoderConfig, m: int, layout: str) -> torch.Tensor | None:
-    """The query order of a GQA ``qkv_proj`` with kv_replicator ``m`` (None: HF's own)."""
+def o_proj_order(config: DecoderConfig, tp: int, m: int | None, want: KvLayout) -> Callable[[], torch.Tensor | None]:
+    """``o_order`` for :func:`unite_adapter` where no ``qkv_proj`` adapter shows the layout: the
+    query order of a GQA layer with kv_replicator ``m`` (default ``tp / num_key_value_heads``, the
+    value NxDT's configs use) and the replication ``want``; with ``auto`` and ``m > 1`` it cannot
+    be known (Trn1 and Trn2 differ) and raises AdapterError."""
     kv = int(config.num_key_value_heads or config.num_attention_heads)
-    if m <= 1 or layout == "blocked":
-        return None
-    return query_order(config.num_attention_heads, kv, m, layout)
+    mult = m or max(1, tp // kv)
+
+    def order() -> torch.Tensor | None:
+        if mult <= 1 or want == "blocked":
+            return None
+        if want == "auto":
+            raise AdapterError(f"o_proj's LoRA A follows NxD's query-head order, which depends on how the {mult}x "
+                               "KV replication was laid out (Trn1 or Trn2); no qkv_proj adapter shows it: pass "
+                               "--kv-layout interleaved (Trn1) or blocked (Trn2)")
+        return query_order(config.num_attention_heads, kv, mult, want)
+
+    return order
