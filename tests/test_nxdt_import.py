@@ -258,3 +258,18 @@ def test_bf16_checkpoint_keeps_its_dtype(capsys, tmp_path, llama):
     assert_bit_equal(read_hf(tmp_path / "hf"), hf)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"
+
+
+def test_imported_adapter_merges_like_peft(capsys, tmp_path, llama):
+    """The imported adapter records its base, so `merge` takes it; the merged weights are peft's
+    ``merge_and_unload`` of the reference adapter."""
+    model, path, cfg = llama
+    peft_model, files = reference_adapter(model)
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_lora(files, cfg, 2, 1), extra={"lora_config": NXD_LORA_CONFIG})
+    run_ok(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "adapter", "--config", path)
+    run_ok(capsys, "merge", "--adapter", tmp_path / "adapter", "--base", path, "--out", tmp_path / "merged")
+    want = {k: v.detach() for k, v in peft_model.merge_and_unload().state_dict().items()}
+    got = read_hf(tmp_path / "merged")
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
