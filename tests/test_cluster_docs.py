@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,15 +29,20 @@ def shell_blocks(text: str) -> list[str]:
     return commands
 
 
-def test_readme_torchx_kubernetes_line_renders(tmp_path):
-    (line,) = [c for c in shell_blocks(DOCS["README.md"]) if c.startswith("torchx run") and "kubernetes" in c]
-    argv = shlex.split(line)
+def torchx_dryrun(argv: list[str], tmp_path: Path) -> dict:
+    """``torchx run ARGS`` as written but with ``--dryrun``, from the repository root: the job."""
+    argv = list(argv)
     argv[argv.index("run") + 1:argv.index("run") + 1] = ["--dryrun"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     proc = subprocess.run([str(Path(sys.executable).with_name("torchx")), *argv[1:]], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    job = yaml.safe_load(proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
+    return yaml.safe_load(proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
+
+
+def test_readme_torchx_kubernetes_line_renders(tmp_path):
+    (line,) = [c for c in shell_blocks(DOCS["README.md"]) if c.startswith("torchx run") and "kubernetes" in c]
+    job = torchx_dryrun(shlex.split(line), tmp_path)
     assert job["spec"]["queue"] == "default" and len(job["spec"]["tasks"]) == 2
     container = job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]
     assert {e["name"]: e["value"] for e in container["env"]}[STORE_ENV.split("=")[0]] == "1"
@@ -62,3 +68,41 @@ def test_every_documented_torchrun_sets_the_store_variable():
                     assert "torchrun " not in command or STORE_ENV in command, (name, command)
     for command in re.findall(r"`([^`]*\btorchrun --[^`]*)`", DOCS["README.md"]):
         assert STORE_ENV in command, command
+
+
+def doc_commands(prefix: str) -> list[list[str]]:
+    """docs/trainium.md's commands starting with ``prefix``, up to a pipe or redirection, ``$REPO`` set."""
+    out = []
+    for command in shell_blocks(DOCS["docs/trainium.md"]):
+        if command.startswith(prefix):
+            argv = shlex.split(re.split(r" [|>] ", command)[0].replace("$REPO", "acct.dkr.ecr/nxd-finetune"))
+            out.append(argv)
+    return out
+
+
+def test_trainium_k8s_commands_run_as_written(capsys, monkeypatch):
+    """The EKS section's `nxd-finetune k8s` lines, from the repository root, on the shipped Trainium
+    recipe: manifests written, and no path of the recipe off the shared volume (no warning)."""
+    from nxd_finetune.cli import main
+
+    monkeypatch.chdir(ROOT)
+    commands = doc_commands("nxd-finetune k8s")
+    assert {argv[2] for argv in commands} == {"precompile-job", "pytorchjob"}
+    for argv in commands:
+        with pytest.raises(SystemExit) as e:
+            main(argv[1:])
+        out = capsys.readouterr()
+        assert e.value.code in (0, None) and out.err == "", out.err
+        (doc,) = yaml.safe_load_all(out.out)
+        assert doc["kind"] == "PyTorchJob" and doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        container = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        args = container["command"] + container["args"]
+        assert args[args.index("run") + 1] == "/fsx/recipes/llama3-8b-lora-trn1.yaml"
+
+
+def test_trainium_torchx_line_renders(tmp_path):
+    (argv,) = [a for a in doc_commands("torchx run") if "kubernetes" in a]
+    job = torchx_dryrun(argv, tmp_path)
+    container = job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]
+    env_of = {e["name"]: e["value"] for e in container["env"]}
+    assert "--cache_dir=/fsx/neuron-cache" in env_of["NEURON_CC_FLAGS"]  # read from the shipped recipe
