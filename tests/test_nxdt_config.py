@@ -65,6 +65,8 @@ exp_manager:
   load_xser: True
   async_checkpointing: True
   resume_from_checkpoint: null
+  save_bf16: False
+  ckpt_ptl_version: 2.5.0
 distributed_strategy:
   tensor_model_parallel_size: 2
   pipeline_model_parallel_size: 2
@@ -72,6 +74,7 @@ distributed_strategy:
   zero1: False
   sequence_parallel: True
   kv_replicator: 1
+  context_parallel_size: 1
 data:
   micro_batch_size: 1
   global_batch_size: 8
@@ -89,6 +92,8 @@ model:
   hidden_size: 256
   qkv_linear: True
   fuse_qkv: True
+  transpose_nki_inputs: True
+  pipeline_cuts: ['model.layers.0']
   rope_theta: 10000.0
   use_cpu_initialization: True
   weight_init_only: True
@@ -97,6 +102,7 @@ model:
   fusions:
     softmax: True
     flash_attention: True
+    ring_attention: False
   do_layer_norm_weight_decay: True
   optim:
     name: adamw_fp32OptState
@@ -132,6 +138,7 @@ precision:
   xla_use_bf16: '0'
   xla_downcast_bf16: '0'
   neuron_rt_stochastic_rounding_en: '0'
+  parallel_layers_reduce_dtype: bf16
 compiler_flags: '--model-type transformer --retry_failed_compilation'
 compiler_cache_url: neuron_cache
 aync_exec_max_inflight_requests: 5
@@ -208,7 +215,7 @@ def test_sft_lora_config_to_valid_recipe(capsys, workdir):
     recipe = yaml.safe_load((tmp / "recipe.yaml").read_text())
     assert recipe["parallel"] == {"tp": 2, "pp": 2, "virtual_stages": 1, "zero1": False, "sequence_parallel": True,
                                   "nproc": 8, "activation_checkpointing": "selective",
-                                  "checkpoint_modules": ["Attention"]}
+                                  "checkpoint_modules": ["Attention"], "pp_cuts": [1]}
     assert recipe["lora"] == {"rank": 16, "alpha": 32.0, "dropout": 0.05, "bias": "none",
                               "target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]}
     assert recipe["training"]["max_steps"] == 20 and recipe["training"]["warmup_steps"] == 5
@@ -227,7 +234,9 @@ def test_sft_lora_config_to_valid_recipe(capsys, workdir):
     assert "exp_manager.checkpoint_callback_params.model_parallel_size" in lines
     resolved = resolve_config(tmp / "sft_lora.yaml")
     assert resolved["exp_manager"]["checkpoint_callback_params"]["model_parallel_size"] == 4  # ${multiply:2, 2}
-    assert "NKI flash-attention" in lines["model.fusions.flash_attention"]
+    assert "not carried over: model.fusions.flash_attention: NxD's NKI flash-attention" in lines[
+        "model.fusions.flash_attention"]
+    assert lines["model.fusions.ring_attention"].startswith("mapped: ")  # off, as here
     assert "max_position_embeddings=1024 with 64" in lines["model.max_position_embeddings"]
     assert "export NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS=5" in lines["aync_exec_max_inflight_requests"]
     assert lines["model.hidden_size"].startswith("mapped: ")

@@ -300,7 +300,10 @@ def _model(walk: KeyWalk, model_path: str | None) -> None:
     fusions = {"softmax": "NxD's fused softmax kernel", "flash_attention": "NxD's NKI flash-attention kernel",
                "ring_attention": "ring attention (context parallelism)"}
     for key, what in fusions.items():
-        walk.drop(p + "fusions." + key, f"{what} has no counterpart; nxd-finetune runs PyTorch's attention")
+        if walk.get(p + "fusions." + key, False):
+            walk.drop(p + "fusions." + key, f"{what} has no counterpart; nxd-finetune runs PyTorch's attention")
+        else:
+            walk.keep(p + "fusions." + key, f"off: {what} is not used, as in nxd-finetune")
     for key in (p + "do_layer_norm_weight_decay", p + "fusions.do_layer_norm_weight_decay"):
         if walk.get(key, False):
             walk.drop(key, "nxd-finetune never decays norm weights or biases (1-d parameters)")
@@ -355,10 +358,12 @@ def _alignment(walk: KeyWalk) -> None:
     p = "model_alignment_strategy."
     if walk.has(p + "sft.packing"):
         walk.put("data.packing", bool(walk.get(p + "sft.packing")), p + "sft.packing")
-    if any(k.startswith(p + "sft") for k in walk.flat) or walk.has("data.train_dir"):
+    if any(k.startswith(p) for k in walk.flat):
         # NxDT's SFT data module reads `input` / `output` columns (bos + input, output + eos; output trained)
         walk.put("data.format", "prompt_completion")
         walk.put("data.fields", {"prompt": "input", "completion": "output"})
+    else:  # a pretraining config: every token trained (its tokenized datasets are not read here)
+        walk.put("data.format", "text")
     walk.drop(p + "dpo", PREFERENCE_REASON)
     walk.drop(p + "orpo", PREFERENCE_REASON)
     peft = p + "peft."
