@@ -31,10 +31,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def tiny_hf_config(family: str = "llama", **overrides):
-    """A tiny transformers config; ``family``: llama, mistral, qwen2 (q/k/v bias) or qwen3 (q/k norms)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config; ``family``: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms)
+    or phi3 (fused qkv_proj and gate_up_proj; special token ids inside the tiny vocabulary)."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    if family == "phi3":
+        overrides = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, **overrides}
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "phi3": Phi3Config}[family]
     return cls(**{**TINY, **overrides})
 
 
@@ -183,3 +187,13 @@ def trained_quickstart(tmp_path_factory):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from" in second.stdout + second.stderr
     yield out, env
+
+
+@pytest.fixture
+def one_thread_and_tmpdir(tmp_path, monkeypatch):
+    """One torch thread and ``TMPDIR`` under ``tmp_path`` for the test (checkpoint tests)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

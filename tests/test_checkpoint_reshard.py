@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
 
 from nxd_finetune.api import (
     initialize_parallel_model,
@@ -47,6 +47,8 @@ N_TARGETS = (LABELS[:, 1:] != -100).sum()
 VARIANTS = ("lora", "full-tied")
 LAYOUTS = ("tp2", "dp2-zero1", "pp2")
 OPT = dict(lr=1e-2, eps=1e-4)  # eps: keep 1e-7 summation-order differences from growing in Adam's update
+
+pytestmark = pytest.mark.usefixtures("one_thread_and_tmpdir")
 
 
 def base_model(tied: bool = False) -> DecoderForCausalLM:

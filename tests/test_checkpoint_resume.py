@@ -15,22 +15,20 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import _one_thread_and_tmpdir  # noqa: F401  (autouse: one thread, TMPDIR under tmp_path)
+from cli_run import QUICKSTART, RUN, STEPS, curve, env, finish, records, resumed_from, signal_when_logged, start  # noqa: F401
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.training import StopSignals, rng_state, set_rng_state
-from nxd_finetune.checkpoint.writer import FAILPOINT_ENV
 from nxd_finetune.sft.curve import read_series, write_loss_curve
 from nxd_finetune.sft.metrics import purge_tensorboard, truncate_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread_and_tmpdir")
 
 
 def test_rng_state_survives_the_extra_encoding():
@@ -111,65 +109,7 @@ def test_loss_curve_svg(tmp_path):
 # ----------------------------------------------------------------------------- end to end: the CLI
 
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-STEPS = 6
-# the quickstart, shortened; LoRA dropout on, so the RNG state must be restored too
-RUN = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_batch_size=4", "training.warmup_steps=1",
-       "logging.progress=false", "logging.every_n_steps=1", "eval.max_batches=1", "eval.every_n_steps=3",
-       "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "lora.dropout=0.1"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The environment of the CLI subprocesses: a private cache holding the tiny model, one thread."""
-    cache = tmp_path_factory.mktemp("nxd-cache")
-    env = {**os.environ, "NXD_FINETUNE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TMPDIR": str(cache)}
-    env.pop(FAILPOINT_ENV, None)
-    subprocess.run([sys.executable, "-c", "from nxd_finetune.quickstart import ensure_tiny_model as e; e()"],
-                   env=env, check=True, capture_output=True, timeout=300)
-    return env
-
-
-def start(env: dict, out: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
-    env = {**env, FAILPOINT_ENV: failpoint} if failpoint else env
-    return subprocess.Popen([sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), *RUN, f"output.dir={out}",
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    output, _ = proc.communicate(timeout=300)
-    return proc.returncode, output
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def curve(out: Path) -> list[tuple]:
-    """(step, kind, value) of every loss logged, in file order."""
-    return [(r["step"], k, r[k]) for r in records(out) for k in ("train_loss", "eval_loss") if k in r]
-
-
-def signal_when_logged(proc: subprocess.Popen, out: Path, step: int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to ``proc`` from outside as soon as its metrics show ``step`` (wherever it then is)."""
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        path = out / "metrics.jsonl"
-        if path.exists() and f'"step": {step},' in path.read_text():
-            proc.send_signal(sig)
-            return
-        time.sleep(0.01)
-
-
-def resumed_from(log: str) -> int:
-    match = re.search(r"resumed from \S+ \(step (\d+)\)", log)
-    assert match, log
-    return int(match.group(1))
-
-
-def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp_path):
+def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp_path):  # noqa: F811
     ref_out, out = tmp_path / "uninterrupted", tmp_path / "interrupted"
     reference = start(env, ref_out)  # runs beside the interrupted runs (two cores)
     ckpts = out / "checkpoints"
@@ -214,7 +154,7 @@ def test_cli_killed_with_sigkill_resumes_to_identical_adapter_and_curve(env, tmp
     assert re.search(r"throughput\s+│ -\s", log), log
 
 
-def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(env, tmp_path, monkeypatch):
+def test_sigterm_finishes_the_step_saves_and_says_how_to_resume(env, tmp_path, monkeypatch):  # noqa: F811
     from nxd_finetune.checkpoint.training import TrainingStopped
     from nxd_finetune.recipe import load_recipe
     from nxd_finetune.sft import trainer
@@ -270,7 +210,7 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
     ``checkpoint.dir`` local or ``s3://`` (moto over HTTP)."""
     from types import SimpleNamespace
 
-    from test_checkpoint import make_run, train, trainable
+    from checkpoint_helpers import make_run, train, trainable
 
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
     from nxd_finetune.parallel import ParallelDims, ParallelState

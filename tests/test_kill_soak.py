@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_checkpoint_resume import STEPS, curve, env, finish, records, resumed_from, start  # noqa: F401
+from cli_run import STEPS, curve, env, finish, records, resumed_from, start  # noqa: F401
 
 TRIALS = int(os.environ.get("NXD_FINETUNE_SOAK_TRIALS", "5"))
 PHASES = ["after-step", "sync-save", "async-save", "stage-write"]

@@ -20,8 +20,8 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from gloo_world import assert_checks, run_world
 from safetensors.torch import load_file
-from test_parallel_layers import assert_checks, run_world
 from torch import nn
 from transformers import AutoModelForCausalLM
 
