@@ -230,10 +230,10 @@ def test_a_live_push_past_the_ttl_keeps_its_claim_on_its_machine(reg_uri, tmp_pa
         reg = Registry(reg_uri, claim_ttl=0.0)  # every claim is past this TTL
         claim = reg.storage.list("bot/1/.claim-")
         assert claim == ["bot/1/.claim-1.json"]
+        assert reg.push(make_adapter(tmp_path / "other", seed=4), "bot").version == 2  # skips 1
         report = collect(reg)
         assert report.busy == ["bot:1"] and report.removed == []  # its process lives: not taken over
         assert reg.storage.list("bot/1/.claim-") == claim
-        assert reg.push(make_adapter(tmp_path / "other", seed=4), "bot").version == 2  # skips 1
 
         out = subprocess.run([sys.executable, str(tmp_path / "other_gc.py"), reg_uri], env=env,
                              capture_output=True, text=True, timeout=120)

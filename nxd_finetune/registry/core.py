@@ -266,7 +266,6 @@ class Registry:
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
         push_id = uuid.uuid4().hex
-        mark(self.storage)  # this root is a registry: adapters gc works here, and only here
         # pushes of identical content take turns (a lock named by the content): the first publishes,
         # the others then find it as the latest version and reuse it
         content = hashlib.sha256(mf.dumps(entries)).hexdigest()[:32]
@@ -338,6 +337,7 @@ class Registry:
             self.storage.drop_leftover(item)
         manifest = mf.build_manifest(name, v, adapter_base, entries, meta)
         self._check_owned(name, v, gen)
+        mark(self.storage)  # a root with a version is a registry: adapters gc works there, and only there
         if self.storage.put_bytes(f"{name}/{v}/{mf.MANIFEST}", mf.dumps(manifest), if_none_match=True):
             return manifest
         return None

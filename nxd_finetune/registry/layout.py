@@ -1,7 +1,8 @@
 """The registry's own files besides versions: the root marker and the alias (tag) files.
 
 The marker ``.nxd-registry.json`` at the root says "this root is an adapter registry". Every push
-writes it (a conditional create, so once); ``adapters gc`` works only on a root that has it, so gc
+writes it before its manifest (a conditional create, so once; a push that fails earlier, on a full
+disk say, leaves no trace); ``adapters gc`` works only on a root that has it, so gc
 run on a folder above a registry, or on any other folder, deletes nothing. Registries written
 before markers existed are marked by ``adapters gc ROOT --adopt`` (see :mod:`.gc`).
 
