@@ -28,6 +28,13 @@ TINY_FAMILIES = {
     "qwen3-tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "qwen3-bias": ("qwen3", dict(attention_bias=True)),
     "qwen2.5-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "phi3": ("phi3", {}),
+    "phi3-mha-sliding": ("phi3", dict(num_key_value_heads=4, sliding_window=9)),
+    "phi3-partial-rotary": ("phi3", dict(partial_rotary_factor=0.5)),
+    # Phi-3 128k / Phi-3.5: longrope, its long factors past original_max_position_embeddings
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16, rope_scaling={
+        "type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})),
 }
 
 # config.json of released checkpoints (the fields that define the model, as published)
@@ -62,6 +69,21 @@ REAL_CONFIGS = {
         "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
         "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "use_sliding_window": False, "vocab_size": 152064},
+    "phi-4": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False, "bos_token_id": 100257,
+        "embd_pdrop": 0.0, "eos_token_id": 100265, "hidden_act": "silu", "hidden_size": 5120,
+        "intermediate_size": 17920, "max_position_embeddings": 16384, "num_attention_heads": 40,
+        "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 16384,
+        "pad_token_id": 100349, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 250000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "vocab_size": 100352},
+    "Phi-3-mini-4k-instruct": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "bos_token_id": 1, "embd_pdrop": 0.0,
+        "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000,
+        "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32064},
 }
 
 
@@ -86,7 +108,20 @@ def test_logits_match_transformers(make_tiny_hf, name, attn):
     assert diff <= 1e-5, diff
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied"])
+@pytest.mark.parametrize("length", [12, 16, 17])
+def test_longrope_short_and_long_factors_match_transformers(make_tiny_hf, length):
+    """Up to original_max_position_embeddings (16) the short factors, past it the long ones."""
+    _, path = _tiny(make_tiny_hf, "phi3-longrope")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_pretrained(path).eval()
+    ids = _ids(t=length)
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert ours.model.rope.scale > 1.0  # sqrt(1 + log(64 / 16) / log(16))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied", "phi3"])
 def test_packed_rows_equal_separate_rows(make_tiny_hf, name):
     """Three samples packed in one row (per-sample causal runs, and the boolean mask the
     accelerators take) give each sample's logits as alone."""
@@ -109,18 +144,25 @@ def test_packed_rows_equal_separate_rows(make_tiny_hf, name):
     assert (leaky - alone).abs().max() > 1e-3  # without segment ids the samples see each other
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied"])
-def test_lora_adapter_loads_in_peft_with_our_logits(make_tiny_hf, tmp_path, name):
-    """``all-linear`` LoRA with random B (a trained adapter), saved by us, loaded by `peft` on the
-    `transformers` model: the same logits."""
+LLAMA_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+PHI_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize(("name", "targets", "expected"), [
+    ("qwen3", "all-linear", LLAMA_LINEARS),
+    ("qwen3-tied", "all-linear", LLAMA_LINEARS),
+    ("phi3", "all-linear", PHI_LINEARS),
+    ("phi3-partial-rotary", ["qkv_proj", "gate_up_proj"], {"qkv_proj", "gate_up_proj"}),
+])
+def test_lora_adapter_loads_in_peft_with_our_logits(make_tiny_hf, tmp_path, name, targets, expected):
+    """LoRA (HF module names) with random B (a trained adapter), saved by us, loaded by `peft` on
+    the `transformers` model: the same logits."""
     from peft import PeftModel
 
     _, path = _tiny(make_tiny_hf, name)
     ours = load_pretrained(path).eval()
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    targets = inject_lora(ours, cfg)
-    assert {t.rpartition(".")[2] for t in targets} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"}
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    assert {t.rpartition(".")[2] for t in inject_lora(ours, cfg)} == expected
     torch.manual_seed(5)
     with torch.no_grad():
         for n, p in ours.named_parameters():
@@ -153,20 +195,30 @@ def test_parameter_counts_equal_transformers(name):
         == sorted(n for n in hf.state_dict() if n != "lm_head.weight" or not tied)
 
 
-def write_header_only_checkpoint(path: Path, raw: dict) -> Path:
-    """``config.json`` and a ``model.safetensors`` whose header names every tensor with its shape
-    and whose data region is a hole (a sparse file: no weights written or stored), plus the
-    quickstart tokenizer. Enough for ``validate``, which reads headers only."""
+def write_header_only_checkpoint(path: Path, raw: dict, shard_bytes: int = 2**31) -> Path:
+    """``config.json`` and safetensors shards (with their index) whose headers name every tensor
+    with its shape and whose data regions are holes (sparse files: no weights written or stored),
+    plus the quickstart tokenizer. Enough for ``validate``, which reads headers only."""
     from nxd_finetune.quickstart import ensure_tiny_model
 
     path.mkdir(parents=True)
     config = DecoderConfig.from_hf(raw)
-    entries = [(n, torch.bfloat16, tuple(t.shape)) for n, t in build_model(config).state_dict().items()
-               if n != "lm_head.weight" or not config.tie_word_embeddings]
-    header = header_bytes(entries, {"format": "pt"})
-    with open(path / "model.safetensors", "wb") as f:
-        f.write(header)
-        f.truncate(len(header) + sum(2 * torch.Size(s).numel() for _, _, s in entries))
+    shards: list[list] = [[]]
+    for n, t in build_model(config).state_dict().items():
+        if n == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if shards[-1] and sum(2 * s.numel() for _, _, s in shards[-1]) + 2 * t.numel() > shard_bytes:
+            shards.append([])
+        shards[-1].append((n, torch.bfloat16, t.shape))
+    weight_map = {}
+    for i, entries in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header = header_bytes(entries, {"format": "pt"})
+        with open(path / name, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(2 * s.numel() for _, _, s in entries))
+        weight_map.update(dict.fromkeys((n for n, _, _ in entries), name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(raw))
     for f in ensure_tiny_model().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -178,6 +230,8 @@ def write_header_only_checkpoint(path: Path, raw: dict) -> Path:
 SHIPPED = {
     "qwen3-8b-lora": ("Qwen3-8B",
                       36 * 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 12288) * 3)),
+    # qkv_proj 5120 -> 40*128 + 2*10*128, o_proj, gate_up_proj 5120 -> 2*17920, down_proj
+    "phi4-lora": ("phi-4", 40 * 16 * ((5120 + 7680) + (5120 + 5120) + (5120 + 35840) + (17920 + 5120))),
 }
 
 

@@ -48,6 +48,7 @@ MODES = {"lora": ["lora.target_modules=all-linear"], "sft": ["lora=null", "train
 # family -> the tiny transformers config (on top of tests/conftest.py's TINY)
 FAMILIES = {
     "qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5)),
 }
 
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")
@@ -117,6 +118,17 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
             loss = ce_sum(model(ids), shift_labels(labels), state.tp_group)
             loss.backward()
             tag = f"{family}/sp={sp}"
+            if config.fused_qkv:  # split by head: this rank's q heads, then its k heads and its v heads
+                r, d, nq, nkv = state.tp_rank, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+                full = ref.model.layers["0"].self_attn.qkv_proj.weight
+                rows = [full[r * nq * d // 2:(r + 1) * nq * d // 2]]
+                rows += [full[nq * d + i * nkv * d + r * nkv * d // 2:][:nkv * d // 2] for i in (0, 1)]
+                local = model.model.layers["0"].self_attn.qkv_proj.weight
+                out[f"{tag}/qkv_proj rows"] = (local - torch.cat(rows)).abs().max().item()
+                gate_up = ref.model.layers["0"].mlp.gate_up_proj.weight.chunk(2)
+                local = model.model.layers["0"].mlp.gate_up_proj.weight
+                halves = torch.cat([h.chunk(2)[r] for h in gate_up])
+                out[f"{tag}/gate_up_proj rows"] = (local - halves).abs().max().item()
             out[f"{tag}/loss"] = (loss - loss_ref).abs().item() / loss_ref.item()  # relative: a sum
             specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
             for name, p in model.named_parameters():

@@ -45,9 +45,10 @@ class LocalParam:
     def full_shape(self) -> tuple[int, ...]:
         return self.spec.full_shape if self.spec is not None else tuple(self.param.shape)
 
-    def index(self) -> tuple[slice, ...] | None:
-        """This rank's slice of the full tensor; None when it holds the whole tensor."""
-        return self.spec.slices() if self.spec is not None and self.spec.partition_dim is not None else None
+    def index(self) -> list[tuple[slice, ...]] | None:
+        """This rank's slices of the full tensor (one; several for a fused tensor, see
+        ``ShardSpec.parts``); None when it holds the whole tensor."""
+        return self.spec.pieces() if self.spec is not None and self.spec.partition_dim is not None else None
 
 
 def trainable(modules: Sequence[nn.Module]) -> list[LocalParam]:
@@ -228,7 +229,12 @@ def _read(reader: TensorReader, key: str, lp: LocalParam) -> torch.Tensor:
     if shape != lp.full_shape:
         raise CheckpointError(f"checkpoint tensor {key} has shape {shape}, the model's {lp.name} is {lp.full_shape} "
                               "(was the checkpoint saved for another model or LoRA rank?)")
-    return reader.read(key, lp.index())
+    index = lp.index()
+    if index is None:
+        return reader.read(key, None)
+    chunks = [reader.read(key, piece) for piece in index]
+    assert lp.spec is not None  # index() is None without a spec
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=lp.spec.partition_dim or 0)
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from nxd_finetune.lora.inject import (
     lora_modules,
     saved_modules,
 )
-from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
+from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
 
 if TYPE_CHECKING:
     from nxd_finetune.parallel.state import ParallelState
@@ -307,11 +307,11 @@ def _adapter_files(adapter_dir: str | Path) -> tuple[LoraConfig, Path]:
 
 
 def _read_tensors(
-    path: Path, select: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None
+    path: Path, select: Callable[[str, tuple[int, ...]], ShardSpec | None] | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, keyed without the ``base_model.model.`` prefix.
-    ``select(key, shape)`` returns the index to read (a rank's slice) or None for all of it; it may
-    raise AdapterError."""
+    ``select(key, shape)`` returns the spec of the part to read (a rank's shard) or None for all of
+    it; it may raise AdapterError."""
     out = {}
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -319,7 +319,7 @@ def _read_tensors(
                 key = raw.removeprefix(PEFT_PREFIX)
                 part = f.get_slice(raw)
                 index = select(key, tuple(part.get_shape())) if select else None
-                out[key] = part[index] if index is not None else f.get_tensor(raw)
+                out[key] = index.take(part) if index is not None else f.get_tensor(raw)
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"cannot read {path}: {e}") from None
     return out
@@ -355,7 +355,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     specs = {n: spec for n, _, _, spec in iter_shard_specs(model) if spec.partition_dim is not None}
     names: dict[str, str] = {}  # adapter key -> parameter name
 
-    def select(key: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    def select(key: str, shape: tuple[int, ...]) -> ShardSpec | None:
         name = key
         if name not in allowed:
             owner = _owner(key, wrappers)
@@ -367,7 +367,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
         if shape != want:
             raise AdapterError(f"adapter tensor {key!r} has shape {shape}, the model expects {want}")
         names[key] = name
-        return spec.slices() if spec else None
+        return spec
 
     targets = {names[k]: (k, t) for k, t in _read_tensors(weights, select).items()}
     missing = sorted(set(lora_state_dict(model, cfg.bias)) - set(targets))

@@ -82,7 +82,7 @@ def _spec(linear: nn.Linear) -> ShardSpec:
 def _keep_slice(linear: nn.Linear, spec: ShardSpec) -> None:
     """Replace a full factor by this rank's slice and attach ``spec``."""
     w = linear.weight
-    linear.weight = nn.Parameter(w.detach()[spec.slices()].clone(), requires_grad=w.requires_grad)
+    linear.weight = nn.Parameter(spec.take(w.detach()).clone(), requires_grad=w.requires_grad)
     linear.out_features, linear.in_features = spec.local_shape
     # torch's stub types Module.__setattr__ for tensors and modules only; plain attributes are fine
     linear.shard_specs = {"weight": spec}  # type: ignore[assignment]
@@ -118,8 +118,8 @@ class _ShardedLoraLinear(LoraLinear):
         spec_a, spec_b = _spec(self.lora_A), _spec(self.lora_B)
         full_a, full_b = a.new_empty(spec_a.full_shape), b.new_empty(spec_b.full_shape)
         init_lora_factors(full_a, full_b, self.r, init_lora_weights)
-        a.copy_(full_a[spec_a.slices()])
-        b.copy_(full_b[spec_b.slices()])
+        a.copy_(spec_a.take(full_a))
+        b.copy_(spec_b.take(full_b))
 
     def _lora(self, dropped: torch.Tensor) -> torch.Tensor:
         return self.lora_B(self.lora_A(dropped)) * self.scaling

@@ -22,11 +22,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Phi3ForCausalLM": {"fused_qkv": True, "fused_gate_up": True},
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # fields of ours that are not HF config keys (never written by to_hf)
-_DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm")
+_DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up")
 
 
 @dataclasses.dataclass
@@ -37,7 +38,9 @@ class DecoderConfig:
     or None. ``qkv_bias`` is True for Qwen2 (bias on q/k/v, none on o) and follows
     ``attention_bias`` (bias on q/k/v/o) for Llama and Qwen3. ``qk_norm`` (Qwen3): an RMSNorm over
     ``head_dim`` applied to every query and key head before rope (``q_norm``/``k_norm``, one weight
-    shared by the heads).
+    shared by the heads). ``fused_qkv`` / ``fused_gate_up`` (Phi-3, Phi-4): one ``qkv_proj`` (q,
+    k, v rows) and one ``gate_up_proj`` (gate, up halves) instead of separate projections.
+    ``partial_rotary_factor``: rope turns the first ``head_dim * factor`` dimensions of each head.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -57,6 +60,10 @@ class DecoderConfig:
     attention_bias: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
     mlp_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -109,6 +116,8 @@ class DecoderConfig:
         if isinstance(rope_params, dict):
             rope_params = dict(rope_params)
             kwargs["rope_theta"] = rope_params.pop("rope_theta", kwargs.get("rope_theta", 10000.0))
+            if "partial_rotary_factor" in rope_params:
+                kwargs["partial_rotary_factor"] = rope_params.pop("partial_rotary_factor")
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             kwargs["rope_scaling"] = None if kind == "default" else rope_params
         kwargs.update(SUPPORTED_ARCHITECTURES[arch])

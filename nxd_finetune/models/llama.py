@@ -21,7 +21,7 @@ from torch import nn
 
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.models.norms import RMSNorm
-from nxd_finetune.models.rope import _rotary_tokens_first, rope_inv_freq, rotary_cos_sin
+from nxd_finetune.models.rope import RopeTables, _rotary_tokens_first
 
 __all__ = ["RMSNorm", "DecoderForCausalLM", "DecoderModel", "DecoderLayer", "Attention", "MLP"]
 
@@ -135,9 +135,15 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         assert d is not None and config.num_key_value_heads is not None  # DecoderConfig.__post_init__ sets both
         self.head_dim = d
-        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        nq, nkv = config.num_attention_heads * d, config.num_key_value_heads * d
+        if config.fused_qkv:  # Phi: one projection, rows [q | k | v] (a rank's share of each under TP)
+            self.qkv_proj: nn.Module | None = nn.Linear(h, nq + 2 * nkv, bias=config.qkv_bias)
+            self.kv_group = config.num_attention_heads // config.num_key_value_heads
+        else:
+            self.q_proj = nn.Linear(h, nq, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(h, nkv, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(h, nkv, bias=config.qkv_bias)
+            self.qkv_proj = None
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=config.o_bias)
         # Qwen3: per-head norms before rope; they act on whatever heads this rank holds under TP
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -154,7 +160,7 @@ class Attention(nn.Module):
         """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs).
         ``keep_index`` (long [N], flat indices into the B*T positions): attention still runs over
         every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._project(x)
         b, t = q.shape[:2]  # not x.shape: under sequence parallel x holds T/tp positions
         # Under autocast the projections come out in the autocast dtype while cos/sin stay in the
         # residual stream's dtype (fp32 weights: fp32), so the rotary product promotes q and k to
@@ -183,6 +189,17 @@ class Attention(nn.Module):
         return self.o_proj(_keep(out.transpose(1, 2).reshape(b, t, -1), keep_index))
 
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, T, heads * head_dim]`` (this rank's heads under TP)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self.qkv_proj(x)
+        # [q | k | v] with q = kv_group * kv (no replicated KV heads with a fused projection)
+        kv = qkv.shape[-1] // (self.kv_group + 2)
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * kv, kv, kv], dim=-1)
+        return q, k, v
+
+
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` that keeps only ``gate`` and ``up`` for backward and recomputes
     ``silu(gate)`` there: one ``[N, intermediate]`` tensor less per layer held between forward and
@@ -202,17 +219,24 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Phi's ``gate_up_proj`` computes [gate | up] at once."""
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        if config.fused_gate_up:
+            self.gate_up_proj: nn.Module | None = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.gate_up_proj = None
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(_SwiGLU.apply(gate, up))
         return self.down_proj(F.silu(gate) * up)
@@ -250,12 +274,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = rope_inv_freq(self.config, device)
-        return self._inv_freq[device]
+        self.rope = RopeTables(config)
 
     def forward(
         self,
@@ -280,7 +299,7 @@ class DecoderModel(nn.Module):
             t = hidden_or_ids.shape[1]
             position_ids = torch.arange(t, device=x.device).expand(b, t)
         t = position_ids.shape[1]
-        cos, sin = rotary_cos_sin(self.inv_freq(x.device), position_ids, x.dtype)
+        cos, sin = self.rope(position_ids.to(x.device), x.dtype)
         mask = attention_layout(segment_ids, t, self.config.sliding_window, x.device)
         layers = list(self.layers.values())
         for i, layer in enumerate(layers):

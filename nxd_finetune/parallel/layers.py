@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,12 @@ class ShardSpec:
     is a partial sum that :func:`~nxd_finetune.parallel.plan.allreduce_replicated_grads` must sum
     over blocks of this many consecutive TP ranks (1: nothing to do; tp: replicated parameters
     of modules that run on sequence shards; ``replicas``: replicated KV shards).
+
+    ``parts``: a fused tensor (Phi's ``qkv_proj``: the q, k and v rows; ``gate_up_proj``: the gate
+    and up halves) as the sizes of its pieces along ``partition_dim``. Each piece is split on its
+    own and this rank holds its chunk of every piece, in order (its q heads, then its k and v heads),
+    not a contiguous chunk of the fused rows. Read a shard with :meth:`take`; :meth:`slices` is for
+    single-piece specs only.
     """
 
     full_shape: tuple[int, ...]
@@ -45,6 +52,7 @@ class ShardSpec:
     partition_index: int = 0
     replicas: int = 1
     grad_sync: int = 1
+    parts: tuple[int, ...] = ()
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -55,10 +63,34 @@ class ShardSpec:
         return tuple(shape)
 
     def slices(self) -> tuple[slice, ...]:
-        """Index of this rank's chunk in the full tensor (usable on a safetensors slice)."""
+        """Index of this rank's chunk in the full tensor (usable on a safetensors slice). NxdError
+        for a fused spec, whose shard is several slices (:meth:`pieces`, :meth:`take`)."""
         if self.partition_dim is None:
             return tuple(slice(None) for _ in self.full_shape)
+        if len(self.parts) > 1:
+            raise NxdError(f"a fused {self.full_shape} tensor's shard is {len(self.parts)} slices; use take()")
         return shard_slice(self.full_shape, self.partition_dim, self.partition_index, self.num_partitions)
+
+    def pieces(self) -> list[tuple[slice, ...]]:
+        """The indices of this rank's chunks in the full tensor, one per piece of ``parts``."""
+        if self.partition_dim is None or len(self.parts) < 2:
+            return [self.slices()]
+        if sum(self.parts) != self.full_shape[self.partition_dim]:
+            raise NxdError(f"fused parts {self.parts} do not add up to dim {self.partition_dim} of {self.full_shape}")
+        out, offset = [], 0
+        for size in self.parts:
+            part = shard_slice((size,), 0, self.partition_index, self.num_partitions)[0]
+            index = [slice(None)] * len(self.full_shape)
+            index[self.partition_dim] = slice(offset + part.start, offset + part.stop)
+            out.append(tuple(index))
+            offset += size
+        return out
+
+    def take(self, source: Any) -> torch.Tensor:
+        """This rank's shard of ``source`` (the full tensor, or anything indexable like it: a
+        safetensors slice), its pieces concatenated."""
+        chunks = [source[index] for index in self.pieces()]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=self.partition_dim or 0)
 
 
 def shard_slice(full_shape: tuple[int, ...], partition_dim: int, rank: int, world: int) -> tuple[slice, ...]:
@@ -80,7 +112,7 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's chunk of ``full`` (a copy, contiguous)."""
     if tuple(full.shape) != spec.full_shape:
         raise NxdError(f"tensor of shape {tuple(full.shape)} does not match the sharded shape {spec.full_shape}")
-    return full[spec.slices()].clone().contiguous()
+    return spec.take(full).clone().contiguous()
 
 
 def gather_shards(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
@@ -91,6 +123,11 @@ def gather_shards(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     if spec.partition_dim is None or M.group_size(group) == 1:
         return local.detach()
     gathered = M.all_gather(local.detach(), spec.partition_dim, group)
+    if len(spec.parts) > 1:  # every rank's chunk is its pieces in order: regroup piece by piece
+        sizes = [size // spec.num_partitions for size in spec.parts]
+        ranks = gathered.chunk(spec.num_partitions, spec.partition_dim)
+        per_rank = [c.split(sizes, dim=spec.partition_dim) for c in ranks]
+        return torch.cat([r[i] for i in range(len(sizes)) for r in per_rank], dim=spec.partition_dim)
     if spec.replicas == 1:
         return gathered
     chunks = gathered.chunk(spec.num_partitions * spec.replicas, dim=spec.partition_dim)
@@ -179,6 +216,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
     ``replicas`` > 1 (KV heads when tp exceeds their count): the output dim is cut into
     ``tp / replicas`` chunks and ``replicas`` consecutive ranks hold the same one; their weight
     gradients are partial sums (``grad_sync = replicas``). ``gather_output`` is then refused.
+    ``parts`` (a fused projection, see :class:`ShardSpec`): each piece of the output is split on
+    its own, so the local output is this rank's share of every piece, in order.
     Raises NxdError when the output dim does not divide by the number of chunks.
     """
 
@@ -192,33 +231,34 @@ class ColumnParallelLinear(_ParallelLinearBase):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         replicas: int = 1,
+        parts: tuple[int, ...] = (),
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         tp, rank = M.group_size(group), M.group_rank(group)
+        if parts and (replicas > 1 or gather_output or sum(parts) != out_features):
+            raise NxdError(f"fused output parts {parts} need {sum(parts)} == {out_features} outputs, no replicated "
+                           "shards and no gathered output")
+        if any(size % tp for size in parts):
+            raise NxdError(f"fused output parts {parts} are not each divisible by {tp} tensor-parallel shards")
         if replicas < 1 or tp % replicas:
             raise NxdError(f"KV replication {replicas} does not divide the tensor-parallel size {tp}")
         if replicas > 1 and gather_output:
             raise ValueError("gather_output is not supported with replicated shards")
-        parts = tp // replicas
-        if out_features % parts:
-            raise NxdError(f"output size {out_features} is not divisible by {parts} tensor-parallel shards")
+        chunks = tp // replicas
+        if out_features % chunks:
+            raise NxdError(f"output size {out_features} is not divisible by {chunks} tensor-parallel shards")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.replicas = replicas
-        common = dict(
-            partition_dim=0,
-            num_partitions=parts,
-            partition_index=rank // replicas,
-            replicas=replicas,
-            grad_sync=replicas,
-        )
-        self.shard_specs = {"weight": ShardSpec((out_features, in_features), **common)}
-        self.weight = _new_param((out_features // parts, in_features), device, dtype)
+        spec = ShardSpec((out_features, in_features), partition_dim=0, num_partitions=chunks,
+                         partition_index=rank // replicas, replicas=replicas, grad_sync=replicas, parts=tuple(parts))
+        self.shard_specs = {"weight": spec}
+        self.weight = _new_param((out_features // chunks, in_features), device, dtype)
         if bias:
-            self.shard_specs["bias"] = ShardSpec((out_features,), **common)
-            self.bias = _new_param((out_features // parts,), device, dtype)
+            self.shard_specs["bias"] = dataclasses.replace(spec, full_shape=(out_features,))
+            self.bias = _new_param((out_features // chunks,), device, dtype)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()

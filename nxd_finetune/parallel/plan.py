@@ -5,6 +5,11 @@ A plan maps module-name patterns (``*`` matches one dotted name component) to a 
 - ``column``:    ``nn.Linear`` -> :class:`ColumnParallelLinear`, output dim split, output left sharded.
 - ``column_kv``: ``column`` for the K/V projections, split on KV heads; when tp exceeds the KV
   head count each head is replicated over ``tp / num_key_value_heads`` consecutive ranks.
+- ``column_qkv``: a fused ``[q | k | v]`` projection (Phi's ``qkv_proj``), split by head: rank ``r``
+  holds its query heads' rows, then its KV heads' k rows and v rows (``ShardSpec.parts``), never a
+  contiguous block of the fused rows. KV heads cannot be replicated (tp must divide them).
+- ``column_gate_up``: a fused ``[gate | up]`` projection (Phi's ``gate_up_proj``), each half split
+  on its own, so a rank's output is its gate columns then its up columns.
 - ``row``:       ``nn.Linear`` -> :class:`RowParallelLinear`, input dim split, input already sharded.
 - ``vocab``:     ``nn.Embedding`` -> :class:`VocabParallelEmbedding`.
 - ``replicate``: kept whole on every TP rank (norms). Under sequence parallel these modules run on
@@ -46,7 +51,7 @@ from nxd_finetune.parallel.layers import (
 )
 from nxd_finetune.parallel.state import ParallelState
 
-STYLES = ("column", "column_kv", "row", "vocab", "replicate", "replicate_heads")
+STYLES = ("column", "column_kv", "column_qkv", "column_gate_up", "row", "vocab", "replicate", "replicate_heads")
 
 LLAMA_TP_PLAN: dict[str, str] = {
     "model.embed_tokens": "vocab",
@@ -70,12 +75,20 @@ QWEN3_TP_PLAN: dict[str, str] = {
     "model.layers.*.self_attn.k_norm": "replicate_heads",
 }
 
+PHI3_TP_PLAN: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TP_PLAN.items()
+       if not k.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
+    "model.layers.*.self_attn.qkv_proj": "column_qkv",
+    "model.layers.*.mlp.gate_up_proj": "column_gate_up",
+}
+
 # architecture (config.json) -> plan; Mistral and Qwen2 share Llama's module names
 TP_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_TP_PLAN,
     "MistralForCausalLM": LLAMA_TP_PLAN,
     "Qwen2ForCausalLM": LLAMA_TP_PLAN,
     "Qwen3ForCausalLM": QWEN3_TP_PLAN,
+    "Phi3ForCausalLM": PHI3_TP_PLAN,
 }
 
 
@@ -102,12 +115,25 @@ def check_tp_config(config: Any, tp: int, sequence_parallel: bool = False, seq_l
             f"num_key_value_heads={nkv} and tp={tp}: one must divide the other "
             f"(KV heads are split when tp divides them, replicated when they divide tp)"
         )
+    if getattr(config, "fused_qkv", False) and nkv % tp:
+        raise NxdError(f"num_key_value_heads={nkv} is not divisible by tp={tp} (a fused qkv_proj splits its KV "
+                       "heads, it cannot replicate them)")
     if config.intermediate_size % tp:
         raise NxdError(f"intermediate_size={config.intermediate_size} is not divisible by tp={tp}")
     if config.vocab_size % tp:
         raise NxdError(f"vocab_size={config.vocab_size} is not divisible by tp={tp}")
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise NxdError(f"sequence parallel: sequence length {seq_len} is not divisible by tp={tp}")
+
+
+def _fused_parts(config: Any, style: str) -> tuple[int, ...]:
+    """The pieces of a fused projection's output (``ShardSpec.parts``); () for the other styles."""
+    if style == "column_qkv":
+        d = config.head_dim
+        return (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d)
+    if style == "column_gate_up":
+        return (config.intermediate_size, config.intermediate_size)
+    return ()
 
 
 def kv_replication(config: Any, tp: int) -> int:
@@ -191,7 +217,8 @@ def apply_tp_plan(
         else:
             _expect(module, name, nn.Linear)
             new = ColumnParallelLinear.from_linear(
-                module, group, sequence_parallel=sp, replicas=replicas if style == "column_kv" else 1
+                module, group, sequence_parallel=sp, replicas=replicas if style == "column_kv" else 1,
+                parts=_fused_parts(config, style),
             )
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
@@ -231,7 +258,7 @@ def make_slice_reader(model: nn.Module):
             raise ModelLoadError(
                 f"tensor {key!r} has shape {shape} in the checkpoint, the model expects {spec.full_shape}"
             )
-        return safe_slice[spec.slices()].clone(memory_format=torch.contiguous_format)
+        return spec.take(safe_slice).clone(memory_format=torch.contiguous_format)
 
     return reader
 
