@@ -219,6 +219,8 @@ def test_a_malformed_alias_is_one_line_and_ls_goes_on(reg_uri, tmp_path, capsys)
     assert "good->1" in out and "other" in out, out  # every adapter listed, the good tag shown
     assert "warning: " in out and "bot/aliases/prod.json is malformed" in out, out
     assert "bot/aliases/str.json is malformed" in out, out
+    r = CliRunner().invoke(adapters_app, ["ls", reg_uri, "bot"])
+    assert r.exit_code == 0 and "good" in r.output and "prod.json is malformed" in r.output, r.output
     r = CliRunner().invoke(adapters_app, ["rm", f"{uri}:1", "--yes"])  # rm goes past it too
     assert r.exit_code == 0 and "dropped tags: good" in r.output, r.output
 

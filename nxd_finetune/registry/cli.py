@@ -139,6 +139,8 @@ def ls_cmd(
             ", ".join(tag_names),
         )
     console.print(table)
+    for line in reg.read_tags(name)[1]:
+        _say(f"warning: {line}", console)
 
 
 @adapters_app.command("show")
