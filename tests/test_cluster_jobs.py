@@ -31,6 +31,23 @@ def k8s(capsys, *args: str) -> tuple[list[dict], str]:
     return list(yaml.safe_load_all(out.out)), out.err
 
 
+def through_models(doc: dict) -> dict:
+    """``doc`` read into the Kubeflow training SDK's ``KubeflowOrgV1PyTorchJob`` (a ``Job``: the
+    kubernetes client's ``V1Job``) and written back: a missing required field raises, a field the
+    model does not know is dropped, so the round trip must give ``doc`` back unchanged."""
+    if doc["kind"] == "PyTorchJob":
+        from kubeflow.training.api_client import ApiClient
+
+        client, model = ApiClient(), "KubeflowOrgV1PyTorchJob"
+    else:
+        from kubernetes.client import ApiClient
+
+        client, model = ApiClient(), "V1Job"
+    back = client.sanitize_for_serialization(client._ApiClient__deserialize(doc, model))
+    assert back == doc
+    return doc
+
+
 def pods(doc: dict) -> list[dict]:
     """The container of every pod a manifest starts (PyTorchJob replicas counted)."""
     if doc["kind"] == "Job":
@@ -106,6 +123,7 @@ def test_precompile_traces_the_training_layout(recipe, nodes, overrides, capsys,
     common = [str(recipe), *overrides, "--nodes", str(nodes), "--pvc", "fsx-claim"]
     (train,), _ = k8s(capsys, "pytorchjob", *common)
     (pre,), _ = k8s(capsys, "precompile-job", *common, "--steps", "2")
+    through_models(train), through_models(pre)
     train_pods, pre_pods = pods(train), pods(pre)
     assert len(train_pods) == len(pre_pods) == nodes
     train_argv = train_pods[0]["command"] + train_pods[0]["args"]
@@ -224,7 +242,7 @@ def test_env_and_service_account_reach_every_pod(capsys, recipe):
              "--service-account", "s3-reader", "--pvc", "fsx-claim", "--nodes", "2", "--efa", "8"]
     for command in ("pytorchjob", "precompile-job"):
         (doc,), _ = k8s(capsys, command, str(recipe), *extra)
-        templates = pod_templates(doc)
+        templates = pod_templates(through_models(doc))
         assert len(templates) == 2
         for template in templates:
             assert template.spec.service_account_name == "s3-reader"
