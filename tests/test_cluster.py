@@ -190,7 +190,7 @@ def test_k8s_gpu_pytorchjob_and_precompile_job(capsys, neuron_recipe, tmp_path):
 
     out = tmp_path / "precompile.yaml"
     k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=32", "--nodes", "1", "--pvc", "fsx-claim",
-        "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml", "-o", str(out))
+        "--image", "repo/nxd-finetune:neuron", "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml", "-o", str(out))
     (pre,) = yaml.safe_load_all(out.read_text())
     assert pre["apiVersion"] == "batch/v1" and pre["kind"] == "Job" and pre["spec"]["backoffLimit"] == 0
     c = pre["spec"]["template"]["spec"]["containers"][0]
@@ -201,7 +201,8 @@ def test_k8s_gpu_pytorchjob_and_precompile_job(capsys, neuron_recipe, tmp_path):
     assert "--cache_dir=/fsx/neuron-cache" in env["NEURON_CC_FLAGS"]  # where the training job will look
     # several nodes: the training job's pods and torchrun line under neuron_parallel_compile
     (pre,) = k8s(capsys, "precompile-job", str(neuron_recipe), "parallel.nproc=64", "--nodes", "2", "--pvc",
-                 "fsx-claim", "--steps", "3", "--recipe-path", "/fsx/recipes/sft.yaml")
+                 "fsx-claim", "--image", "repo/nxd-finetune:neuron", "--steps", "3",
+                 "--recipe-path", "/fsx/recipes/sft.yaml")
     assert pre["kind"] == "PyTorchJob" and pre["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
     c = pre["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     argv = c["command"] + c["args"]

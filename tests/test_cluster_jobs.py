@@ -22,9 +22,11 @@ STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def k8s(capsys, *args: str) -> tuple[list[dict], str]:
-    """``nxd-finetune k8s ARGS``: the manifests written and stderr (warnings)."""
+    """``nxd-finetune k8s ARGS`` (with an ``--image`` unless given): the manifests written and
+    stderr (warnings)."""
+    image = [] if "--image" in args else ["--image", "repo.example/nxd-finetune:neuron"]
     try:
-        main(["k8s", *args])
+        main(["k8s", *args, *image])
     except SystemExit as e:  # typer exits 0 after a command
         assert e.code in (0, None), capsys.readouterr().err
     out = capsys.readouterr()
@@ -255,3 +257,13 @@ def test_env_and_service_account_reach_every_pod(capsys, recipe):
         main(["k8s", "pytorchjob", str(recipe), "--env", "NO_EQUALS"])
     assert e.value.code == 2 and capsys.readouterr().err == (
         "error: --env 'NO_EQUALS': write KEY=VALUE with KEY of letters, digits and '_' (not starting with a digit)\n")
+
+
+def test_the_image_must_be_given(capsys, recipe):
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "pytorchjob", str(recipe)])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: --image is the placeholder REGISTRY/nxd-finetune:neuron: give the image your cluster pulls, e.g. "
+        "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)\n")
+    (job,), _ = k8s(capsys, "pytorchjob", str(recipe), "--image", "123.dkr.ecr.us-west-2.amazonaws.com/nxd:neuron")
+    assert pods(job)[0]["image"] == "123.dkr.ecr.us-west-2.amazonaws.com/nxd:neuron"

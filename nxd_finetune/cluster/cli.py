@@ -23,7 +23,9 @@ OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides key.pa
                                                           show_default=False)]
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1,
                                        help="Nodes (pods); processes per node = parallel.nproc / nodes.")]
-ImageOpt = Annotated[str, typer.Option("--image", help="Container image (see docker/).")]
+ImageOpt = Annotated[str, typer.Option(
+    "--image", help="Container image your cluster pulls (built from docker/ and pushed); the default is a "
+                    "placeholder to replace.")]
 AcceleratorOpt = Annotated[str, typer.Option("--accelerator", help="neuron, gpu or cpu.")]
 EfaOpt = Annotated[int, typer.Option("--efa", min=0, help="EFA interfaces per pod (8 on trn1.32xlarge).")]
 InstanceOpt = Annotated[str | None, typer.Option("--instance-type",
@@ -75,7 +77,7 @@ def pytorchjob_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
     nodes: NodesOpt = 1,
-    image: ImageOpt = "nxd-finetune:neuron",
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER (typer reads the default here)
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
     instance_type: InstanceOpt = None,
@@ -108,7 +110,7 @@ def precompile_job_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
     nodes: NodesOpt = 1,
-    image: ImageOpt = "nxd-finetune:neuron",
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER (typer reads the default here)
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
     instance_type: InstanceOpt = None,

@@ -44,6 +44,8 @@ PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label: the operator names Services after it
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# the default of --image: a registry path to replace (uppercase: no registry accepts it as is)
+IMAGE_PLACEHOLDER = "REGISTRY/nxd-finetune:neuron"
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
 
 
@@ -92,6 +94,9 @@ def check_name(name: str) -> str:
 
 def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int, env: dict[str, str],
                ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    if pod.image == IMAGE_PLACEHOLDER:
+        raise NxdError(f"--image is the placeholder {IMAGE_PLACEHOLDER}: give the image your cluster pulls, e.g. "
+                       "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)")
     devices = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa).items()}
     limits: dict[str, str] = dict(devices)
     requests: dict[str, str] = dict(devices)
@@ -192,6 +197,7 @@ def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], p
     ``neuron_parallel_compile torchrun ...`` as training runs ``torchrun``. Needs a shared volume
     on Neuron (``pod.pvc``), where the cache goes."""
     layout = node_layout(recipe, nodes)
+    check_name(name)
     recipe, overrides = _on_volume(recipe, overrides, pod, precompile=True)
     env = job_env(recipe, pod.accelerator, pod.efa)
     if nodes > 1:
