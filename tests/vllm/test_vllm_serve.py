@@ -6,18 +6,27 @@ LoRA loading) answers every check, since each vLLM start costs about a minute on
   (each pushed to a local registry) equal transformers + peft ``generate`` token for token; the
   base model's too, and the adapters change the answers;
 - a version pushed to the moto S3 server after the server started is served by tag;
-- a version whose stored weights were altered is refused (404, the reason in the server log) and
-  nothing of it is cached.
+- a version whose stored weights were altered is refused (400, the reason in the response and the
+  server log) and nothing of it is cached; unknown and malformed names get their reason too;
+- the cached copies vLLM reads again: a byte flipped in one, then the whole cache removed by hand,
+  while the server runs; adapters evicted from vLLM's CPU cache (``--max-loras 2``) and asked for
+  again are read from verified copies (the answers stay PEFT's, the server stays up);
+- a tag moved while the server runs: the name keeps its version until unloaded, then follows the tag.
+
+These run in file order on the one server; the last ones alter its cache.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -92,7 +101,8 @@ def prompts(base_dir) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    rows = [json.loads(line) for line in (ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[:4]]
+    lines = (ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[:4]
+    rows = [json.loads(line) for line in lines]
     texts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
@@ -239,14 +249,85 @@ def test_version_pushed_to_s3_serves_by_tag(server, registries, adapters, prompt
     ).read_bytes()
 
 
-def test_corrupted_version_is_refused(server, prompts, work):
+def test_refusals_give_their_reason(server, prompts, work):
     client, log = server
-    with pytest.raises(openai.NotFoundError):
-        complete(client, "broken:1", prompts)
+    for model, status, reason in (
+        ("broken:1", 400, "LoRA adapter refused: broken:1: adapter_model.safetensors does not match its manifest"),
+        ("qs-single:7", 404, "qs-single:7 does not exist (versions: 1)"),
+        ("qs-single@nope", 404, "qs-single has no tag 'nope'"),
+        ("nobody", 404, "The model `nobody` does not exist: no adapter 'nobody' in the served registries."),
+        ("qs-single:0", 404, "The model `qs-single:0` does not exist: invalid version '0'"),
+    ):
+        with pytest.raises(openai.APIStatusError) as e:
+            complete(client, model, prompts)
+        assert e.value.status_code == status and reason in e.value.message, (model, e.value.message)
     text = log.read_text()
     assert "refused LoRA adapter 'broken:1'" in text
     assert "broken:1: adapter_model.safetensors does not match its manifest" in text
     assert not [p for p in (work / "lora-cache").rglob("*") if "broken" in p.parts and p.is_file()]
-    with pytest.raises(openai.NotFoundError):
-        complete(client, "qs-single:7", prompts)  # no such version
-    assert "qs-single:7 does not exist (versions: 1)" in log.read_text()
+
+
+def _copy_of(log: Path, name: str) -> Path:
+    """The cached copy the server's log says it serves ``name`` from."""
+    line = [ln for ln in log.read_text().splitlines() if f"serving {name!r} as" in ln][-1]
+    return Path(line.rsplit(" from ", 1)[1].strip())
+
+
+def _evict_and_ask_again(client, name: str, others: list[str], prompts) -> Greedy:
+    """Ask for ``name``, then for two other adapters (vLLM's CPU cache holds 2: ``name`` is evicted),
+    then for ``name`` again: vLLM reads its files again from the path the resolver gave."""
+    complete(client, name, prompts)
+    for other in others:
+        complete(client, other, prompts)
+    return complete(client, name, prompts)
+
+
+def test_a_flipped_byte_in_a_cached_copy_is_never_served(server, prompts, expected):
+    client, log = server
+    assert_same(complete(client, "qs-single:1", prompts), expected["single"], "before")
+    copy = _copy_of(log, "qs-single:1")
+    weights = copy / "adapter_model.safetensors"
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o444  # not writable in place (root writes anyway)
+    weights.chmod(0o644)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the sign and exponent byte of the last weight
+    weights.write_bytes(bytes(data))
+
+    got = _evict_and_ask_again(client, "qs-single:1", ["qs-tp2:1", "qs-pp2:1"], prompts)
+    assert_same(got, expected["single"], "after a byte flipped in the cached copy")
+    assert f"the cached copy {copy} is missing or altered; using {copy}.1" in log.read_text()
+    assert weights.read_bytes() == bytes(data)  # left as it was: a server may read it again
+
+
+def test_the_cache_removed_by_hand_does_not_take_the_server_down(server, prompts, expected, work):
+    client, log = server
+    shutil.rmtree(work / "lora-cache")
+    assert_same(_evict_and_ask_again(client, "qs-tp2:1", ["qs-single:1", "qs-pp2:1"], prompts),
+                expected["tp2"], "tp2 after rm -rf of the cache")
+    assert_same(complete(client, "qs-single:1", prompts), expected["single"], "single after rm -rf of the cache")
+    text = log.read_text()
+    for name in ("qs-tp2:1", "qs-single:1"):
+        assert f"the cached copy {_copy_of(log, name)} is missing or altered" in text, name
+    assert_same(complete(client, "qs-single@latest", prompts), expected["single"], "a name resolved after")
+
+
+def _unload(client, name: str) -> None:
+    body = json.dumps({"lora_name": name}).encode()
+    req = urllib.request.Request(f"{client.base_url}unload_lora_adapter", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200
+
+
+def test_a_moved_tag_takes_effect_when_its_name_is_unloaded(server, registries, adapters, prompts, expected):
+    client, log = server
+    ref = f"{registries['local']}/qs-move"
+    push(adapters["single"], ref, tags=["prod"])
+    for name in ("qs-move@prod", "qs-move"):
+        assert_same(complete(client, name, prompts), expected["single"], name)
+    push(adapters["pp2"], ref, tags=["prod"])  # version 2: prod and latest move to it
+    for name in ("qs-move@prod", "qs-move"):
+        assert_same(complete(client, name, prompts), expected["single"], f"{name}: loaded names keep their version")
+        _unload(client, name)
+        assert_same(complete(client, name, prompts), expected["pp2"], f"{name}: resolved again after unloading")
+    assert "serving 'qs-move@prod' as" in log.read_text() and f"{ref}:2 from" in log.read_text()
