@@ -80,8 +80,7 @@ class RegistryLoRAResolver(LoRAResolver):
             raise client_error(e, self.cache.registries) from None
         if found is None:
             try:
-                read_selector(lora_name)
-                reason = f"no adapter {lora_name.partition('@')[0].partition(':')[0]!r} in the served registries"
+                reason = f"no adapter {read_selector(lora_name).name!r} in the served registries"
             except RegistryError as e:
                 reason = str(e)
             logger.info("nxd-finetune registry: not serving %r: %s", lora_name, reason)
