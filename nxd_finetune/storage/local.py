@@ -132,7 +132,7 @@ class LocalStorage(Storage):
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / check_key(base) if base else self.root
         keys = []
-        for dirpath, _dirs, files in os.walk(start):
+        for dirpath, _dirs, files in os.walk(start, onerror=_walk_error):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for f in files:
                 if f.startswith(TMP_PREFIX):
@@ -149,7 +149,7 @@ class LocalStorage(Storage):
         start = self.root / check_key(base) if base else self.root
         now = time.time()
         found = []
-        for dirpath, _dirs, files in os.walk(start):
+        for dirpath, _dirs, files in os.walk(start, onerror=_walk_error):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for f in files:
                 if not f.startswith(TMP_PREFIX):
@@ -207,6 +207,13 @@ class LocalStorage(Storage):
             except OSError:
                 break
             parent = parent.parent
+
+
+def _walk_error(e: OSError) -> None:
+    """``os.walk``'s error hook: a root that does not exist (yet) lists nothing; any other
+    refusal (permissions, a name over the limit) is raised, not taken for an empty listing."""
+    if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+        raise e
 
 
 def _file_in_the_way(filename: object) -> Path | None:
