@@ -87,16 +87,20 @@ def test_trainium_k8s_commands_run_as_written(capsys, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     commands = doc_commands("nxd-finetune k8s")
-    assert {argv[2] for argv in commands} == {"precompile-job", "pytorchjob"}
+    assert {argv[2] for argv in commands} == {"precompile-job", "pytorchjob", "trainjob"}
     for argv in commands:
         with pytest.raises(SystemExit) as e:
             main(argv[1:])
         out = capsys.readouterr()
         assert e.value.code in (0, None) and out.err == "", out.err
-        (doc,) = yaml.safe_load_all(out.out)
-        assert doc["kind"] == "PyTorchJob" and doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-        container = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-        args = container["command"] + container["args"]
+        doc = list(yaml.safe_load_all(out.out))[-1]
+        if doc["kind"] == "TrainJob":
+            assert doc["spec"]["trainer"]["numNodes"] == 2
+            args = doc["spec"]["trainer"]["command"]
+        else:
+            assert doc["kind"] == "PyTorchJob" and doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+            container = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+            args = container["command"] + container["args"]
         assert args[args.index("run") + 1] == "/fsx/recipes/llama3-8b-lora-trn1.yaml"
 
 

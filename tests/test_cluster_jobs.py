@@ -267,3 +267,52 @@ def test_the_image_must_be_given(capsys, recipe):
         "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)\n")
     (job,), _ = k8s(capsys, "pytorchjob", str(recipe), "--image", "123.dkr.ecr.us-west-2.amazonaws.com/nxd:neuron")
     assert pods(job)[0]["image"] == "123.dkr.ecr.us-west-2.amazonaws.com/nxd:neuron"
+
+
+# ----------------------------------------------------------------------------- Kubeflow Trainer v2
+
+
+def through_trainer_models(doc: dict) -> dict:
+    """``doc`` read into the Kubeflow Trainer API's pydantic model of its kind and written back unchanged."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1ClusterTrainingRuntime, TrainerV1alpha1TrainJob
+
+    model = {"TrainJob": TrainerV1alpha1TrainJob, "ClusterTrainingRuntime": TrainerV1alpha1ClusterTrainingRuntime}
+    assert model[doc["kind"]].from_dict(doc).to_dict() == doc
+    return doc
+
+
+@pytest.mark.parametrize("recipe_file, nodes", [(p, n) for p, n, o in CASES if not o and n in (1, 2, 4)],
+                         ids=lambda v: v.stem if isinstance(v, Path) else f"{v}node")
+def test_trainjob_trains_the_pytorchjob_layout(recipe_file, nodes, capsys):
+    common = [str(recipe_file), "--nodes", str(nodes), "--pvc", "fsx-claim", "--efa", "8"]
+    (train,), _ = k8s(capsys, "pytorchjob", *common)
+    (runtime, job), _ = k8s(capsys, "trainjob", *common, "--runtime", "torch-nxd")
+    through_trainer_models(runtime), through_trainer_models(job)
+    assert runtime["kind"] == "ClusterTrainingRuntime" and runtime["metadata"]["name"] == "torch-nxd"
+    assert job["spec"]["runtimeRef"]["name"] == "torch-nxd"
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (nodes, load_recipe(recipe_file).parallel.nproc // nodes)
+    c = pods(train)[0]
+    assert torchrun_layout(recipe_file, trainer["command"]) == torchrun_layout(recipe_file, c["command"] + c["args"])
+    assert trainer["resourcesPerNode"] == c["resources"] and trainer["env"] == c["env"]
+
+
+def test_trainjob_patches_the_runtime_pod(capsys, recipe):
+    (_, job), _ = k8s(capsys, "trainjob", str(recipe), "--pvc", "fsx-claim", "--service-account", "s3-reader",
+                      "--instance-type", "trn1.32xlarge", "--env", "AWS_REGION=us-west-2", "--max-restarts", "2",
+                      "--recipe-path", "/fsx/r/sft.yaml", "output.dir=/fsx/o", "model.path=/fsx/m")
+    through_trainer_models(job)
+    (patch,) = job["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    spec = node["template"]["spec"]["template"]["spec"]
+    assert node["name"] == "node" and spec["serviceAccountName"] == "s3-reader"
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn1.32xlarge"}
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+              if "persistentVolumeClaim" in v}
+    assert claims == {"shared": "fsx-claim"} and mounts["shared"] == "/fsx"
+    command = job["spec"]["trainer"]["command"]
+    assert command[command.index("--max-restarts") + 1] == "2"
+    assert command[-1] == "neuron.compile_cache=/fsx/neuron-cache"
+    env = {e["name"]: e["value"] for e in job["spec"]["trainer"]["env"]}
+    assert env["AWS_REGION"] == "us-west-2" and env[STORE_ENV] == "1"

@@ -6,6 +6,9 @@
   needs the ``torchx`` extra).
 - :mod:`.k8s`: Kubeflow ``PyTorchJob`` and one-node precompile ``Job`` manifests for a recipe
   (``nxd-finetune k8s ...``, :mod:`.cli`).
+- :mod:`.trainjob`: Kubeflow Trainer v2 ``TrainJob`` + torch ``ClusterTrainingRuntime``
+  (``nxd-finetune k8s trainjob``).
+- :mod:`.volume`: the shared volume (compile cache, recipe paths the pods cannot see).
 - :mod:`.images`: the Dockerfiles under ``docker/`` (build arguments, what they install and run).
 
 Process-group startup (the elastic launcher, ``init_distributed``) stays in

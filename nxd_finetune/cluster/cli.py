@@ -40,6 +40,8 @@ NameOpt = Annotated[str, typer.Option("--name", help="Job name (lowercase letter
 RecipePathOpt = Annotated[str | None, typer.Option(
     "--recipe-path", help="The recipe's path inside the pods (default: RECIPE as given).")]
 OutOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the YAML here instead of stdout.")]
+RestartsOpt = Annotated[int, typer.Option("--max-restarts", min=0,
+                                          help="torch elastic restarts (resume from the newest checkpoint).")]
 EnvOpt = Annotated[list[str] | None, typer.Option("--env", metavar="KEY=VALUE",
                                                   help="An environment variable of every pod (repeatable).")]
 ServiceAccountOpt = Annotated[str | None, typer.Option(
@@ -87,8 +89,7 @@ def pytorchjob_cmd(
     memory: MemOpt = None,
     namespace: NamespaceOpt = "default",
     name: NameOpt = "nxd-finetune",
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0,
-                                              help="torch elastic restarts (resume from the newest checkpoint).")] = 0,
+    max_restarts: RestartsOpt = 0,
     recipe_path: RecipePathOpt = None,
     env: EnvOpt = None,
     service_account: ServiceAccountOpt = None,
@@ -139,3 +140,41 @@ def precompile_job_cmd(
                service_account)
     doc = precompile_job(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, steps=steps)
     _write(to_yaml(doc), output)
+
+
+@k8s_app.command("trainjob")
+def trainjob_cmd(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    nodes: NodesOpt = 1,
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER
+    accelerator: AcceleratorOpt = "neuron",
+    efa: EfaOpt = 0,
+    instance_type: InstanceOpt = None,
+    pvc: PvcOpt = None,
+    mount_path: MountOpt = "/fsx",
+    cpu: CpuOpt = None,
+    memory: MemOpt = None,
+    namespace: NamespaceOpt = "default",
+    name: NameOpt = "nxd-finetune",
+    max_restarts: RestartsOpt = 0,
+    recipe_path: RecipePathOpt = None,
+    env: EnvOpt = None,
+    service_account: ServiceAccountOpt = None,
+    runtime: Annotated[str, typer.Option("--runtime", help="Name of the ClusterTrainingRuntime written beside it.")]
+        = "nxd-finetune-torch",
+    output: OutOpt = None,
+) -> None:
+    """Write a Kubeflow Trainer v2 `TrainJob` that trains RECIPE on `--nodes` nodes, after the torch
+    `ClusterTrainingRuntime` it uses (apply that once per cluster). Options as `pytorchjob`'s (typer
+    needs each command's own signature)."""
+    from nxd_finetune.cluster.k8s import to_yaml
+    from nxd_finetune.cluster.trainjob import cluster_training_runtime, trainjob
+
+    in_pods = recipe_path or str(recipe)
+    loaded = _load(recipe, overrides, in_pods)
+    pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
+               service_account)
+    job = trainjob(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, max_restarts=max_restarts,
+                   runtime=runtime)
+    _write(to_yaml(cluster_training_runtime(pod.image, runtime), job), output)

@@ -92,29 +92,55 @@ def check_name(name: str) -> str:
     return name
 
 
-def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int, env: dict[str, str],
-               ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def check_image(pod: PodSettings) -> str:
+    """The pods' image; NxdError (one line) while it is the ``--image`` placeholder."""
     if pod.image == IMAGE_PLACEHOLDER:
         raise NxdError(f"--image is the placeholder {IMAGE_PLACEHOLDER}: give the image your cluster pulls, e.g. "
                        "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)")
-    devices = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa).items()}
-    limits: dict[str, str] = dict(devices)
-    requests: dict[str, str] = dict(devices)
+    return pod.image
+
+
+def pod_resources(pod: PodSettings, nproc_per_node: int) -> dict[str, dict[str, str]]:
+    """``limits`` and ``requests`` of one node's pod: its devices, and the CPU / memory given."""
+    limits = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa).items()}
     for key, value in (("cpu", pod.cpu), ("memory", pod.memory)):
         if value:
-            limits[key] = requests[key] = value
+            limits[key] = value
+    return {"limits": limits, "requests": dict(limits)}
+
+
+def pod_env(env: dict[str, str], pod: PodSettings) -> list[dict[str, str]]:
+    """The container's environment: ``env`` with the user's ``--env`` over it."""
+    return [{"name": k, "value": v} for k, v in {**env, **dict(pod.env)}.items()]
+
+
+def pod_mounts(pod: PodSettings) -> list[dict[str, Any]]:
+    """A memory-backed ``/dev/shm`` (dataloader workers, the elastic agent), and the shared volume."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if pod.pvc:
         mounts.append({"name": "shared", "mountPath": pod.mount_path})
+    return mounts
+
+
+def pod_volumes(pod: PodSettings) -> list[dict[str, Any]]:
+    """The volumes :func:`pod_mounts` mounts."""
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if pod.pvc:
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": pod.pvc}})
+    return volumes
+
+
+def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int, env: dict[str, str],
+               ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": name,
-        "image": pod.image,
+        "image": check_image(pod),
         "imagePullPolicy": "IfNotPresent",
         "command": args[:1],
         "args": args[1:],
-        "env": [{"name": k, "value": v} for k, v in {**env, **dict(pod.env)}.items()],
-        "resources": {"limits": limits, "requests": requests},
-        "volumeMounts": mounts,
+        "env": pod_env(env, pod),
+        "resources": pod_resources(pod, nproc_per_node),
+        "volumeMounts": pod_mounts(pod),
     }
     if ports:
         container["ports"] = [dict(p) for p in ports]
@@ -122,10 +148,7 @@ def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int
 
 
 def _pod_spec(container: dict[str, Any], pod: PodSettings, restart_policy: str) -> dict[str, Any]:
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    if pod.pvc:
-        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": pod.pvc}})
-    spec: dict[str, Any] = {"restartPolicy": restart_policy, "containers": [container], "volumes": volumes}
+    spec: dict[str, Any] = {"restartPolicy": restart_policy, "containers": [container], "volumes": pod_volumes(pod)}
     if pod.instance_type:
         spec["nodeSelector"] = {INSTANCE_TYPE_LABEL: pod.instance_type}
     if pod.service_account:
@@ -133,8 +156,8 @@ def _pod_spec(container: dict[str, Any], pod: PodSettings, restart_policy: str) 
     return spec
 
 
-def _on_volume(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
-               precompile: bool) -> tuple[Recipe, list[str]]:
+def for_pods(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
+             precompile: bool) -> tuple[Recipe, list[str]]:
     """The recipe and overrides the pods get: with a shared volume the Neuron compile cache on it
     (:func:`.volume.cache_on_volume`) and a warning per recipe path the pods cannot see. A
     precompile job needs the volume (its compile cache would die with its pod)."""
@@ -183,7 +206,7 @@ def pytorchjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: 
     ``overrides``) on ``nodes`` pods of ``parallel.nproc / nodes`` processes. Raises NxdError when
     the layout does not split over the nodes or the name is not a Kubernetes name."""
     layout = node_layout(recipe, nodes)
-    recipe, overrides = _on_volume(recipe, overrides, pod, precompile=False)
+    recipe, overrides = for_pods(recipe, overrides, pod, precompile=False)
     cmd = _master_torchrun(layout, recipe_path, overrides, name, max_restarts)
     return _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa))
 
@@ -198,7 +221,7 @@ def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], p
     on Neuron (``pod.pvc``), where the cache goes."""
     layout = node_layout(recipe, nodes)
     check_name(name)
-    recipe, overrides = _on_volume(recipe, overrides, pod, precompile=True)
+    recipe, overrides = for_pods(recipe, overrides, pod, precompile=True)
     env = job_env(recipe, pod.accelerator, pod.efa)
     if nodes > 1:
         run_overrides = [*overrides, *precompile_overrides(recipe, steps, PRECOMPILE_OUT)]
