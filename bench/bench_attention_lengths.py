@@ -1,11 +1,11 @@
 """Memory that torch's fused CPU attention keeps per sequence length, and what padding packed runs
-to ``models.llama.RUN_MULTIPLE`` tokens does about it.
+to ``models.attention.RUN_MULTIPLE`` tokens does about it.
 
 Packed SFT rows run attention once per sample ("run"), so a long training run calls
 ``scaled_dot_product_attention`` with every sample length its data holds. Each variant below runs,
 in its own fresh process, forward + backward of causal GQA attention (32 query heads, 8 kv heads,
 head_dim 64: the Llama-3.2-1B shape) over every run length 1..``--max-len``, in a shuffled order,
-through ``models.llama._run_attention`` with ``RUN_MULTIPLE`` as given (1 = no padding, the
+through ``models.attention._run_attention`` with ``RUN_MULTIPLE`` as given (1 = no padding, the
 behaviour before), and records glibc's in-use heap bytes (``mallinfo2``) after each 64 lengths
 and the total time. Writes ``bench/results/attention_lengths.{json,md}``.
 
@@ -45,9 +45,9 @@ def worker(dtype_name: str, multiple: int, max_len: int) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from nxd_finetune.models import llama
+    from nxd_finetune.models import attention
 
-    llama.RUN_MULTIPLE = multiple
+    attention.RUN_MULTIPLE = multiple
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     lengths = list(range(1, max_len + 1))
     random.Random(0).shuffle(lengths)
@@ -56,7 +56,7 @@ def worker(dtype_name: str, multiple: int, max_len: int) -> dict:
         q = torch.randn(1, n, 32, 64, dtype=dtype, requires_grad=True)
         k = torch.randn(1, n, 8, 64, dtype=dtype, requires_grad=True)
         v = torch.randn(1, n, 8, 64, dtype=dtype, requires_grad=True)
-        llama._run_attention(q, k, v, [n]).sum().backward()
+        attention._run_attention(q, k, v, [n]).sum().backward()
 
     one(64)  # the first call's one-off allocations (thread pools, kernels for this length)
     base, curve = _in_use_mb(), []

@@ -32,13 +32,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def tiny_hf_config(family: str = "llama", **overrides):
     """A tiny transformers config; ``family``: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norms)
-    or phi3 (fused qkv_proj and gate_up_proj; special token ids inside the tiny vocabulary)."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    phi3 (fused qkv_proj and gate_up_proj), gemma2 or gemma3 (text); special token ids inside the
+    tiny vocabulary."""
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
-    if family == "phi3":
+    if family in ("phi3", "gemma2", "gemma3"):
         overrides = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, **overrides}
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "phi3": Phi3Config}[family]
+           "phi3": Phi3Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[family]
     return cls(**{**TINY, **overrides})
 
 

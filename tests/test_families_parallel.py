@@ -6,7 +6,8 @@ LoRA (``all-linear``) and full fine-tuning. The reference is the single-process 
 tp2, tp2 + sequence parallel, pp2 (the family's tied embeddings split over the two stages) and
 dp2 + ZeRO-1 run in one launch of two forked workers (``trainer.run_rank``) and must reproduce its
 loss curve (1e-5 relative), gradient norms (1e-4), eval statistics and final adapter / checkpoint
-(2e-5). Qwen3: the per-head q/k norms see only a rank's heads under tp, so their gradients are
+(2e-5). Gemma 2's final soft-cap runs inside the vocab-parallel loss, chunked on pp2's last stage
+(``training.loss_chunk_tokens``). Qwen3: the per-head q/k norms see only a rank's heads under tp, so their gradients are
 summed over the tp group; AdamW's first steps hide a gradient's scale, so a gradient-level check
 (one forward/backward at tp2, with and without sequence parallel, every gradient gathered and
 compared with the unsharded model's) runs first.
@@ -41,7 +42,7 @@ BASE = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_ba
 LAYOUTS = {  # every layout sees 4 rows per optimizer step (micro 2 x accum x dp)
     "tp2": ["parallel.tp=2", "training.grad_accum=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "training.grad_accum=2"],
-    "pp2": ["parallel.pp=2", "training.grad_accum=2"],
+    "pp2": ["parallel.pp=2", "training.grad_accum=2", "training.loss_chunk_tokens=16"],
     "dp2-zero1": ["parallel.zero1=true", "training.grad_accum=1"],
 }
 MODES = {"lora": ["lora.target_modules=all-linear"], "sft": ["lora=null", "training.lr=5e-4"]}
@@ -49,6 +50,9 @@ MODES = {"lora": ["lora.target_modules=all-linear"], "sft": ["lora=null", "train
 FAMILIES = {
     "qwen3": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "phi3": ("phi3", dict(partial_rotary_factor=0.5)),
+    # a sliding layer then a full one, capped attention scores and logits, tied embeddings
+    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=6, attn_logit_softcapping=0.5,
+                              final_logit_softcapping=5.0)),
 }
 
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")

@@ -23,11 +23,19 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Phi3ForCausalLM": {"fused_qkv": True, "fused_gate_up": True},
+    "Gemma2ForCausalLM": {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True},
+    "Gemma3ForCausalLM": {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True, "qk_norm": True},
 }
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# architectures whose attention_bias puts a bias on q, k, v and o
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 # fields of ours that are not HF config keys (never written by to_hf)
-_DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up")
+_DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up", "embed_scale",
+            "norm_unit_offset", "sandwich_norms")
 
 
 @dataclasses.dataclass
@@ -41,6 +49,15 @@ class DecoderConfig:
     shared by the heads). ``fused_qkv`` / ``fused_gate_up`` (Phi-3, Phi-4): one ``qkv_proj`` (q,
     k, v rows) and one ``gate_up_proj`` (gate, up halves) instead of separate projections.
     ``partial_rotary_factor``: rope turns the first ``head_dim * factor`` dimensions of each head.
+
+    Gemma 2 / 3: ``embed_scale`` (embeddings times sqrt(hidden_size)), ``norm_unit_offset`` (RMSNorm
+    weights applied as ``1 + weight``), ``sandwich_norms`` (four norms per layer: the attention and MLP
+    outputs are normed before the residual too), ``hidden_act`` ``gelu_pytorch_tanh`` (GeGLU),
+    ``query_pre_attn_scalar`` (softmax scale ``1/sqrt(it)``), ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (``cap * tanh(x / cap)`` on attention scores and on the logits),
+    ``layer_types`` (``sliding_attention`` layers use ``sliding_window``, ``full_attention`` ones do
+    not; None: every layer uses ``sliding_window``), ``rope_local_base_freq`` (Gemma 3: the rope base
+    of the sliding layers, which take no rope scaling).
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -64,6 +81,14 @@ class DecoderConfig:
     fused_gate_up: bool = False
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
+    embed_scale: bool = False
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float | None = None
     mlp_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -81,8 +106,10 @@ class DecoderConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.hidden_act not in ("silu", "swish"):
-            raise ModelLoadError(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act={self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
 
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> DecoderConfig:
@@ -113,6 +140,10 @@ class DecoderConfig:
         # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints
         # write rope_theta + rope_scaling. Normalise to the latter.
         rope_params = raw.get("rope_parameters")
+        if arch in _GEMMA:
+            rope_params = _gemma_kwargs(arch, raw, kwargs)
+        else:
+            kwargs.pop("layer_types", None)  # windows apply to every layer of the other families
         if isinstance(rope_params, dict):
             rope_params = dict(rope_params)
             kwargs["rope_theta"] = rope_params.pop("rope_theta", kwargs.get("rope_theta", 10000.0))
@@ -121,7 +152,7 @@ class DecoderConfig:
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             kwargs["rope_scaling"] = None if kind == "default" else rope_params
         kwargs.update(SUPPORTED_ARCHITECTURES[arch])
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        if arch in _ATTENTION_BIAS:
             kwargs["qkv_bias"] = bool(raw.get("attention_bias", False))
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             kwargs["sliding_window"] = None
@@ -145,7 +176,13 @@ class DecoderConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.attention_bias and self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        return self.attention_bias and self.architecture in _ATTENTION_BIAS
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index`` (None: full causal attention)."""
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def num_parameters(self) -> int:
         """Total parameter count, computed from shapes (no tensors built)."""
@@ -155,6 +192,38 @@ class DecoderConfig:
         kv = self.num_key_value_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head
+
+
+def _gemma_kwargs(arch: str, raw: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Gemma's fields into ``kwargs``: the activation (``hidden_activation``), tied embeddings unless
+    the config says otherwise, the layer types when the
+    config predates them (Gemma 2 alternates sliding and full layers starting with a sliding one;
+    Gemma 3 makes every ``sliding_window_pattern``-th layer full), and Gemma 3's per-layer-type rope
+    (transformers 5's ``rope_parameters`` keyed by layer type). Returns the rope parameters of the
+    full-attention layers in the one-dict form the caller normalises."""
+    kwargs["hidden_act"] = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    # transformers' defaults for what a Gemma config.json may leave out (released ones omit the tie)
+    defaults: dict[str, Any] = {"tie_word_embeddings": True, "head_dim": 256, "query_pre_attn_scalar": 256}
+    if arch == "Gemma2ForCausalLM":
+        defaults.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    for key, value in defaults.items():
+        kwargs.setdefault(key, value)
+    n = int(raw.get("num_hidden_layers", 0))
+    if not raw.get("layer_types"):
+        every = 2 if arch == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern")
+                                                           or raw.get("_sliding_window_pattern") or 6)
+        kwargs["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    rope = raw.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"rope scaling on sliding layers ({local.get('rope_type')}) is not supported")
+        kwargs["rope_local_base_freq"] = local.get("rope_theta", raw.get("rope_local_base_freq"))
+        return dict(rope["full_attention"])
+    if arch == "Gemma3ForCausalLM" and kwargs.get("rope_local_base_freq") is None:
+        kwargs["rope_local_base_freq"] = 10000.0  # transformers' default for Gemma 3
+    return rope if isinstance(rope, dict) else None

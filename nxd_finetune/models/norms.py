@@ -10,14 +10,21 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as HF's LlamaRMSNorm."""
+    """RMSNorm computed in fp32 and cast back, as HF's LlamaRMSNorm. ``unit_offset`` (Gemma): the
+    weight is applied as ``1 + weight`` (initialised to zeros), in fp32 before the cast back, as
+    HF's GemmaRMSNorm."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (h * (1.0 + self.weight.float())).type_as(x)
         if x.dtype != torch.float32 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
         dtype = x.dtype

@@ -254,8 +254,9 @@ class PipelineRunner:
             raise NxdError("a chunked pipeline loss needs the last stage of a DecoderForCausalLM")
         last.return_hidden = True
         tp_group = self.state.tp_group if self.state.tp_size > 1 else None
-        self.loss_fn = functools.partial(chunked_step_loss, head=last.lm_head, rows=rows, tp_group=tp_group)
-        self.stats_fn = functools.partial(chunked_hidden_stats, head=last.lm_head, rows=rows, tp_group=tp_group)
+        # head: lm_head and the final soft-cap (Gemma 2)
+        self.loss_fn = functools.partial(chunked_step_loss, head=last.head, rows=rows, tp_group=tp_group)
+        self.stats_fn = functools.partial(chunked_hidden_stats, head=last.head, rows=rows, tp_group=tp_group)
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""

@@ -82,6 +82,18 @@ PHI3_TP_PLAN: dict[str, str] = {
     "model.layers.*.mlp.gate_up_proj": "column_gate_up",
 }
 
+GEMMA2_TP_PLAN: dict[str, str] = {
+    **LLAMA_TP_PLAN,
+    "model.layers.*.pre_feedforward_layernorm": "replicate",
+    "model.layers.*.post_feedforward_layernorm": "replicate",
+}
+
+GEMMA3_TP_PLAN: dict[str, str] = {
+    **GEMMA2_TP_PLAN,
+    "model.layers.*.self_attn.q_norm": "replicate_heads",
+    "model.layers.*.self_attn.k_norm": "replicate_heads",
+}
+
 # architecture (config.json) -> plan; Mistral and Qwen2 share Llama's module names
 TP_PLANS: dict[str, dict[str, str]] = {
     "LlamaForCausalLM": LLAMA_TP_PLAN,
@@ -89,6 +101,8 @@ TP_PLANS: dict[str, dict[str, str]] = {
     "Qwen2ForCausalLM": LLAMA_TP_PLAN,
     "Qwen3ForCausalLM": QWEN3_TP_PLAN,
     "Phi3ForCausalLM": PHI3_TP_PLAN,
+    "Gemma2ForCausalLM": GEMMA2_TP_PLAN,
+    "Gemma3ForCausalLM": GEMMA3_TP_PLAN,
 }
 
 

@@ -64,7 +64,8 @@ def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
     - ``activations``: what a micro-batch keeps for backward, per token and decoder layer, with
       ``m`` bytes for the residual stream (the model dtype), ``c`` for matmul outputs (2 under bf16
       autocast), ``h`` hidden, ``q`` = heads x head_dim, ``k`` = kv heads x head_dim, ``f`` ffn, over
-      ``t`` = tp: the two norms' inputs ``2*m*h``; the projections' inputs ``2*c*h`` (q/k/v share
+      ``t`` = tp (plus the families' extra tensors, :func:`_family_tensors`): the two norms' inputs
+      ``2*m*h``; the projections' inputs ``2*c*h`` (q/k/v share
       one, gate/up another; ``5*c*h`` when the norm output is cast to the compute dtype per
       projection); attention ``c*(3q + 2k)/t`` (q, k, v, its output and ``o_proj``'s input); the
       MLP ``3*c*f/t`` (gate, up, the product). ``selective`` recomputes the MLP (keeping its
@@ -215,10 +216,27 @@ def layer_tensors(recipe: Recipe, config: Any, unsharded: bool = False) -> tuple
     mlp = [c * h / sp] * (1 if shared else 2) + [c * f / t] * 3
     if recipe.lora is None and m == 4:
         attention += [m * h / sp] * 2  # trainable fp32 norms also keep their normalised output
+    attention += _family_tensors(recipe, config, m, c, t, sp)
     kept = {"none": attention + mlp, "selective": attention + [m * h / sp],
             "full": [m * h / sp]}[par.activation_checkpointing]
     recompute = {"none": [], "selective": mlp, "full": attention + mlp}[par.activation_checkpointing]
     return kept, recompute
+
+
+def _family_tensors(recipe: Recipe, config: Any, m: int, c: int, t: int, sp: int) -> list[float]:
+    """Per-token tensors a layer keeps beyond Llama's: Gemma's two extra norms (``sandwich_norms``:
+    their inputs, ``2*m*h``), per-head q/k norms (``qk_norm``: their inputs, ``c*(q + k)/t``), and
+    soft-capped attention (``attn_logit_softcapping``), which no fused kernel runs: the scores, their
+    cap and the fp32 softmax of every query against ``max_seq_len`` keys, ``(2c + 4 + c) * T * heads / t``."""
+    h, d = config.hidden_size, _head_dim(config)
+    out: list[float] = []
+    if getattr(config, "sandwich_norms", False):
+        out += [m * h / sp] * 2
+    if getattr(config, "qk_norm", False):
+        out += [c * config.num_attention_heads * d / t, c * (config.num_key_value_heads or 1) * d / t]
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        out += [(3 * c + 4) * recipe.data.max_seq_len * config.num_attention_heads / t]
+    return out
 
 
 def heap_activation_bytes(recipe: Recipe, config: Any, stage_layers: int) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from nxd_finetune.recipe import ParallelSection, Recipe, TrainingSection
 
 Batch = dict[str, torch.Tensor]
+Head = Callable[[torch.Tensor], torch.Tensor]  # the output layer as a loss runs it: DecoderForCausalLM.head
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -155,13 +157,13 @@ class Engine:
         hidden, head, targets = self._hidden_and_targets(batch)
         return L.chunked_ce_sum(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
 
-    def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, nn.Module, torch.Tensor]:
+    def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, Head, torch.Tensor]:
         """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
         model = self.modules[0]
         assert isinstance(model, DecoderForCausalLM) and model.lm_head is not None  # pp == 1: the whole decoder
         index, targets = L.target_index(batch["labels"])
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
-        return hidden, model.lm_head, targets
+        return hidden, model.head, targets  # lm_head and the final soft-cap (Gemma 2)
 
     def forward_backward(self, micro_batches: list[Batch], n_targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one optimizer step's micro-batches (on the device); gradients
