@@ -9,16 +9,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import DataError
+from nxd_finetune.storage.cache import data_cache
+from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
 
 
-def _data_sources(key: str, spec: str | list[str]) -> list[Path]:
+def _data_sources(key: str, spec: str | list[str], fetch_dir: Path) -> list[Path]:
     """The local files or ``save_to_disk`` directories behind ``data.<key>`` (the sources
-    ``sft.data.load_rows`` reads); remote ones (``hf://...``) are reported and skipped."""
+    ``sft.data.load_rows`` reads): ``s3://`` objects fetched into ``fetch_dir`` as ``run`` fetches
+    them; other remote ones (``hf://...``) are reported and skipped."""
     sources: list[Path] = []
     for item in [spec] if isinstance(spec, str) else spec:
+        if item.startswith(S3_SCHEME):
+            sources.append(fetch_s3(item, fetch_dir))
+            continue
         if "://" in item:
             print(f"note: data.{key} {item} is remote; not checked", file=sys.stderr)
             continue
@@ -96,7 +102,8 @@ def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5)
     from nxd_finetune.sft.formats import resolve_columns
 
     fmt = recipe.data.format
-    for path in _data_sources(key, spec):
+    fetch_dir = Path(recipe.data.cache_dir).expanduser() if recipe.data.cache_dir else data_cache()
+    for path in _data_sources(key, spec, fetch_dir):
         reader = _rows_arrow if path.is_dir() else _READERS.get(path.suffix.lower())
         if reader is None:
             raise DataError(f"data.{key}: {path}: unsupported file type; use {', '.join(_READERS)}")
@@ -139,10 +146,11 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     """The most target positions one training micro-batch holds: the ``micro_batch_size`` rows
     (packed as ``run`` packs them, or one sample each) with the most targets, from the tokenized
     training data (tokenized here into the cache ``run`` reads, or read from it). None when a
-    source is remote (not read by ``validate``). The loss's logits are that many rows, not one per
-    position: in SFT, prompts and padding are not targets."""
+    source is on the Hub (not read by ``validate``; ``s3://`` ones are fetched). The loss's logits
+    are that many rows, not one per position: in SFT, prompts and padding are not targets."""
     spec = recipe.data.train
-    if spec is None or any("://" in s for s in ([spec] if isinstance(spec, str) else spec)):
+    sources = [spec] if isinstance(spec, str) else spec or []
+    if spec is None or any("://" in s and not s.startswith(S3_SCHEME) for s in sources):
         return None
     from nxd_finetune.sft.build import load_tokenizer
     from nxd_finetune.sft.data import DataSpec, prepare_datasets

@@ -27,7 +27,6 @@ Manifest (``format: nxd-adapter-manifest/1``)::
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import re
@@ -40,6 +39,7 @@ import nxd_finetune
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.ref import parse_ref
+from nxd_finetune.storage.fetch import sha256_file
 
 FORMAT = "nxd-adapter-manifest/1"
 MANIFEST = "manifest.json"
@@ -47,16 +47,6 @@ REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors|jinja|txt)|README\.md|tokenizer\.model")
 ALLOWED_FILES = "*.json, *.safetensors, README.md and tokenizer files (*.jinja, *.txt, tokenizer.model)"
 METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
-_HASH_CHUNK = 1 << 20
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_file_name(name: str) -> str:

@@ -31,6 +31,7 @@ from nxd_finetune.sft import formats
 from nxd_finetune.sft.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
+from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -93,15 +94,22 @@ def _looks_local(name: str) -> bool:
     )
 
 
-def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | None = None) -> list[str]:
+def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | None = None,
+                    fetch_dir: str | Path | None = None) -> list[str]:
     """Local paths made absolute (relative to ``base_dir``, else the working directory); Hub names
-    (``org/name`` or ``hf://org/name``) kept as names. A name that looks like a file but does not
-    exist raises DataError naming it; other URL schemes raise DataError."""
+    (``org/name`` or ``hf://org/name``) kept as names; ``s3://`` objects fetched into ``fetch_dir``
+    (the data cache, :mod:`nxd_finetune.storage.fetch`) and named by their local copy. A name that
+    looks like a file but does not exist raises DataError naming it; other URL schemes raise
+    DataError."""
     out = []
     for name in _as_list(spec):
+        if name.startswith(S3_SCHEME) and fetch_dir is not None:
+            out.append(str(fetch_s3(name, fetch_dir)))
+            continue
         if "://" in name:
             if not name.startswith("hf://"):
-                raise DataError(f"data source {name!r}: only local paths and hf://<dataset> are supported")
+                raise DataError(f"data source {name!r}: only local paths, s3://<bucket>/<key> and hf://<dataset> "
+                                "are supported")
             out.append(name[len("hf://") :])
             continue
         path = Path(name).expanduser()
@@ -287,9 +295,9 @@ def prepare_datasets(
         raise DataError("data.train is not set")
     if spec.eval is not None and spec.eval_fraction > 0:
         raise DataError("set either data.eval or data.eval_fraction, not both")
-    train, eval_ = resolve_sources(spec.train, base_dir), resolve_sources(spec.eval, base_dir)
-    chat_template = formats.load_chat_template(spec.chat_template, base_dir)
     root = default_cache_dir(spec)
+    train, eval_ = resolve_sources(spec.train, base_dir, root), resolve_sources(spec.eval, base_dir, root)
+    chat_template = formats.load_chat_template(spec.chat_template, base_dir)
     entry = root / cache_key(spec, tokenizer, train, eval_, chat_template)
     if use_cache and (entry / "meta.json").is_file():
         loaded_eval = entry / "eval.safetensors"

@@ -22,6 +22,8 @@ Every botocore failure is turned into a one-line :class:`StorageError` subclass 
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import os
 import threading
 import time
@@ -100,6 +102,15 @@ def translate_error(exc: BaseException, uri: str, op: str) -> StorageError:
     if isinstance(exc, bce.BotoCoreError):
         return StorageError(f"S3 {op} on {uri} failed: {exc}".replace("\n", " "))
     raise TypeError(f"not a boto error: {exc!r}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectHead:
+    """What :meth:`S3Storage.head` reads of an object without fetching it."""
+
+    size: int
+    etag: str
+    sha256: str | None  # hex, when the object carries one
 
 
 class S3Storage(Storage):
@@ -229,6 +240,19 @@ class S3Storage(Storage):
         k = self._key(key)
         resp = self._call("GetObject", key, self._client.get_object, Bucket=self.bucket, Key=k)
         return self._call("GetObject", key, resp["Body"].read)
+
+    def head(self, key: str) -> ObjectHead:
+        """Size, ETag and (when the object carries one) the sha256 of object ``key``: user metadata
+        ``sha256`` (hex), else S3's ``ChecksumSHA256`` of a single-part upload. Missing:
+        :class:`StorageNotFoundError`."""
+        resp = self._call("HeadObject", key, self._client.head_object, Bucket=self.bucket, Key=self._key(key),
+                          ChecksumMode="ENABLED")
+        sha256 = (resp.get("Metadata") or {}).get("sha256")
+        checksum = resp.get("ChecksumSHA256")
+        if not sha256 and checksum and "-" not in checksum:  # "<b64>-<parts>": a checksum of part checksums
+            sha256 = base64.b64decode(checksum).hex()
+        return ObjectHead(size=int(resp["ContentLength"]), etag=str(resp.get("ETag", "")).strip('"'),
+                          sha256=sha256.lower() if sha256 else None)
 
     def exists(self, key: str) -> bool:
         try:
