@@ -254,6 +254,8 @@ def test_dockerfiles_install_the_project_and_run_the_cli(name, base):
     runs = [a for k, a in steps if k == "RUN"]
     assert any(re.search(r"pip install (--\S+ \S+ )*\"?\.(\[[a-z0-9,]+\])?\"?( |$)", r) for r in runs), runs
     assert any("nxd-finetune --help" in r for r in runs), runs
+    # the installed package (not the copied sources) builds the quickstart model from its package data
+    assert any("nxd-finetune validate builtin:quickstart" in r for r in runs), runs
     assert steps[-1] == ("CMD", '["nxd-finetune", "--help"]')
     if name == "Dockerfile.neuron":  # the Neuron stack of the base image is kept, not replaced
         assert any("--constraint" in r and "torch-neuronx" in r for r in runs)
