@@ -98,8 +98,13 @@ def test_trainium_k8s_commands_run_as_written(capsys, monkeypatch):
             assert doc["spec"]["trainer"]["numNodes"] == 2
             args = doc["spec"]["trainer"]["command"]
         else:
-            assert doc["kind"] == "PyTorchJob" and doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-            container = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+            assert doc["kind"] == "PyTorchJob"
+            replicas = doc["spec"]["pytorchReplicaSpecs"]
+            elastic = doc["spec"].get("elasticPolicy")
+            assert replicas["Worker"]["replicas"] == (2 if elastic else 1)
+            assert not elastic or (elastic["minReplicas"], elastic["maxReplicas"]) == (1, 2)
+            replica = replicas["Worker"] if elastic else replicas["Master"]
+            container = replica["template"]["spec"]["containers"][0]
             args = container["command"] + container["args"]
         assert args[args.index("run") + 1] == "/fsx/recipes/llama3-8b-lora-trn1.yaml"
 

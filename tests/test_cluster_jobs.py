@@ -316,3 +316,47 @@ def test_trainjob_patches_the_runtime_pod(capsys, recipe):
     assert command[-1] == "neuron.compile_cache=/fsx/neuron-cache"
     env = {e["name"]: e["value"] for e in job["spec"]["trainer"]["env"]}
     assert env["AWS_REGION"] == "us-west-2" and env[STORE_ENV] == "1"
+
+
+# ----------------------------------------------------------------------------- elastic node range
+
+
+def test_elastic_node_range(capsys):
+    trn1 = ROOT / "recipes" / "llama3-8b-lora-trn1.yaml"  # 64 processes = 4 nodes x 16 here, tp 8
+    (job,), _ = k8s(capsys, "pytorchjob", str(trn1), "training.global_batch_size=96", "--nodes", "1:4",
+                    "--max-restarts", "3", "--pvc", "fsx-claim")
+    through_models(job)
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4,
+                                            "maxRestarts": 3}
+    (spec,) = job["spec"]["pytorchReplicaSpecs"].values()  # Workers only: the operator's elastic mode
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4 and spec["restartPolicy"] == "OnFailure"
+    c = pods(job)[0]
+    argv = c["command"] + c["args"]
+    assert argv[argv.index("--nnodes") + 1] == "1:4" and argv[argv.index("--nproc-per-node") + 1] == "16"
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "$(PET_RDZV_ENDPOINT)"  # the operator's Service
+    run = argv[argv.index("run") + 1:]
+    layouts = [rank_layout(trn1, run, n * 16) for n in range(1, 5)]  # what the ranks run on each node count
+    assert [la["dp"] for la in layouts] == [2, 4, 6, 8] and [la["grad_accum"] * la["dp"] for la in layouts] == [96] * 4
+    assert k8s(capsys, "pytorchjob", str(trn1), "--nodes", "4:4")[0][0]["spec"].get("elasticPolicy") is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["recipes/mistral-7b-sft.yaml", "--nodes", "1:4"],
+     "on 3 node(s): training.global_batch_size=128 is not divisible by micro_batch_size*dp=1*3=3; narrow the node "
+     "range"),
+    (["recipes/quickstart.yaml", "parallel.nproc=4", "--nodes", "1:2"],
+     "with an elastic node range the world is the launcher's: drop the parallel.nproc override"),
+    (["recipes/llama3-8b-lora-trn1.yaml", "--nodes", "3:16"],
+     "3 node(s) x 4 process(es) = 12 is not divisible by tp*pp=8*1; narrow the node range"),
+    (["recipes/llama3-8b-lora-trn1.yaml", "training.global_batch_size=null", "training.grad_accum=8", "--nodes",
+      "1:2"],
+     "an elastic node range needs training.global_batch_size: the global batch must stay the same when nodes come "
+     "and go"),
+    (["recipes/quickstart.yaml", "--nodes", "2:1"], "--nodes '2:1': give a node count N or a range MIN:MAX with 1 <= "
+     "MIN <= MAX"),
+])
+def test_elastic_node_range_refusals(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "pytorchjob", *args, "--image", "r/x:n"])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"

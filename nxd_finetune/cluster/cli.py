@@ -23,6 +23,9 @@ OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides key.pa
                                                           show_default=False)]
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1,
                                        help="Nodes (pods); processes per node = parallel.nproc / nodes.")]
+NodeRangeOpt = Annotated[str, typer.Option(
+    "--nodes", metavar="N|MIN:MAX", help="Nodes (pods); processes per node = parallel.nproc / nodes. MIN:MAX: an "
+                                         "elastic job on MIN to MAX nodes (parallel.nproc is the world at MAX).")]
 ImageOpt = Annotated[str, typer.Option(
     "--image", help="Container image your cluster pulls (built from docker/ and pushed); the default is a "
                     "placeholder to replace.")]
@@ -78,7 +81,7 @@ def _write(text: str, output: Path | None) -> None:
 def pytorchjob_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
-    nodes: NodesOpt = 1,
+    nodes: NodeRangeOpt = "1",
     image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER (typer reads the default here)
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
@@ -97,12 +100,15 @@ def pytorchjob_cmd(
 ) -> None:
     """Write a Kubeflow `PyTorchJob` (training operator) that trains RECIPE on `--nodes` pods."""
     from nxd_finetune.cluster.k8s import pytorchjob, to_yaml
+    from nxd_finetune.cluster.spec import parse_nodes
 
     in_pods = recipe_path or str(recipe)
     loaded = _load(recipe, overrides, in_pods)
     pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
                service_account)
-    doc = pytorchjob(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, max_restarts=max_restarts)
+    low, high = parse_nodes(nodes)
+    doc = pytorchjob(loaded, in_pods, overrides or [], pod, nodes=high, name=name, max_restarts=max_restarts,
+                     min_nodes=low)
     _write(to_yaml(doc), output)
 
 

@@ -8,7 +8,8 @@ small Dockerfile reader (instructions with their arguments) for checks without a
   torch-neuronx / torch-xla / neuronx-cc are pinned as installed, + the same ``pip install``.
   Both pass hadolint (``tests/test_cluster.py``).
 
-Both copy the project to ``/opt/nxd-finetune`` (recipes included) and check ``nxd-finetune --help``.
+Both copy the project to ``/opt/nxd-finetune`` (recipes included) and check ``nxd-finetune --help``
+and ``nxd-finetune validate builtin:quickstart`` with the installed package.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from nxd_finetune.cluster.spec import (
     INSTANCE_TYPE_LABEL,
     NodeLayout,
     device_resources,
+    elastic_layout,
     job_env,
     node_layout,
     torchrun_command,
@@ -201,14 +202,44 @@ def _master_torchrun(layout: NodeLayout, recipe_path: str, overrides: Sequence[s
 
 
 def pytorchjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
-               name: str, max_restarts: int = 0) -> dict[str, Any]:
+               name: str, max_restarts: int = 0, min_nodes: int | None = None) -> dict[str, Any]:
     """The ``PyTorchJob`` training ``recipe`` (its path inside the pods: ``recipe_path``, then
     ``overrides``) on ``nodes`` pods of ``parallel.nproc / nodes`` processes. Raises NxdError when
-    the layout does not split over the nodes or the name is not a Kubernetes name."""
+    the layout does not split over the nodes or the name is not a Kubernetes name. ``min_nodes`` <
+    ``nodes``: an elastic job (:func:`_elastic`)."""
+    if min_nodes is not None and min_nodes < nodes:
+        return _elastic(recipe, recipe_path, overrides, pod, min_nodes, nodes, name, max_restarts)
     layout = node_layout(recipe, nodes)
     recipe, overrides = for_pods(recipe, overrides, pod, precompile=False)
     cmd = _master_torchrun(layout, recipe_path, overrides, name, max_restarts)
     return _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa))
+
+
+def _elastic(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, min_nodes: int,
+             max_nodes: int, name: str, max_restarts: int) -> dict[str, Any]:
+    """An elastic ``PyTorchJob`` (the operator's ``elasticPolicy``): ``max_nodes`` Worker pods, the
+    job going on while ``min_nodes`` remain, torch elastic re-forming the world (and the run resuming
+    from its newest checkpoint at the new dp) when nodes come and go; ``parallel.nproc`` is the
+    world at ``max_nodes`` (:func:`.spec.elastic_layout`). The operator gives every pod
+    ``PET_RDZV_ENDPOINT`` (a c10d store behind the first Worker's Service) and ``PET_RDZV_ID``."""
+    layout = elastic_layout(recipe, min_nodes, max_nodes, overrides)
+    check_name(name)
+    recipe, overrides = for_pods(recipe, overrides, pod, precompile=False)
+    cmd = ["torchrun", "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", str(layout.nproc_per_node),
+           "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)",
+           "--rdzv-id", name, "-m", "nxd_finetune", "run", recipe_path, *overrides]
+    doc = _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa))
+    replicas = doc["spec"]["pytorchReplicaSpecs"]
+    worker = replicas.pop("Master")
+    replicas.pop("Worker", None)
+    # a failed pod comes back (OnFailure) and rejoins: the world grows again up to max_nodes
+    worker.update(replicas=max_nodes, restartPolicy="OnFailure")
+    worker["template"]["spec"]["restartPolicy"] = "OnFailure"
+    replicas["Worker"] = worker
+    doc["spec"]["runPolicy"]["backoffLimit"] = max_restarts
+    doc["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": min_nodes, "maxReplicas": max_nodes,
+                                    "maxRestarts": max_restarts}
+    return doc
 
 
 def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,

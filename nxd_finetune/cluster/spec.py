@@ -52,6 +52,45 @@ def node_layout(recipe: Recipe, nnodes: int) -> NodeLayout:
     return NodeLayout(nnodes, par.nproc // nnodes)
 
 
+def parse_nodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (an elastic node range) -> ``(min, max)``; NxdError for anything else."""
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if sep else low)
+    except ValueError:
+        lo = hi = 0
+    if lo < 1 or hi < lo:
+        raise NxdError(f"--nodes {text!r}: give a node count N or a range MIN:MAX with 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def elastic_layout(recipe: Recipe, min_nodes: int, max_nodes: int, overrides: Sequence[str] = ()) -> NodeLayout:
+    """The layout at ``max_nodes`` (``parallel.nproc`` is the world there) of a job torch elastic may
+    run on any node count from ``min_nodes`` to ``max_nodes``. Every world in the range must fit the
+    layout (tp x pp dividing it, ``global_batch_size`` dividing by ``micro_batch_size x dp``), and the
+    recipe must set ``training.global_batch_size``: a run resumed on another node count keeps its
+    global batch (grad_accum follows dp). NxdError (one line) otherwise."""
+    from nxd_finetune.errors import RecipeError
+
+    if any(o.startswith("parallel.nproc=") for o in overrides):
+        raise NxdError("with an elastic node range the world is the launcher's: drop the parallel.nproc override")
+    layout = node_layout(recipe, max_nodes)
+    par, tr = recipe.parallel, recipe.training
+    if tr.global_batch_size is None:
+        raise NxdError("an elastic node range needs training.global_batch_size: the global batch must stay the same "
+                       "when nodes come and go")
+    for n in range(min_nodes, max_nodes + 1):
+        world = n * layout.nproc_per_node
+        if world % (par.tp * par.pp):
+            raise NxdError(f"{n} node(s) x {layout.nproc_per_node} process(es) = {world} is not divisible by "
+                           f"tp*pp={par.tp}*{par.pp}; narrow the node range")
+        try:
+            tr.grad_accum_steps(world // (par.tp * par.pp))
+        except RecipeError as e:
+            raise NxdError(f"on {n} node(s): {e}; narrow the node range") from None
+    return layout
+
+
 def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0) -> dict[str, int]:
     """Extended resources of one node's pod: Neuron devices (one per 2 processes: a process drives
     a NeuronCore) or GPUs (one per process), and ``efa`` EFA interfaces."""
