@@ -42,7 +42,7 @@ bench: setup
 # The Trainium path on a real XLA device without Trainium: torch-xla 2.9 runs only with torch 2.9,
 # so it gets its own environment (several GB; pulls CUDA wheels from PyPI, unused here), with
 # the project installed from this tree and its other dependencies read from pyproject.toml.
-# PJRT_DEVICE=CPU makes the XLA device the CPU. Too heavy for the default CI; `make test` skips tests/xla.
+# PJRT_DEVICE=CPU makes the XLA device the CPU. `make test` skips tests/xla; CI (.ci/run) runs this after it.
 XLA_VENV ?= .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_SPEC ?= torch==2.9.0 torch-xla==2.9.0

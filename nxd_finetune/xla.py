@@ -50,6 +50,23 @@ def xla_device() -> torch.device:
     return torch_xla.device()
 
 
+def refuse_unformable_world(world_size: int) -> None:
+    """Before joining the ``xla`` process group (``xla://``): refuse a launch of ``world_size``
+    processes that this XLA device cannot join into one world, with one NxdError line, before
+    torch_xla's rendezvous creates any store. torch_xla's CPU device (``PJRT_DEVICE=CPU``) gives
+    every process a PJRT client of its own (``process_count() == 1``): each would take rank 0 of a
+    world of 1 and start the rendezvous store on ``MASTER_PORT``, and the second to do so dies
+    with ``EADDRINUSE``. Only the CPU device is judged here (other devices' clients learn their
+    processes in the rendezvous itself; :func:`~nxd_finetune.parallel.launch.init_distributed`
+    compares the world size after joining)."""
+    from torch_xla import runtime as xr
+
+    processes = xr.process_count()
+    if world_size > 1 and xr.device_type() == "CPU" and processes < world_size:
+        raise NxdError(f"the xla process group has {processes} process(es) but WORLD_SIZE={world_size}: this "
+                       f"device cannot form a {world_size}-process world (torch_xla's CPU device runs 1 process)")
+
+
 # ---------------------------------------------------------------- device loader
 
 

@@ -7,12 +7,16 @@ The CLI runs in-process (``nxd_finetune.cli.main``) for speed; every case gets a
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import yaml
 
 from nxd_finetune.cli import main
+from nxd_finetune.sft.build import resolve_model_dir
+from tests.adapter_helpers import small_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -116,6 +120,36 @@ CASES = {
                                    "--dtype", "fp8"], "fp8"),
     "init_from missing": lambda t: (["run", QUICKSTART, *SHORT, f"output.dir={t / 'out'}",
                                      f"lora.init_from={t / 'gone'}"], "gone"),
+    # ---- generate / chat refuse what merge, validate and lora.init_from refuse (the same checks)
+    "generate adapter header of 2^62 bytes": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, header_len=2**62), "--prompt", "hi"], "adapter_model.safetensors"),
+    "generate adapter tensor of 2^62 bytes": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, tensors=_huge), "--prompt", "hi"], "adapter_model.safetensors"),
+    "generate adapter overlapping tensors": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, tensors=_overlap), "--prompt", "hi"], "adapter_model.safetensors"),
+    "chat adapter overlapping tensors": lambda t: (
+        ["chat", "--adapter", _bad_adapter(t, tensors=_overlap)], "adapter_model.safetensors"),
+    "merge adapter overlapping tensors": lambda t: (
+        ["merge", "--adapter", _bad_adapter(t, tensors=_overlap), "--base", "builtin:tiny-llama", "--out", t / "m"],
+        "adapter_model.safetensors"),
+    "generate adapter config wrong types": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, config={"r": "sixteen"}), "--prompt", "hi"], "adapter_config.json"),
+    "generate adapter modules_to_save a number": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, config={"modules_to_save": 5}), "--prompt", "hi"],
+        "modules_to_save"),
+    "merge adapter modules_to_save a number": lambda t: (
+        ["merge", "--adapter", _bad_adapter(t, config={"modules_to_save": 5}), "--base", "builtin:tiny-llama",
+         "--out", t / "m"], "modules_to_save"),
+    "generate adapter config is a list": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t, config=[]), "--prompt", "hi"], "adapter_config.json"),
+    "chat adapter config is a list": lambda t: (["chat", "--adapter", _bad_adapter(t, config=[])],
+                                                "adapter_config.json"),
+    "generate base overlapping tensors": lambda t: (
+        ["generate", "--adapter", _bad_adapter(t), "--base", _bad_base(t, _overlap), "--prompt", "hi"],
+        "model.safetensors"),
+    "chat base overlapping tensors": lambda t: (["chat", "--base", _bad_base(t, _overlap)], "model.safetensors"),
+    "generate base tensor of 2^62 bytes": lambda t: (["generate", "--base", _bad_base(t, _huge), "--prompt", "hi"],
+                                                     "model.safetensors"),
     # ---- registry refs
     "push missing dir": lambda t: (["adapters", "push", t / "nodir", f"{t}/reg/bot"], "nodir"),
     "push bad name": lambda t: (["adapters", "push", t, f"{t}/reg/Bad Name!"], "Bad Name!"),
@@ -135,12 +169,56 @@ def _alias_bomb(prefix: str) -> str:
     return f"training:\n{prefix}{value}\n" if prefix.startswith(" ") else prefix + value
 
 
+def _edit_safetensors(path: Path, edit=None, header_len: int | None = None) -> None:
+    """Rewrite a safetensors file in place: ``edit(header)`` changes its JSON header (data kept);
+    ``header_len`` replaces the 8-byte length prefix."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    if edit is not None:
+        edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", header_len if header_len is not None else len(text)) + text + data)
+
+
+def _tensors(header: dict) -> list[str]:
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def _huge(header: dict) -> None:
+    """The first tensor declares 2^62 bytes (a 2^31 x 2^31 shape)."""
+    header[_tensors(header)[0]].update(shape=[2**31, 2**31], data_offsets=[0, 2**62])
+
+
+def _overlap(header: dict) -> None:
+    """The second tensor's bytes are the first one's."""
+    first, second = _tensors(header)[:2]
+    header[second] = dict(header[first])
+
+
+def _bad_adapter(tmp: Path, tensors=None, header_len: int | None = None, config=None) -> Path:
+    """A small LoRA adapter of the quickstart model, its safetensors header edited by ``tensors`` /
+    ``header_len`` and its ``adapter_config.json`` updated with (or replaced by a non-dict) ``config``."""
+    d = small_adapter(tmp / "adapter")
+    if tensors is not None or header_len is not None:
+        _edit_safetensors(d / "adapter_model.safetensors", tensors, header_len)
+    if config is not None:
+        old = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**old, **config} if isinstance(config, dict) else config))
+    return d
+
+
+def _bad_base(tmp: Path, edit) -> Path:
+    """A copy of the quickstart model with its safetensors header edited by ``edit``."""
+    d = tmp / "base"
+    shutil.copytree(resolve_model_dir("builtin:tiny-llama"), d)
+    _edit_safetensors(d / "model.safetensors", edit)
+    return d
+
+
 def _model_dir(tmp: Path, config: dict | None) -> Path:
     """A model directory with the quickstart's tokenizer and the given ``config.json``."""
-    import shutil
-
-    from nxd_finetune.sft.build import resolve_model_dir
-
     d = tmp / "model"
     d.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):

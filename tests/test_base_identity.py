@@ -6,8 +6,10 @@ shapes, (b) the same config with other random weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import peft
@@ -18,7 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from nxd_finetune.cli import main
 from nxd_finetune.errors import NxdWarning
-from nxd_finetune.lora.identity import BASE_CONFIG_KEY, BASE_WEIGHTS_KEY, weights_fingerprint
+from nxd_finetune.lora.identity import (
+    BASE_CONFIG_KEY,
+    BASE_WEIGHTS_KEY,
+    FINGERPRINT_PREFIX,
+    sampled_fingerprint,
+    weights_fingerprint,
+)
+from nxd_finetune.models import DecoderConfig
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
 from nxd_finetune.sft.build import resolve_model_dir
@@ -154,3 +163,73 @@ def test_validate_refuses_a_non_lora_adapter_as_run_does(bases, tmp_path, capsys
 def test_allow_other_base_needs_init_from(capsys):
     code, lines, _ = cli(capsys, "validate", QUICKSTART, "lora.allow_other_base=true")
     assert code == 2 and len(lines) == 1 and "lora.allow_other_base" in lines[0] and "lora.init_from" in lines[0]
+
+
+def _flip_middle_byte(model_dir: Path) -> str:
+    """Change one byte in the middle of the largest tensor's data, in place; returns its name."""
+    path = model_dir / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+    begin, end = header[name]["data_offsets"]
+    assert end - begin > 64 * 1024  # far more than the 4 KiB samples at either end
+    raw[8 + n + (begin + end) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    return name
+
+
+def test_a_base_changed_in_the_middle_of_a_tensor_is_another_base(bases, tmp_path, capsys):
+    base = tmp_path / "middle"
+    shutil.copytree(bases["same"], base)
+    _flip_middle_byte(base)
+    assert sampled_fingerprint(base) == sampled_fingerprint(bases["same"])  # what the older check saw
+    assert weights_fingerprint(base) != weights_fingerprint(bases["same"])
+    code, lines, _ = cli(capsys, "merge", "--adapter", bases["adapter"], "--base", base, "--out", tmp_path / "m")
+    assert code == 2 and lines == [f"error: merge: the adapter was trained on another base than {base}: "
+                                   f"{NEEDLES['weights']}; pass --allow-other-base to use it anyway"], lines
+    run_args = [QUICKSTART, *FAST, f"output.dir={tmp_path / 'run'}", f"model.path={base}",
+                f"lora.init_from={bases['adapter']}"]
+    code, lines, _ = cli(capsys, "validate", *run_args)
+    assert code == 2 and len(lines) == 1 and NEEDLES["weights"] in lines[0], lines
+
+
+def test_an_adapter_with_the_older_sampled_fingerprint_is_checked_as_it_was(bases, tmp_path, capsys):
+    """Adapters written before whole tensors were hashed record a bare hex digest of samples: they
+    still load on their base without a word, and are still refused on another one."""
+    adapter = tmp_path / "older"
+    shutil.copytree(bases["adapter"], adapter)
+    weights = adapter / "adapter_model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        meta = dict(f.metadata())
+    assert meta[BASE_WEIGHTS_KEY].startswith(FINGERPRINT_PREFIX)
+    meta[BASE_WEIGHTS_KEY] = sampled_fingerprint(bases["same"])
+    save_file(load_file(weights), weights, metadata=meta)
+    code, lines, warnings = cli(capsys, "merge", "--adapter", adapter, "--base", "builtin:tiny-llama",
+                                "--out", tmp_path / "m")
+    assert code == 0 and not lines and not warnings, (lines, warnings)
+    code, lines, _ = cli(capsys, "merge", "--adapter", adapter, "--base", bases["weights"], "--out", tmp_path / "m2")
+    assert code == 2 and len(lines) == 1 and NEEDLES["weights"] in lines[0], lines
+
+
+def test_an_adapter_recorded_before_newer_config_fields_still_fits_its_base(bases, tmp_path, capsys):
+    """Fields added to the model config later (Gemma 2's ``embed_scale``...) are absent from what an
+    older adapter recorded; their defaults are what its base had, so the adapter still fits."""
+    adapter = tmp_path / "older-config"
+    shutil.copytree(bases["adapter"], adapter)
+    weights = adapter / "adapter_model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        meta = dict(f.metadata())
+    recorded = json.loads(meta[BASE_CONFIG_KEY])
+    defaults = {f.name: f.default for f in dataclasses.fields(DecoderConfig)
+                if f.default is not dataclasses.MISSING and isinstance(f.default, bool)}
+    dropped = [k for k in recorded if k in defaults and recorded[k] == defaults[k]]
+    assert dropped
+    meta[BASE_CONFIG_KEY] = json.dumps({k: v for k, v in recorded.items() if k not in dropped})
+    save_file(load_file(weights), weights, metadata=meta)
+    code, lines, warnings = cli(capsys, "merge", "--adapter", adapter, "--base", "builtin:tiny-llama",
+                                "--out", tmp_path / "m")
+    assert code == 0 and not lines and not warnings, (lines, warnings)
+    code, lines, _ = cli(capsys, "merge", "--adapter", adapter, "--base", bases["config"], "--out", tmp_path / "m2")
+    assert code == 2 and len(lines) == 1 and "config differs in architecture" in lines[0], lines

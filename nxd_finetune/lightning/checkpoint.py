@@ -18,9 +18,11 @@ Loading takes either: a checkpoint, or a root (its newest complete checkpoint).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -48,6 +50,16 @@ class NxdModelCheckpoint(ModelCheckpoint):
     def __init__(self, dirpath: str | os.PathLike, **kwargs: Any) -> None:
         kwargs.setdefault("save_top_k", -1)
         super().__init__(dirpath=Path(dirpath), filename="step-{step:08d}", auto_insert_metric_name=False, **kwargs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any,
+                           **kwargs: Any) -> None:
+        """Lightning's, without its warning that under manual optimization (every nxd module) the
+        checkpoint holds the state *after* the optimizer step, with sample code to save the state
+        before it: after the step is what a checkpoint of step N is here, as ``run`` writes it."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization",
+                                    category=UserWarning)
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
 
 def _root_and_step_name(filepath: str | os.PathLike) -> tuple[str, str | None]:
@@ -88,8 +100,6 @@ def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | 
     trainer's step counter from the checkpoint at ``path`` (or the newest under a root); returns
     the Lightning checkpoint dict for what Lightning restores itself (LR scheduler, callbacks).
     Collective. CheckpointError when there is none or it is corrupt."""
-    import lightning.pytorch as pl
-
     text = os.fspath(path).rstrip("/")
     local = "://" not in text
     is_root = local and Path(text).is_dir() and not (Path(text) / F.MANIFEST).exists()

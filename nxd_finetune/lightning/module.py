@@ -140,6 +140,8 @@ class NxdLightningModule(NxdModuleBase):
                                                          / grad_accum))
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = total_steps
+        if self.trainer.max_epochs == -1:  # what Trainer(max_steps=N) sets: its bar would read "Epoch 0/-2"
+            self.trainer.fit_loop.max_epochs = 1  # the step stream is one endless epoch; max_steps ends it
         if layout.rank == 0:
             out = Path(recipe.output.dir)
             out.mkdir(parents=True, exist_ok=True)

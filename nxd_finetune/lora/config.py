@@ -111,6 +111,8 @@ class LoraConfig:
         self.target_modules = _check_targets(self.target_modules)
         if isinstance(self.modules_to_save, str):
             self.modules_to_save = [self.modules_to_save]
+        if not isinstance(self.modules_to_save, (list, tuple, type(None))):
+            raise AdapterError(f"modules_to_save must be a list of module names, got {self.modules_to_save!r}")
         self.modules_to_save = list(self.modules_to_save or [])
         if not all(isinstance(m, str) and m for m in self.modules_to_save):
             raise AdapterError(f"modules_to_save must be a list of module names, got {self.modules_to_save!r}")

@@ -6,7 +6,9 @@ PEFT does not look (the file stays a plain PEFT adapter):
 - ``nxd_config_hash``: :meth:`DecoderConfig.config_hash` (a short hash, also shown by the registry);
 - ``nxd_base_config``: the model-defining config fields (:func:`identity_config`) as JSON, so a
   mismatch can name the keys that differ;
-- ``nxd_base_weights``: :func:`weights_fingerprint` of the base checkpoint.
+- ``nxd_base_weights``: :func:`weights_fingerprint` of the base checkpoint (every byte of every
+  tensor; adapters written before it record :func:`sampled_fingerprint`, the first and last 4 KiB
+  of each tensor, and are checked that way).
 
 ``lora.init_from`` and ``nxd-finetune merge`` call :func:`check_base`: a different base is one
 AdapterError line (config keys that differ, or same config but other weights) unless the caller
@@ -16,22 +18,28 @@ allows it on purpose; an adapter that records no fingerprint (older files, PEFT'
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from safetensors import SafetensorError, safe_open
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdWarning
-from nxd_finetune.models import DecoderConfig
+from nxd_finetune.models import DecoderConfig, check_checkpoint_files
 
 CONFIG_HASH_KEY = "nxd_config_hash"
 BASE_CONFIG_KEY = "nxd_base_config"
 BASE_WEIGHTS_KEY = "nxd_base_weights"
-SAMPLE_BYTES = 4096  # of each tensor's data, from its start and from its end
+FINGERPRINT_PREFIX = "sha256-tensors:"  # whole tensors; a bare hex digest is the older sampled form
+SAMPLE_BYTES = 4096  # of each tensor's data, from its start and from its end (sampled_fingerprint)
+_CHUNK = 1 << 22
+_THREADS = 8
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
@@ -46,18 +54,72 @@ def identity_config(config: DecoderConfig) -> dict[str, Any]:
 
 
 def weights_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over the base checkpoint's tensors in name order: each tensor's name, dtype and shape
-    (from the safetensors headers) and the first and last :data:`SAMPLE_BYTES` of its data.
+    """``sha256-tensors:<hex>``: sha256 over the base checkpoint's tensors in name order, each
+    tensor's name, dtype and shape (from the safetensors headers) and the sha256 of every byte of
+    its data. Tensors are hashed on up to :data:`_THREADS` threads (hashlib releases the GIL), each
+    read in :data:`_CHUNK` pieces, so memory holds a few chunks, never a tensor.
 
-    Why samples and not the header bytes alone: two checkpoints of one config (a base and its
-    instruct model, two random inits) have identical headers; every tensor's values differ, so
-    its first bytes do. Reading 8 KiB per tensor keeps this fast for GB checkpoints (a few hundred
-    small reads). The order is by tensor name, so resharding a checkpoint (or other safetensors
-    metadata) keeps the fingerprint; another dtype changes it. Raises ModelLoadError for an
-    unreadable checkpoint."""
-    from nxd_finetune.models import checkpoint_index
+    The order is by tensor name, so resharding a checkpoint (or other safetensors metadata) keeps
+    the fingerprint; another dtype, or any changed value, changes it. Each file's header is
+    checked by ``safetensors`` first (:func:`~nxd_finetune.models.loading.open_checkpoint_file`).
+    It reads the whole checkpoint once, at hashing speed (the cost is in the README). Raises
+    ModelLoadError for an unreadable checkpoint."""
+    spans = _tensor_spans(model_dir)
+    threads = max(1, min(_THREADS, os.cpu_count() or 1, len(spans)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        digests = list(pool.map(lambda span: _data_digest(*span[2:]), spans))
+    h = hashlib.sha256()
+    for (name, info, *_), digest in zip(spans, digests, strict=True):
+        h.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+        h.update(digest)
+    return FINGERPRINT_PREFIX + h.hexdigest()
 
-    index = checkpoint_index(model_dir)
+
+def _data_digest(path: Path, begin: int, end: int) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(begin)
+        left = end - begin
+        while left > 0:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                raise ModelLoadError(f"checkpoint file {path} ends inside a tensor's data")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.digest()
+
+
+def sampled_fingerprint(model_dir: str | Path) -> str:
+    """The fingerprint adapters recorded before :func:`weights_fingerprint` hashed whole tensors (a
+    bare hex digest): sha256 over each tensor's name, dtype, shape and only the first and last
+    :data:`SAMPLE_BYTES` of its data. Still computed to check those adapters, so for them only
+    those bytes are compared."""
+    h = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, BinaryIO] = {}
+        for name, info, path, begin, end in _tensor_spans(model_dir):
+            f = handles.get(path) or handles.setdefault(path, stack.enter_context(open(path, "rb")))
+            h.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+            spans = [(begin, end)] if end - begin <= 2 * SAMPLE_BYTES else [
+                (begin, begin + SAMPLE_BYTES), (end - SAMPLE_BYTES, end)]
+            for a, b in spans:
+                f.seek(a)
+                h.update(f.read(b - a))
+    return h.hexdigest()
+
+
+def fingerprint_matches(recorded: str, model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` has the fingerprint an adapter recorded, computed the way it was
+    recorded: whole tensors (``sha256-tensors:``) or, for older adapters, samples."""
+    if recorded.startswith(FINGERPRINT_PREFIX):
+        return recorded == weights_fingerprint(model_dir)
+    return recorded == sampled_fingerprint(model_dir)
+
+
+def _tensor_spans(model_dir: str | Path) -> list[tuple[str, dict[str, Any], Path, int, int]]:
+    """``(name, header entry, file, first byte, end byte)`` of every tensor, by name; every file's
+    header is checked by safetensors before it is read here."""
+    index = check_checkpoint_files(model_dir)
     headers: dict[Path, tuple[int, dict[str, Any]]] = {}
     for path in sorted(set(index.values()), key=lambda p: p.name):
         try:
@@ -66,27 +128,16 @@ def weights_fingerprint(model_dir: str | Path) -> str:
                 headers[path] = (8 + n, json.loads(f.read(n)))
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"cannot read checkpoint file {path}: {e}") from None
-    h = hashlib.sha256()
-    handles = {path: open(path, "rb") for path in headers}  # noqa: SIM115 (closed below)
-    try:
-        for name in sorted(index):
-            path = index[name]
-            start_of_data, header = headers[path]
-            info = header.get(name)
-            if not isinstance(info, dict):
-                raise ModelLoadError(f"checkpoint file {path} lacks tensor {name!r} its index names")
-            begin, end = (start_of_data + o for o in info["data_offsets"])
-            h.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
-            f = handles[path]
-            spans = [(begin, end)] if end - begin <= 2 * SAMPLE_BYTES else [
-                (begin, begin + SAMPLE_BYTES), (end - SAMPLE_BYTES, end)]
-            for a, b in spans:
-                f.seek(a)
-                h.update(f.read(b - a))
-    finally:
-        for f in handles.values():
-            f.close()
-    return h.hexdigest()
+    out = []
+    for name in sorted(index):
+        path = index[name]
+        start_of_data, header = headers[path]
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise ModelLoadError(f"checkpoint file {path} lacks tensor {name!r} its index names")
+        begin, end = (start_of_data + o for o in info["data_offsets"])
+        out.append((name, info, path, begin, end))
+    return out
 
 
 def base_identity(config: DecoderConfig, model_dir: str | Path) -> dict[str, str]:
@@ -115,6 +166,10 @@ def _recorded(adapter_dir: Path) -> dict[str, str]:
 
 
 def _config_difference(recorded: dict[str, Any], actual: dict[str, Any]) -> str | None:
+    # a field added to DecoderConfig after the adapter was written is absent from what it recorded:
+    # its base had the field's default (else the release that wrote it could not have loaded the base)
+    defaults = {f.name: f.default for f in dataclasses.fields(DecoderConfig) if f.default is not dataclasses.MISSING}
+    recorded = {**{k: v for k, v in json.loads(json.dumps(defaults, default=str)).items() if k in actual}, **recorded}
     keys = sorted(k for k in set(recorded) | set(actual) if recorded.get(k) != actual.get(k))
     if not keys:
         return None
@@ -137,7 +192,7 @@ def base_difference(adapter_dir: str | Path, config: DecoderConfig, model_dir: s
     diff = _config_difference(recorded_config, identity_config(config))
     if diff is not None:
         return diff
-    if meta[BASE_WEIGHTS_KEY] != weights_fingerprint(model_dir):
+    if not fingerprint_matches(meta[BASE_WEIGHTS_KEY], model_dir):
         return "same config but other weights"
     return None
 
@@ -194,5 +249,6 @@ def check_base(adapter_dir: str | Path, config: DecoderConfig, model_dir: str | 
         warnings.warn(f"{where}: {'; '.join(notes)}; using it anyway", NxdWarning, stacklevel=2)
 
 
-__all__ = ["BASE_CONFIG_KEY", "BASE_WEIGHTS_KEY", "base_difference", "base_identity", "base_mismatches", "check_base",
-           "identity_config", "weights_fingerprint"]
+__all__ = ["BASE_CONFIG_KEY", "BASE_WEIGHTS_KEY", "FINGERPRINT_PREFIX", "base_difference", "base_identity",
+           "base_mismatches", "check_base", "fingerprint_matches", "identity_config", "sampled_fingerprint",
+           "weights_fingerprint"]

@@ -17,10 +17,11 @@ the final name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,7 +297,10 @@ def _adapter_files(adapter_dir: str | Path) -> tuple[LoraConfig, Path]:
         raw = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_path} is not valid JSON: {e}") from None
-    cfg = LoraConfig.from_peft_dict(raw)
+    try:
+        cfg = LoraConfig.from_peft_dict(raw)
+    except AdapterError as e:
+        raise AdapterError(f"{cfg_path}: {e}") from None
     if not weights.is_file():
         if (d / "adapter_model.bin").is_file():
             raise AdapterError(
@@ -304,6 +308,31 @@ def _adapter_files(adapter_dir: str | Path) -> tuple[LoraConfig, Path]:
             )
         raise AdapterError(f"no {WEIGHTS_NAME} in {d}")
     return cfg, weights
+
+
+def check_adapter_files(adapter_dir: str | Path) -> LoraConfig:
+    """The checks every command that reads an adapter makes before using it, without reading
+    tensor data: ``adapter_config.json`` is a JSON object that :meth:`LoraConfig.from_peft_dict`
+    accepts (types, values, no unsupported PEFT feature), and ``adapter_model.safetensors`` has a
+    header that ``safetensors`` accepts (tensors inside the file, contiguous, not overlapping,
+    sizes that fit their shapes). Returns the config; raises AdapterError with one line.
+    ``merge`` and ``lora.init_from`` make them through :func:`read_adapter` / :func:`load_adapter`,
+    ``generate`` / ``chat`` call this before handing the directory to PEFT."""
+    cfg, weights = _adapter_files(adapter_dir)
+    with _open_weights(weights):
+        pass
+    return cfg
+
+
+@contextlib.contextmanager
+def _open_weights(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``, whose refusal of the file (header, offsets, sizes) is an AdapterError."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"cannot read {path}: {e}") from None
+    with handle as f:
+        yield f
 
 
 def _read_tensors(
@@ -314,7 +343,7 @@ def _read_tensors(
     it; it may raise AdapterError."""
     out = {}
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with _open_weights(path) as f:
             for raw in f.keys():
                 key = raw.removeprefix(PEFT_PREFIX)
                 part = f.get_slice(raw)

@@ -4,6 +4,7 @@ from nxd_finetune.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.models.loading import (
     build_model,
+    check_checkpoint_files,
     checkpoint_index,
     copy_generation_config,
     load_pretrained,
@@ -18,6 +19,7 @@ __all__ = [
     "DecoderForCausalLM",
     "copy_generation_config",
     "build_model",
+    "check_checkpoint_files",
     "checkpoint_index",
     "load_pretrained",
     "materialize",

@@ -60,14 +60,31 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {str(name): model_dir / fname for name, fname in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index (a weight_map of tensor -> file): "
+                                 f"{type(e).__name__}") from None
     if single.is_file():
         with open_checkpoint_file(single) as f:
             return {name: single for name in f.keys()}
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pth")):
         raise ModelLoadError(f"{model_dir} holds only pickle checkpoints; convert them to safetensors")
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def check_checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """:func:`checkpoint_index` with every file it names opened by ``safetensors``, which checks
+    each header (tensors inside the file, contiguous, not overlapping, sizes that fit their
+    shapes) without reading tensor data; returns the index. A refused file is one ModelLoadError
+    line (:func:`open_checkpoint_file`), as ``merge`` and the trainer's loader report it; ``generate``
+    and ``chat`` call this before handing the directory to ``transformers``."""
+    index = checkpoint_index(model_dir)
+    for path in sorted(set(index.values())):
+        with open_checkpoint_file(path):
+            pass
+    return index
 
 
 def _read_full(name: str, safe_slice: object, target: torch.Tensor) -> torch.Tensor:

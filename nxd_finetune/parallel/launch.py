@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.xla import refuse_unformable_world, xla_device
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
@@ -96,8 +97,6 @@ def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
             raise NxdError("device cuda was asked for but no CUDA device is visible")
         return DeviceBackend("cuda", "nccl", torch.device("cuda", local_rank), local_rank=local_rank)
     if name == "xla":
-        from nxd_finetune.xla import xla_device
-
         return DeviceBackend("xla", "xla", xla_device(), local_rank=local_rank)
     raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or xla")
 
@@ -135,6 +134,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
     if dev.name == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 
+        refuse_unformable_world(int(os.environ["WORLD_SIZE"]))  # before torch_xla's rendezvous makes a store
         extra["init_method"] = "xla://"
     else:
         store = _attempt_store(timeout_s)

@@ -22,11 +22,14 @@ import contextlib
 import dataclasses
 import json
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.lora.io import check_adapter_files
+from nxd_finetune.models import check_checkpoint_files
 
 ADAPTER_CONFIG = "adapter_config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -124,11 +127,28 @@ def _load_tokenizer(*dirs: Path) -> Any:
 def _load_hf(model_dir: Path, dtype: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
+    check_checkpoint_files(model_dir)  # what merge and the trainer refuse, refused here with the same line
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        with _no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {model_dir}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """transformers' "Loading weights" progress bar off for the ``with`` block (the console shows
+    the completion only), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager
@@ -161,6 +181,7 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
     from nxd_finetune.registry.fetch import fetch_adapter
 
     with fetch_adapter(adapter, "--adapter") as fetched:
+        check_adapter_files(fetched.path)  # as merge and lora.init_from check it, before PEFT reads it
         base_name = base if base is not None else _base_from_adapter(fetched.path, adapter)
         base_dir = _resolve_base(base_name, "--base" if base is not None else "the adapter's base model")
         yield LoadedModel(_attach_adapter(_load_hf(base_dir, torch_dtype, dev), fetched.path),
@@ -175,7 +196,12 @@ def _attach_adapter(model: Any, adapter_dir: Path) -> Any:
         raise NxdError("generating with an adapter needs the peft package: pip install 'nxd-finetune[serve]'") from None
 
     try:
-        return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+        with warnings.catch_warnings():
+            # PEFT reads the model's deprecated is_gradient_checkpointing (transformers' FutureWarning,
+            # nothing a user can act on)
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise ModelLoadError(f"adapter {adapter_dir} does not load on this base: {str(e).splitlines()[0]}") from None
 

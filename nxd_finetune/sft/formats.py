@@ -274,7 +274,9 @@ def tokenize_rendered(tokenizer, samples: Sequence[Rendered]) -> list[tuple[list
         raise DataError(f"{type(tokenizer).__name__} is a slow tokenizer; SFT needs a fast one (tokenizer.json)")
     if not samples:
         return []
-    enc = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True)
+    # verbose=False: rows longer than the tokenizer's model_max_length are ours to truncate (to
+    # data.max_seq_len, counted in the summary); no "Token indices sequence length" line from transformers
+    enc = tokenizer([s.text for s in samples], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     out = []
     for sample, ids, offsets in zip(samples, enc["input_ids"], enc["offset_mapping"], strict=True):
         ids = list(ids)

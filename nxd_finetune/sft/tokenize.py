@@ -4,10 +4,12 @@ or in forked workers over contiguous shares (``data.num_proc``); :mod:`.data` lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from nxd_finetune.errors import NxdWarning
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.sft import formats
 
@@ -153,12 +156,23 @@ ROWS_PER_PROC = 2000
 
 
 def worker_count(num_proc: int | str, rows: int) -> int:
-    """Processes for tokenizing ``rows`` rows: ``num_proc`` as given, or under ``auto`` one per
-    available core, at most one per :data:`ROWS_PER_PROC` rows (at least 1)."""
-    if num_proc != "auto":
-        return max(1, min(int(num_proc), max(rows, 1)))
+    """Processes for tokenizing ``rows`` rows: ``num_proc`` as given, at most one per available
+    core (a larger number is capped with a one-line NxdWarning: a recipe written for a bigger
+    machine still runs) and one per row; under ``auto`` one per core, at most one per
+    :data:`ROWS_PER_PROC` rows. At least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_proc != "auto":
+        if int(num_proc) > cores:
+            _warn_capped(int(num_proc), cores)
+        return max(1, min(int(num_proc), cores, max(rows, 1)))
     return max(1, min(cores, rows // ROWS_PER_PROC))
+
+
+@functools.cache
+def _warn_capped(num_proc: int, cores: int) -> None:
+    """Once per process (train and eval sets are tokenized one after the other)."""
+    warnings.warn(f"data.num_proc={num_proc} is more than the {cores} core(s) this process may use; "
+                  f"tokenizing with {cores}", NxdWarning, stacklevel=3)
 
 
 @dataclasses.dataclass
