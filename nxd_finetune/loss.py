@@ -4,6 +4,8 @@ Every loss in the project is computed here, for every layout: the trainer's micr
 (:func:`ce_sum` at target positions, or :func:`chunked_ce_sum`, which never holds the logits of
 more than a chunk of positions), the pipeline's last-stage loss (:func:`step_loss`), eval
 statistics (:func:`eval_stats`) and the reference :func:`causal_lm_loss` the tests compare with.
+An objective (:mod:`nxd_finetune.objective`) reads a micro-batch's output through :class:`Scores`
+(:class:`LogitScores`, :class:`ChunkedScores`), which call these functions.
 
 Labels are HF-style: aligned with ``input_ids``, ``-100`` (:data:`IGNORE_INDEX`) where no loss is
 taken; position ``t`` predicts ``labels[t + 1]`` (:func:`shift_labels`).
@@ -19,9 +21,10 @@ written here).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -289,3 +292,57 @@ def chunked_hidden_stats(hidden: torch.Tensor, targets: torch.Tensor, *, head: C
     ``[B, T]``), the head run ``rows`` target positions at a time."""
     h, t = _target_rows(hidden, targets)
     return chunked_eval_stats(h, head, t, rows, tp_group)
+
+
+# ---------------------------------------------------------------------- scores (what an objective reads)
+
+
+class Scores(Protocol):
+    """How an objective reads one micro-batch's model output: the cross entropy of its target
+    tokens, summed, or its eval statistics, computed the way the layout needs (vocab-parallel,
+    chunked) without the objective seeing logits. See :mod:`nxd_finetune.objective`."""
+
+    def ce_sum(self) -> torch.Tensor: ...
+
+    def eval_stats(self) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass
+class LogitScores:
+    """Scores from logits ``[*, V(/tp)]`` and their targets ``[*]`` (shifted, -100 ignored)."""
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    tp_group: Group = None
+
+    def ce_sum(self) -> torch.Tensor:
+        return ce_sum(self.logits, self.targets, self.tp_group)
+
+    def eval_stats(self) -> torch.Tensor:
+        return eval_stats(self.logits, self.targets, self.tp_group)
+
+
+@dataclasses.dataclass
+class ChunkedScores:
+    """Scores from the final hidden states at the target positions ``[N, H]``, the output layer
+    and the targets ``[N]``: the head runs ``rows`` positions at a time (:func:`chunked_ce_sum`)."""
+
+    hidden: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor]
+    targets: torch.Tensor
+    rows: int
+    tp_group: Group = None
+
+    def ce_sum(self) -> torch.Tensor:
+        return chunked_ce_sum(self.hidden, self.head, self.targets, self.rows, self.tp_group)
+
+    def eval_stats(self) -> torch.Tensor:
+        return chunked_eval_stats(self.hidden, self.head, self.targets, self.rows, self.tp_group)
+
+
+def hidden_scores(hidden: torch.Tensor, labels: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tensor],
+                  rows: int, tp_group: Group = None) -> ChunkedScores:
+    """:class:`ChunkedScores` of a pipeline's last stage: its final hidden states ``[B, T, H]`` and
+    the micro-batch's ``labels`` ``[B, T]`` (shifted here)."""
+    h, targets = _target_rows(hidden, shift_labels(labels))
+    return ChunkedScores(h, head, targets, rows, tp_group)

@@ -426,7 +426,7 @@ def _host_groups_worker(out_dir: str) -> dict:
     from nxd_finetune.parallel.launch import init_distributed
     from nxd_finetune.parallel.parallelize import RankModel
     from nxd_finetune.parallel.state import ParallelDims, ParallelState
-    from nxd_finetune.sft import trainer
+    from nxd_finetune.sft import setup, trainer
 
     backend = init_distributed("gloo")
     rank = backend.rank
@@ -453,7 +453,7 @@ def _host_groups_worker(out_dir: str) -> dict:
     for name in ("all_reduce", "all_gather", "broadcast", "barrier", "gather_object"):
         setattr(dist, name, spy(name))
     torch.manual_seed(100 + rank)
-    with trainer.rank0_first(rank, host.world):
+    with setup.rank0_first(rank, host.world):
         pass
     signals = StopSignals()
     signals.signum = signal.SIGTERM if rank == 1 else None

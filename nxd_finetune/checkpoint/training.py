@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.manager import CheckpointManager
+from nxd_finetune.checkpoint.run_state import RunState, TrainState
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.recipe.resume import (
@@ -54,8 +55,10 @@ from nxd_finetune.recipe.resume import (
 from nxd_finetune.sft.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from nxd_finetune.parallel.state import ParallelState
     from nxd_finetune.recipe import Recipe, TrainingSection
-    from nxd_finetune.sft.engine import Engine
 
 
 class Resumable(Protocol):
@@ -64,6 +67,25 @@ class Resumable(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> None: ...
+
+
+class Trained(Protocol):
+    """What checkpoints save and restore of a rank (the trainer's ``sft.engine.Engine``)."""
+
+    @property
+    def state(self) -> ParallelState: ...
+
+    @property
+    def modules(self) -> list[nn.Module]: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class TrainingStopped(Exception):
@@ -223,7 +245,7 @@ class TrainingCheckpoints:
     step-0 record). Installs the stop-signal handlers.
     """
 
-    def __init__(self, recipe: Recipe, engine: Engine, out_dir: Path, loader: Resumable,
+    def __init__(self, recipe: Recipe, engine: Trained, out_dir: Path, loader: Resumable,
                  group: dist.ProcessGroup | None = None) -> None:
         ck = recipe.checkpoint
         self.recipe, self.engine, self.out_dir, self.loader = recipe, engine, Path(out_dir), loader
@@ -239,7 +261,7 @@ class TrainingCheckpoints:
     def _rank0(self) -> bool:
         return self.engine.state.rank == 0
 
-    def resume(self, train_state: Any) -> Resumed | None:
+    def resume(self, train_state: TrainState) -> Resumed | None:
         """Load ``checkpoint.resume`` (``latest``: the newest complete one, if any) into the engine,
         the loader, ``train_state`` and the RNG, and cut the metrics files back to it. Call before
         the metrics writer opens. Checkpoints of ``checkpoint.dir`` that the run will not continue
@@ -257,14 +279,14 @@ class TrainingCheckpoints:
         saved_recipe = self.manager.read_extra_json(ref).get("recipe")
         changes = check_resume(saved_recipe, self.recipe, ref.uri, ref.step) if isinstance(saved_recipe, str) else []
         extra = self.manager.load(ref, e.modules, e.optimizer)
-        e.scheduler.load_state_dict(extra["scheduler"])
+        saved = RunState.from_extra(extra)
+        e.scheduler.load_state_dict(saved.scheduler or {})
         apply_training_changes(e.optimizer, e.scheduler, self.recipe.training, changes)
-        self.loader.load_state_dict(extra["data"])
-        for key, value in extra["train_state"].items():
-            setattr(train_state, key, value)
-        set_rng_state(extra["rng"], e.state, e.device)
+        self.loader.load_state_dict(saved.data)
+        train_state.restore(saved.train_state)
+        set_rng_state(saved.rng, e.state, e.device)
         if self._rank0:
-            truncate_metrics(self.out_dir, extra["metrics_bytes"])
+            truncate_metrics(self.out_dir, saved.metrics_bytes)
             if self.recipe.logging.tensorboard:
                 purge_tensorboard(self.out_dir, ref.step)
             self._remove_after(ref.step, f"resuming from step {ref.step}")
@@ -275,10 +297,7 @@ class TrainingCheckpoints:
         self._barrier()
         if ref.uri == f"{self.manager.uri}/step-{ref.step:08d}":
             self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice
-        history = extra["history"]
-        before = next((h for h in history if h.get("step") == 0 and "eval_loss" in h), None)
-        eval_before = {k: v for k, v in before.items() if k != "step"} if before else extra.get("eval_before", {})
-        return Resumed(ref, history, eval_before)
+        return Resumed(ref, saved.history, saved.eval_before() or extra.get("eval_before", {}))
 
     def _remove_after(self, step: int, why: str) -> None:
         later = [s for s, _ in list_checkpoints(self.manager.storage) if s > step]
@@ -291,24 +310,18 @@ class TrainingCheckpoints:
         if self.engine.state.world_size > 1:
             dist.barrier(group=self.group)
 
-    def save(self, train_state: Any, history: list[dict[str, Any]]) -> str:
+    def save(self, train_state: TrainState, history: list[dict[str, Any]]) -> str:
         """Checkpoint the run at ``train_state.step`` (collective)."""
         e, step = self.engine, train_state.step
         metrics = self.out_dir / METRICS_FILE
-        extra = {
-            "train_state": dataclasses.asdict(train_state),
-            "scheduler": e.scheduler.state_dict(),
-            "data": self.loader.state_dict(),
-            "rng": rng_state(e.state, self.group, e.device),
-            "history": history,
-            "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
-            "recipe": self.recipe.to_yaml(),
-        }
-        uri = self.manager.save(step, e.modules, e.optimizer, extra)
+        saved = RunState(train_state=train_state, rng=rng_state(e.state, self.group, e.device), history=history,
+                         scheduler=e.scheduler.state_dict(), data=self.loader.state_dict(),
+                         metrics_bytes=metrics.stat().st_size if metrics.exists() else 0, recipe=self.recipe.to_yaml())
+        uri = self.manager.save(step, e.modules, e.optimizer, saved.to_extra())
         self.last_saved = step
         return uri
 
-    def after_step(self, train_state: Any, history: list[dict[str, Any]]) -> None:
+    def after_step(self, train_state: TrainState, history: list[dict[str, Any]]) -> None:
         """After a step's logging and eval: save every ``checkpoint.every_n_steps``; on a stop
         signal save and raise :class:`TrainingStopped`. Collective."""
         step = train_state.step
@@ -324,7 +337,7 @@ class TrainingCheckpoints:
                 f"stopped by {name} after step {step}; checkpoint saved to {self.uri}. Resume: run the same "
                 f"command again (same recipe and output.dir), or add --resume {self.uri}/step-{step:08d}", signum)
 
-    def finish(self, train_state: Any, history: list[dict[str, Any]]) -> None:
+    def finish(self, train_state: TrainState, history: list[dict[str, Any]]) -> None:
         """The end-of-run checkpoint (unless this step is saved already); waits for async saves.
         Collective."""
         if self.last_saved != train_state.step:

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.manager import CheckpointManager
+from nxd_finetune.checkpoint.run_state import RunState
 from nxd_finetune.checkpoint.training import rng_state, set_rng_state
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.state import ParallelState
@@ -88,10 +89,10 @@ def save(module: NxdModuleBase, checkpoint: dict[str, Any], filepath: str | os.P
     if name is not None and F.parse_step_dir(name) != step:
         raise NxdError(f"checkpoint path {filepath} names step {F.parse_step_dir(name)}, the run is at step {step}")
     lightning_state = {k: _storable(checkpoint.get(k)) for k in ("epoch", "global_step", "callbacks")}
-    extra = module.checkpoint_extra(rng_state(module.parallel_state, group, module.trainer.strategy.root_device))
-    extra["lightning"] = lightning_state
+    saved = module.run_state(rng_state(module.parallel_state, group, module.trainer.strategy.root_device))
+    saved.lightning = lightning_state
     manager = CheckpointManager(root, keep_last=KEEP_ALL, state=state, group=group)
-    return manager.save(step, module.rank_modules, module.parallel_optimizer, extra)
+    return manager.save(step, module.rank_modules, module.parallel_optimizer, saved.to_extra())
 
 
 def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | None,
@@ -100,6 +101,8 @@ def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | 
     trainer's step counter from the checkpoint at ``path`` (or the newest under a root); returns
     the Lightning checkpoint dict for what Lightning restores itself (LR scheduler, callbacks).
     Collective. CheckpointError when there is none or it is corrupt."""
+    import lightning.pytorch as pl
+
     text = os.fspath(path).rstrip("/")
     local = "://" not in text
     is_root = local and Path(text).is_dir() and not (Path(text) / F.MANIFEST).exists()
@@ -108,18 +111,18 @@ def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | 
     ref = manager.resolve("latest" if is_root else text)
     if ref is None:
         raise CheckpointError(f"no complete checkpoint under {text}")
-    extra = manager.load(ref, module.rank_modules, module.parallel_optimizer)
-    module.restore_extra(extra)
-    set_rng_state(extra["rng"], module.parallel_state, module.trainer.strategy.root_device)
-    step = int(extra["train_state"]["step"])
+    saved = RunState.from_extra(manager.load(ref, module.rank_modules, module.parallel_optimizer))
+    module.restore_run_state(saved)
+    set_rng_state(saved.rng, module.parallel_state, module.trainer.strategy.root_device)
+    step = saved.train_state.step
     trainer = module.trainer
     loop = trainer.fit_loop.epoch_loop
     loop.manual_optimization.optim_step_progress.total.ready = step
     loop.manual_optimization.optim_step_progress.total.completed = step
     loop._batches_that_stepped = step
-    lightning = extra.get("lightning") or {}
+    lightning = saved.lightning or {}
     out: dict[str, Any] = {"pytorch-lightning_version": pl.__version__, "state_dict": {}, "optimizer_states": [],
-                           "lr_schedulers": [extra["scheduler"]] if extra.get("scheduler") else [],
+                           "lr_schedulers": [saved.scheduler] if saved.scheduler else [],
                            "epoch": lightning.get("epoch") or 0,
                            "global_step": step}
     if lightning.get("callbacks"):

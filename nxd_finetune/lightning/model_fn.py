@@ -36,6 +36,7 @@ from torch import nn
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 
@@ -62,6 +63,7 @@ class NxdModelModule(NxdModuleBase):
         self._optimizer: ParallelOptimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._state: ParallelState | None = None
+        self.objective: Objective = SFT
 
     # ------------------------------------------------------------------ building
 
@@ -113,7 +115,7 @@ class NxdModelModule(NxdModuleBase):
 
     # ------------------------------------------------------------------ training
 
-    def forward_logits(self, batch: Batch) -> torch.Tensor:
+    def forward_logits(self, batch: TokenBatch) -> torch.Tensor:
         """Logits ``[B, T, V(/tp)]`` of a micro-batch: ``model(input_ids, position_ids=...,
         segment_ids=...)`` with the keys the batch has (nxd-finetune's decoders); override for
         other signatures (an output with ``.logits`` is unwrapped)."""
@@ -123,16 +125,28 @@ class NxdModelModule(NxdModuleBase):
         return out.logits if hasattr(out, "logits") else out
 
     def training_step(self, batch: Batch | list[Batch], batch_idx: int) -> torch.Tensor:
-        """One optimizer step over the batch's micro-batches with ``run``'s token-weighted loss."""
+        """One optimizer step over the batch's micro-batches: ``run``'s step and token-weighted loss."""
         micro = [batch] if isinstance(batch, dict) else list(batch)
         n_input = sum(int((b["segment_ids"] > 0).sum()) if "segment_ids" in b else b["input_ids"].numel()
                       for b in micro)
+        return self.lightning_step(self, micro, n_input)
 
-        def micro_loss(b: Batch, n_targets: torch.Tensor) -> torch.Tensor:
-            return L.step_loss(self.forward_logits(b), b["labels"], n_targets, self._tp_group)
+    # ------------------------------------------------------------------ the step's Stepper (sft/step.py)
 
-        return self.optimizer_step_of(micro, n_input, micro_loss)
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
+                         backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Each micro-batch's objective loss (supervised cross entropy over this rank's vocabulary
+        shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum."""
+        total = torch.zeros(())
+        for b in micro_batches:
+            target = self.objective.target(b)
+            scores = L.LogitScores(self.forward_logits(b), L.shift_labels(self.objective.labels(target)),
+                                   self._tp_group)
+            loss = self.objective.loss_sum(scores, target) / n_targets
+            (backward or self.manual_backward)(loss)
+            total = total.to(loss.device) + loss.detach()
+        return total
 
-    def checkpoint_extra(self, rng: dict[str, Any]) -> dict[str, Any]:
-        return {**super().checkpoint_extra(rng), "data": None}
-
+    def step(self) -> torch.Tensor | None:
+        """Unused: the step's optimizer step is Lightning's (:meth:`NxdModuleBase.lightning_step`)."""
+        raise NotImplementedError("NxdModelModule steps through Lightning's optimizer")

@@ -26,7 +26,6 @@ end of training the run's artefact is written with the recipe's ``checkpoint.sav
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,11 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune import loss as L
+from nxd_finetune.checkpoint.run_state import JsonDict, RunState
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
+from nxd_finetune.sft.metrics import METRICS_FILE
+from nxd_finetune.sft.setup import setup_rank
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -108,10 +109,6 @@ class NxdLightningModule(NxdModuleBase):
         if self.engine is not None:
             return
         from nxd_finetune.lightning.strategy import NxdStrategy
-        from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-        from nxd_finetune.sft.engine import build_engine
-        from nxd_finetune.sft.loader import build_dataloaders
-        from nxd_finetune.sft.trainer import rank0_first
 
         strategy = self.trainer.strategy
         if not isinstance(strategy, NxdStrategy):
@@ -126,30 +123,16 @@ class NxdLightningModule(NxdModuleBase):
         recipe = self.recipe = self._recipe_for(strategy, device)
         layout, host = strategy.parallel_state, strategy.host
         assert layout is not None
-        if device.type == "cpu":
-            torch.set_flush_denormal(True)  # as run_rank: subnormal Adam moments are slow on x86
-        tcfg = recipe.training
-        with rank0_first(layout.rank, host.world):
-            self._model_dir = resolve_model_dir(recipe.model.path)
-            self._tokenizer = load_tokenizer(recipe, self._model_dir)
-            data = build_dataloaders(recipe.data, self._tokenizer, micro_batch_size=tcfg.micro_batch_size,
-                                     dp_rank=layout.dp_rank, dp_world=recipe.parallel.dp, seed=tcfg.seed,
-                                     fixed_shape=recipe.parallel.sequence_parallel)
-        grad_accum = recipe.grad_accum_steps
-        total_steps = tcfg.max_steps or max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch
-                                                         / grad_accum))
+        rr = setup_rank(recipe, device=device, layout=layout, host=host)
         if self.trainer.max_steps < 0:
-            self.trainer.fit_loop.epoch_loop.max_steps = total_steps
+            self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
         if self.trainer.max_epochs == -1:  # what Trainer(max_steps=N) sets: its bar would read "Epoch 0/-2"
             self.trainer.fit_loop.max_epochs = 1  # the step stream is one endless epoch; max_steps ends it
-        if layout.rank == 0:
-            out = Path(recipe.output.dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "recipe.yaml").write_text(recipe.to_yaml())
-        self.engine = build_engine(recipe, self._model_dir, device, total_steps, layout, host)
+        self._model_dir, self._tokenizer = rr.model_dir, rr.tokenizer
+        self.engine = rr.engine
         self.layers = torch.nn.ModuleList(self.engine.modules)
-        self._stream = StepStream(data.train, grad_accum, recipe.data.packing)
-        self._eval = data.eval
+        self._stream = StepStream(rr.data.train, rr.grad_accum, recipe.data.packing)
+        self._eval = rr.data.eval
 
     def configure_optimizers(self) -> Any:
         """The engine's :class:`ParallelOptimizer` and its LR schedule (stepped every step)."""
@@ -184,16 +167,10 @@ class NxdLightningModule(NxdModuleBase):
         return self.engine.state
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        """One optimizer step (module docstring); returns the step's token-mean loss over the
-        global batch (detached; the same on every rank)."""
-        e = self.engine
-        assert e is not None
-
-        def micro_loss(b: Batch, n_targets: torch.Tensor) -> torch.Tensor:
-            logits, targets = e.logits_and_targets(b)  # logits at target positions only
-            return L.ce_sum(logits, targets, e.tp_group) / n_targets
-
-        loss = self.optimizer_step_of(batch["micro_batches"], batch["n_input"], micro_loss)
+        """One optimizer step (module docstring): ``run``'s step on the engine; returns the step's
+        token-mean loss over the global batch (detached; the same on every rank)."""
+        assert self.engine is not None
+        loss = self.lightning_step(self.engine, batch["micro_batches"], batch["n_input"])
         self._position = batch["position"]
         return loss
 
@@ -205,7 +182,7 @@ class NxdLightningModule(NxdModuleBase):
 
     def on_validation_epoch_start(self) -> None:
         assert self.engine is not None
-        self._eval_stats = torch.zeros(3, device=self.engine.device)
+        self._eval_stats = torch.zeros(self.engine.objective.eval_width, device=self.engine.device)
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         """``[loss sum, correct, targets]`` of a batch, summed (``eval.max_batches`` per rank, as ``run``)."""
@@ -218,11 +195,9 @@ class NxdLightningModule(NxdModuleBase):
     def on_validation_epoch_end(self) -> None:
         """``eval_loss``, ``eval_ppl``, ``eval_accuracy`` over every dp rank's share, as ``run``'s."""
         assert self.engine is not None and self._eval_stats is not None
-        loss_sum, correct, n = self.engine.dp_sum(self._eval_stats).tolist()
-        if n == 0 or self.trainer.sanity_checking:
+        rec = self.engine.objective.eval_record(self.engine.dp_sum(self._eval_stats).tolist())
+        if not rec or self.trainer.sanity_checking:
             return
-        loss = loss_sum / n
-        rec = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
         self.history.append({"step": self.train_state.step, **rec})
         self.log_dict(rec, prog_bar=True, batch_size=1)
 
@@ -240,17 +215,20 @@ class NxdLightningModule(NxdModuleBase):
 
     # ------------------------------------------------------------------ checkpoints (strategy's hooks)
 
-    def checkpoint_extra(self, rng: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's ``extra`` with every key ``run`` resumes from."""
+    def run_state(self, rng: JsonDict) -> RunState:
+        """A checkpoint's state with every field ``run`` resumes from."""
         assert self._stream is not None
-        metrics = Path(self.recipe.output.dir) / "metrics.jsonl"
-        return {**super().checkpoint_extra(rng),
-                "data": self._position if self._position is not None else self._stream.loader.state_dict(),
-                "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0, "recipe": self.recipe.to_yaml()}
+        saved = super().run_state(rng)
+        metrics = Path(self.recipe.output.dir) / METRICS_FILE
+        saved.data = self._position if self._position is not None else self._stream.loader.state_dict()
+        saved.metrics_bytes = metrics.stat().st_size if metrics.exists() else 0
+        saved.recipe = self.recipe.to_yaml()
+        return saved
 
-    def restore_extra(self, extra: dict[str, Any]) -> None:
-        """Counters, history and the data position of a checkpoint's ``extra`` (before training)."""
+    def restore_run_state(self, saved: RunState) -> None:
+        """Counters, history and the data position of a checkpoint (before training)."""
         assert self._stream is not None
-        super().restore_extra(extra)
-        self._stream.loader.load_state_dict(extra["data"])
-        self._position = extra["data"]
+        super().restore_run_state(saved)
+        if saved.data is not None:  # None: a model-function module's checkpoint (its data was the user's)
+            self._stream.loader.load_state_dict(saved.data)
+        self._position = saved.data

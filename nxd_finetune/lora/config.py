@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import AdapterError
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import LoraSection
 
 ALL_LINEAR = "all-linear"
 BIAS_MODES = ("none", "all", "lora_only")
@@ -121,6 +124,19 @@ class LoraConfig:
     def scaling(self) -> float:
         """The factor on ``B @ A``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def from_section(cls, lora: LoraSection) -> LoraConfig:
+        """The recipe's ``lora`` section as a config: the one conversion (recipe names -> PEFT's)."""
+        return cls(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
+                   target_modules=lora.target_modules, use_rslora=lora.use_rslora,
+                   init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save))
+
+    def to_section(self, **extra: Any) -> dict[str, Any]:
+        """This config as a recipe ``lora`` section (a dict; ``extra``: e.g. ``init_from``)."""
+        return {"rank": self.r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "bias": self.bias,
+                "target_modules": self.target_modules, "use_rslora": self.use_rslora,
+                "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save), **extra}
 
     def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> dict[str, Any]:
         """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT

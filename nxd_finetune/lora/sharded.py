@@ -1,4 +1,9 @@
-"""LoRA on tensor-parallel bases: the factors follow the base layer's sharding (STYLE point 6).
+"""LoRA on tensor-parallel bases: the factors follow the base layer's sharding.
+
+The layers run their base layer's own steps (``parallel_input`` / ``local_output`` / ``finish`` of
+:class:`ColumnParallelLinear`, ``parallel_input`` / ``local_partial`` / ``reduce`` / ``add_bias`` of
+:class:`RowParallelLinear`) and add the adapter path between them, as PEFT's tensor-parallel LoRA
+calls its base layer: every collective lives in ``parallel/``, none is written here.
 
 :class:`ColumnParallelLoraLinear` and :class:`RowParallelLoraLinear` are registered with
 :func:`~nxd_finetune.lora.layers.register_lora_layer` when this module is imported (importing
@@ -67,8 +72,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_finetune.lora.layers import LoraLinear, init_lora_factors, register_lora_layer
-from nxd_finetune.parallel import mappings as M
 from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec
+from nxd_finetune.parallel.mappings import group_size
 
 __all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear"]
 
@@ -130,21 +135,22 @@ class ColumnParallelLoraLinear(_ShardedLoraLinear):
     [out/p, r]`` split like the base's output. Input and output as the base's (``[*, out/p]``,
     or gathered with ``gather_output``). See the module docstring for the collectives."""
 
+    base_layer: ColumnParallelLinear
+
     def _factor_specs(self) -> tuple[ShardSpec, ShardSpec]:
         base = self.base_layer
         spec_w = base.shard_specs["weight"]
-        spec_a = ShardSpec((self.r, base.in_features), grad_sync=M.group_size(base.group))
+        spec_a = ShardSpec((self.r, base.in_features), grad_sync=group_size(base.group))
         return spec_a, dataclasses.replace(spec_w, full_shape=(base.out_features, self.r))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         if self.merged:
             return base(x)
-        x_in = M.gather_from_sequence(x, base.group) if base.sequence_parallel else M.copy_to_tp(x, base.group)
-        y = F.linear(x_in, base.weight, base.bias)
+        x_in = base.parallel_input(x)
+        y = base.local_output(x_in)
         lora_x = x_in if self._autocast_keeps(x_in) else x_in.to(self.lora_A.weight.dtype)
-        y = (y + self._lora(self.lora_dropout(lora_x))).to(y.dtype)
-        return M.gather_from_tp(y, base.group) if base.gather_output else y
+        return base.finish((y + self._lora(self.lora_dropout(lora_x))).to(y.dtype))
 
 
 class RowParallelLoraLinear(_ShardedLoraLinear):
@@ -152,11 +158,13 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
     input, its ``r``-wide output reduced over TP, then ``lora_B [out, r]`` replicated, added after
     the base's reduction. Input and output as the base's. See the module docstring."""
 
+    base_layer: RowParallelLinear
+
     def _factor_specs(self) -> tuple[ShardSpec, ShardSpec]:
         base = self.base_layer
         spec_w = base.shard_specs["weight"]
         spec_a = dataclasses.replace(spec_w, full_shape=(self.r, base.in_features))
-        grad_sync = M.group_size(base.group) if base.sequence_parallel else 1
+        grad_sync = group_size(base.group) if base.sequence_parallel else 1
         return spec_a, ShardSpec((base.out_features, self.r), grad_sync=grad_sync)
 
     def _drop_local(self, x_l: torch.Tensor) -> torch.Tensor:
@@ -174,14 +182,10 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
         base = self.base_layer
         if self.merged:
             return base(x)
-        g = base.group
-        x_l = x if base.input_is_parallel else M.scatter_to_tp(x, g)
-        reduce = M.reduce_scatter_to_sequence if base.sequence_parallel else M.reduce_from_tp_  # fresh outputs
-        y = reduce(F.linear(x_l, base.weight), g)
-        if base.bias is not None:
-            y = y + base.bias
+        x_l = base.parallel_input(x)
+        y = base.add_bias(base.reduce(base.local_partial(x_l)))
         lora_x = x_l if self._autocast_keeps(x_l) else x_l.to(self.lora_A.weight.dtype)
-        h = reduce(self.lora_A(self._drop_local(lora_x)), g)
+        h = base.reduce(self.lora_A(self._drop_local(lora_x)))
         return (y + self.lora_B(h) * self.scaling).to(y.dtype)
 
 

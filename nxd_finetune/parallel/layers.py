@@ -263,13 +263,23 @@ class ColumnParallelLinear(_ParallelLinearBase):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = M.gather_from_sequence(x, self.group)
-        else:
-            x = M.copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+    # The forward in three steps, so a layer wrapping this one (sharded LoRA) reuses its collectives.
+
+    def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input every TP rank multiplies: gathered from the sequence shards under sequence
+        parallel, else ``x`` (``copy_to_tp``: identity forward, gradient all-reduced backward)."""
+        return M.gather_from_sequence(x, self.group) if self.sequence_parallel else M.copy_to_tp(x, self.group)
+
+    def local_output(self, x_in: torch.Tensor) -> torch.Tensor:
+        """This rank's output shard ``[*, out/p]`` of the prepared input."""
+        return F.linear(x_in, self.weight, self.bias)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the local shard: gathered with ``gather_output``, else as is."""
         return M.gather_from_tp(y, self.group) if self.gather_output else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.local_output(self.parallel_input(x)))
 
 
 class RowParallelLinear(_ParallelLinearBase):
@@ -314,15 +324,29 @@ class RowParallelLinear(_ParallelLinearBase):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = M.scatter_to_tp(x, self.group)
-        y = F.linear(x, self.weight)
+    # The forward in three steps, so a layer wrapping this one (sharded LoRA) reuses its collectives.
+
+    def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's input slice ``[*, in/tp]``: ``x`` with ``input_is_parallel``, else split here."""
+        return x if self.input_is_parallel else M.scatter_to_tp(x, self.group)
+
+    def local_partial(self, x_l: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``x_l W_l^T`` (a fresh tensor, for :meth:`reduce`)."""
+        return F.linear(x_l, self.weight)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial products: all-reduce, or reduce-scatter on the sequence dim under
+        sequence parallel. ``partial`` must be a fresh tensor (summed in place)."""
         if self.sequence_parallel:
-            y = M.reduce_scatter_to_sequence(y, self.group)
-        else:
-            y = M.reduce_from_tp_(y, self.group)  # y: the matmul's own output
+            return M.reduce_scatter_to_sequence(partial, self.group)
+        return M.reduce_from_tp_(partial, self.group)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """The bias, once, after the reduction."""
         return y + self.bias if self.bias is not None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_bias(self.reduce(self.local_partial(self.parallel_input(x))))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -24,7 +24,6 @@ and the recipe reach it through :class:`ModelHooks`. Callers: ``sft.engine.build
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -32,8 +31,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
+from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.recompute import checkpointed
@@ -89,9 +88,11 @@ class ParallelizeSpec:
     activation_checkpointing: CheckpointSpec = None
     loss_chunk_rows: int | None = None
     """At ``pp > 1`` without sequence parallel: the last stage returns its final hidden states and
-    the default loss runs the output layer and the cross entropy this many target positions at a
-    time (:func:`loss.chunked_step_loss`), so no ``[tokens, vocab]`` logits are held; None: the
-    last stage returns logits."""
+    the objective's scores run the output layer this many target positions at a time
+    (:class:`loss.ChunkedScores`), so no ``[tokens, vocab]`` logits are held; None: the last stage
+    returns logits."""
+    objective: Objective = SFT
+    """What the pipeline's last stage computes (:mod:`nxd_finetune.objective`)."""
 
 
 @dataclasses.dataclass
@@ -201,8 +202,8 @@ def parallelize_model(
 
     Collective when a process group is initialised (every rank calls it; the pipeline runner makes
     the tied-embedding groups). ``loss_fn(logits, labels, n_targets)`` / ``stats_fn(logits,
-    targets)``: the pipeline's last-stage loss and eval statistics (defaults: :func:`loss.step_loss`
-    and :func:`loss.eval_stats` over this rank's vocabulary shard). Raises NxdError for a model
+    targets)``: a custom pipeline last-stage loss and eval statistics in place of
+    ``spec.objective``'s (over this rank's vocabulary shard). Raises NxdError for a model
     without a TP plan, a meta model with no weight source, a pipeline layout the model or schedule
     cannot take."""
     hooks = hooks or ModelHooks()
@@ -226,13 +227,9 @@ def parallelize_model(
         m.to(device)
     if state.pp_size == 1:
         return RankModel(modules, state)
-    tp_group = state.tp_group if state.tp_size > 1 else None
-    chunk_rows = None if spec.sequence_parallel or loss_fn is not None or stats_fn is not None \
-        else spec.loss_chunk_rows
+    chunk_rows = None if spec.sequence_parallel else spec.loss_chunk_rows
     runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.pp_size,
-                            loss_fn=loss_fn or functools.partial(L.step_loss, tp_group=tp_group),
-                            stats_fn=stats_fn or functools.partial(L.eval_stats, tp_group=tp_group),
-                            loss_chunk_rows=chunk_rows)
+                            loss_fn=loss_fn, stats_fn=stats_fn, loss_chunk_rows=chunk_rows, objective=spec.objective)
     if weights.checkpoint is None:
         runner.sync_tied_weights()  # param_init_fn drew the tied copies independently
     return RankModel(modules, state, runner)

@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -61,16 +60,9 @@ from torch.distributed.pipelining import (
 )
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.loss import (
-    IGNORE_INDEX,
-    chunked_hidden_stats,
-    chunked_step_loss,
-    count_targets,
-    eval_stats,
-    shift_labels,
-    step_loss,
-)
+from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
 from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
@@ -202,12 +194,12 @@ class PipelineRunner:
 
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
-    (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). ``loss_fn(logits, labels,
-    n_targets)``, default :func:`nxd_finetune.loss.step_loss`. ``loss_chunk_rows``: the last stage
-    returns hidden states and its output layer runs inside the loss, this many target positions at a
-    time (replacing ``loss_fn`` / ``stats_fn`` there). ``stats_fn(logits, targets)`` -> ``[loss
-    sum, correct, targets]`` for :meth:`eval_step`, default full-vocabulary logits (tensor-parallel
-    stages pass one that knows the vocab shards). Construction is collective over the
+    (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). The last stage's loss and eval
+    statistics are the ``objective``'s (:mod:`nxd_finetune.objective`; default supervised cross
+    entropy) over this rank's vocabulary shard; ``loss_fn(logits, labels, n_targets)`` /
+    ``stats_fn(logits, targets)`` replace them (the NxD-style API's custom loss).
+    ``loss_chunk_rows``: the last stage returns hidden states and its output layer runs inside the
+    objective's scores, this many target positions at a time. Construction is collective over the
     world when the model has tied embeddings (it creates the [first, last] stage groups).
     Stage buffers are sized from the first micro-batch of a shape; a new shape builds (and
     caches) a new schedule, which costs one extra metadata forward/backward.
@@ -216,7 +208,7 @@ class PipelineRunner:
     def __init__(self, stage_modules: Sequence[nn.Module], state: ParallelState, schedule: str = "1f1b",
                  n_microbatches: int = 1, loss_fn: LossFn | None = None,
                  stats_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 loss_chunk_rows: int | None = None) -> None:
+                 loss_chunk_rows: int | None = None, objective: Objective = SFT) -> None:
         if schedule not in SCHEDULES:
             raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
         if state.pp_size < 2:
@@ -235,10 +227,14 @@ class PipelineRunner:
         self.stage_modules = list(stage_modules)
         self.num_stages = state.pp_size * chunks
         self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
-        self.loss_fn = loss_fn or step_loss
-        self.stats_fn = stats_fn or eval_stats
-        if loss_chunk_rows is not None and state.is_last_stage:
+        self.objective = objective
+        self.stats_fn = stats_fn
+        self._tp_group = state.tp_group if state.tp_size > 1 else None
+        self._head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._rows = 0
+        if loss_chunk_rows is not None and state.is_last_stage and loss_fn is None and stats_fn is None:
             self._head_in_loss(loss_chunk_rows)
+        self.loss_fn: LossFn = loss_fn or self._objective_loss
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._stepped: weakref.WeakSet[Any] = weakref.WeakSet()  # schedules past their first (shape-inferring) step
@@ -247,16 +243,24 @@ class PipelineRunner:
     # ------------------------------------------------------------------ set-up
 
     def _head_in_loss(self, rows: int) -> None:
-        """The last stage returns its final hidden states; the loss and the eval statistics run its
-        output layer over the target positions, ``rows`` at a time (no ``[tokens, vocab]`` logits)."""
+        """The last stage returns its final hidden states; the objective's scores run its output
+        layer over the target positions, ``rows`` at a time (no ``[tokens, vocab]`` logits)."""
         last = self.stage_modules[-1]
         if not isinstance(last, DecoderForCausalLM) or last.lm_head is None:
             raise NxdError("a chunked pipeline loss needs the last stage of a DecoderForCausalLM")
         last.return_hidden = True
-        tp_group = self.state.tp_group if self.state.tp_size > 1 else None
-        # head: lm_head and the final soft-cap (Gemma 2)
-        self.loss_fn = functools.partial(chunked_step_loss, head=last.head, rows=rows, tp_group=tp_group)
-        self.stats_fn = functools.partial(chunked_hidden_stats, head=last.head, rows=rows, tp_group=tp_group)
+        self._head, self._rows = last.head, rows  # lm_head and the final soft-cap (Gemma 2)
+
+    def _scores(self, output: torch.Tensor, labels: torch.Tensor) -> Scores:
+        """The last stage's ``output`` (logits, or hidden states with the head in the loss) as the
+        objective reads it."""
+        if self._head is not None:
+            return hidden_scores(output, labels, head=self._head, rows=self._rows, tp_group=self._tp_group)
+        return LogitScores(output, shift_labels(labels), self._tp_group)
+
+    def _objective_loss(self, output: torch.Tensor, target: torch.Tensor, n_targets: Any) -> torch.Tensor:
+        obj = self.objective
+        return obj.loss_sum(self._scores(output, obj.labels(target)), target) / n_targets
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
@@ -306,7 +310,7 @@ class PipelineRunner:
             self._schedules[key] = schedule
         return self._schedules[key]
 
-    def _uniform(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    def _uniform(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The model inputs of ``micro_batches``, padded to one shape."""
         fields = ("input_ids", "labels", *SIDE_INPUTS)
         mbs = [{k: b[k] for k in fields if k in b} for b in micro_batches]
@@ -329,7 +333,7 @@ class PipelineRunner:
         dist.broadcast(out, src=self.state.pp_ranks[-1], group=self.state.pp_group)
         return out
 
-    def step(self, micro_batches: Sequence[dict[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
+    def step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
         """Forward and backward of one optimizer step's ``micro_batches`` (dicts of ``input_ids``,
         ``labels`` and optional ``position_ids``/``segment_ids``, each ``[B, T]``); every rank of the
         pipeline group passes the same micro-batches. Gradients accumulate into ``.grad``.
@@ -345,11 +349,11 @@ class PipelineRunner:
             raise NxdError(f"pipeline step got {len(micro_batches)} micro-batches, expected {self.n_microbatches}")
         mbs = self._uniform(micro_batches)
         if n_targets is None:
-            n_targets = count_targets([m["labels"] for m in mbs])
+            n_targets = torch.stack([self.objective.count(m) for m in mbs]).sum().clamp(min=1)
         schedule = self._schedule_for(tuple(mbs[0]["input_ids"].shape))
         args, kwargs = self._inputs(mbs)
         last = self.state.is_last_stage
-        target = torch.cat([m["labels"] for m in mbs]) if last else None
+        target = torch.cat([self.objective.target(m) for m in mbs]) if last else None
         losses: list[torch.Tensor] | None = [] if last else None
         # a new schedule's first step infers the gradients' shapes with torch.autograd.grad
         with recording_graph() if schedule not in self._stepped else contextlib.nullcontext():
@@ -361,16 +365,22 @@ class PipelineRunner:
         return loss
 
     @torch.no_grad()
-    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward only of one batch: ``[loss summed over targets, correct next-token predictions,
-        targets]`` (fp32), the same on every rank of the pipeline group (``sft.trainer.evaluate``
-        sums these over batches)."""
+    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only of one batch: the objective's eval statistics (supervised: ``[loss summed
+        over targets, correct next-token predictions, targets]``, fp32), the same on every rank of
+        the pipeline group (the trainer's eval sums these over batches)."""
         mb = self._uniform([batch])
         schedule = self._schedule_for(tuple(mb[0]["input_ids"].shape), train=False)
         args, kwargs = self._inputs(mb)
         logits = schedule.step(*args, **kwargs)
-        stats = self.stats_fn(logits, shift_labels(mb[0]["labels"])) if self.state.is_last_stage else None
-        return self._from_last(stats, (3,))
+        stats = None
+        if self.state.is_last_stage:
+            if self.stats_fn is not None:
+                stats = self.stats_fn(logits, shift_labels(mb[0]["labels"]))
+            else:
+                target = self.objective.target(mb[0])
+                stats = self.objective.eval_stats(self._scores(logits, self.objective.labels(target)), target)
+        return self._from_last(stats, (3,) if self.stats_fn is not None else (self.objective.eval_width,))
 
     @torch.no_grad()
     def sync_tied_weights(self) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.lora import LoraConfig
 from nxd_finetune.preflight.data import first_line
 
 if TYPE_CHECKING:
@@ -75,12 +76,11 @@ def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None)
     targets: list[str] = []
     if recipe.lora is not None:
         from nxd_finetune.lora import inject_lora
-        from nxd_finetune.sft.build import lora_config_from_recipe
 
         for p in model.parameters():
             p.requires_grad_(False)
         with torch.device("meta"):
-            targets = inject_lora(model, lora_config_from_recipe(recipe.lora))
+            targets = inject_lora(model, LoraConfig.from_section(recipe.lora))
     params = list(model.parameters())  # deduplicated, so tied embeddings count once
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), targets
 
@@ -92,11 +92,10 @@ def check_init_from_adapter(recipe: Recipe, config: Any, model_dir: Path) -> Non
     if recipe.lora is None or not recipe.lora.init_from:
         return
     from nxd_finetune.registry.fetch import fetch_adapter
-    from nxd_finetune.sft.build import lora_config_from_recipe
     from nxd_finetune.sft.init_from import check_init_from
 
     source = recipe.lora.init_from
     with fetch_adapter(source, "lora.init_from") as fetched:
-        check_init_from(fetched.path, lora_config_from_recipe(recipe.lora), source, config=config,
+        check_init_from(fetched.path, LoraConfig.from_section(recipe.lora), source, config=config,
                         model_dir=model_dir, revision=recipe.model.revision,
                         allow_other_base=recipe.lora.allow_other_base)

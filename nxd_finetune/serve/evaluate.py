@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import DataError, NxdError
 from nxd_finetune.serve.generate import ADAPTER_CONFIG
+from nxd_finetune.sft.setup import setup_rank
+from nxd_finetune.sft.trainer import evaluate, prepare_shared
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -62,9 +64,7 @@ def _recipe_for(recipe: Recipe, kind: str, path: Path) -> Recipe:
         from nxd_finetune.lora import LoraConfig
 
         cfg = LoraConfig.from_peft_dict(json.loads((path / ADAPTER_CONFIG).read_text()))
-        data["lora"] = {"rank": cfg.r, "alpha": cfg.lora_alpha, "dropout": 0.0, "bias": cfg.bias,
-                        "target_modules": cfg.target_modules, "use_rslora": cfg.use_rslora,
-                        "modules_to_save": list(cfg.modules_to_save), "init_from": str(path)}
+        data["lora"] = cfg.to_section(dropout=0.0, init_lora_weights="default", init_from=str(path))
     return recipe_from_dict(data, "eval recipe")
 
 
@@ -105,8 +105,6 @@ def _score(recipe: Recipe) -> dict[str, Any]:
         return eval_rank(recipe) or {}
     if recipe.parallel.nproc == 1:
         return eval_rank(recipe) or {}
-    from nxd_finetune.sft.trainer import prepare_shared
-
     prepare_shared(recipe)
     return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0]
 
@@ -118,40 +116,16 @@ def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def eval_rank(recipe: Recipe) -> dict[str, Any] | None:
-    """One process of the scoring (world size 1 included): the trainer's setup up to its first
-    eval, then that eval. Collective; returns the scores on global rank 0."""
-    import torch
-
-    from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
-    from nxd_finetune.parallel.state import ParallelDims, ParallelState
-    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-    from nxd_finetune.sft.engine import HostGroups, build_engine
-    from nxd_finetune.sft.loader import build_dataloaders
-    from nxd_finetune.sft.trainer import evaluate, pick_device, rank0_first
-    from nxd_finetune.xla import make_runtime
-
-    tcfg, par = recipe.training, recipe.parallel
-    device = pick_device(tcfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    backend = init_distributed(dist_backend_for(device.type))
-    runtime = make_runtime(device)
-    layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
-    host = HostGroups.for_state(layout)
-    if device.type == "cpu":
-        torch.set_flush_denormal(True)  # as the trainer: the same numbers
-    with rank0_first(backend.rank, host.world):
-        model_dir = resolve_model_dir(recipe.model.path)
-        tokenizer = load_tokenizer(recipe, model_dir)
-        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
-                                 dp_world=par.dp, seed=tcfg.seed,
-                                 fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
-    if data.eval is None:
+    """One process of the scoring (world size 1 included): the trainer's rank setup
+    (:func:`~nxd_finetune.sft.setup.setup_rank`), then its eval. Collective; returns the scores on
+    global rank 0."""
+    rr = setup_rank(recipe, write_recipe=False)
+    if rr.data.eval is None:
         raise DataError("the eval set is empty")
-    engine = build_engine(recipe, model_dir, device, 1, layout, host)
-    runtime.prepare(engine)
-    scores = evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime)
-    if not engine.is_logger:
+    scores = evaluate(rr.engine, iter(rr.data.eval), recipe.eval.max_batches, rr.runtime)
+    if not rr.engine.is_logger:
         return None
-    return {**scores, "eval_rows": data.stats.get("eval", {}).get("samples")} if scores else {}
+    return {**scores, "eval_rows": rr.data.stats.get("eval", {}).get("samples")} if scores else {}
 
 
 # ---------------------------------------------------------------- exact match

@@ -1,5 +1,6 @@
-"""A run's inputs from a recipe: the model directory, the tokenizer, the LoRA config (the model and
-optimizer are assembled by :func:`nxd_finetune.sft.engine.build_engine`)."""
+"""A run's inputs from a recipe: the model directory and the tokenizer (the model and optimizer are
+assembled by :func:`nxd_finetune.sft.engine.build_engine`; the LoRA config is
+:meth:`nxd_finetune.lora.LoraConfig.from_section`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from nxd_finetune.errors import ModelLoadError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.lora import LoraConfig
-    from nxd_finetune.recipe import LoraSection, Recipe
+    from nxd_finetune.recipe import Recipe
 
 
 def resolve_model_dir(path: str) -> Path:
@@ -36,13 +36,3 @@ def load_tokenizer(recipe: Recipe, model_dir: Path) -> PreTrainedTokenizerBase:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def lora_config_from_recipe(lora: LoraSection) -> LoraConfig:
-    from nxd_finetune.lora import LoraConfig
-
-    return LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
-        target_modules=lora.target_modules, use_rslora=lora.use_rslora,
-        init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save),
-    )

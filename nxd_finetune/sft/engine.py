@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,10 @@ from torch import nn
 
 from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
+from nxd_finetune.lora import LoraConfig
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, resolve_dtype
+from nxd_finetune.objective import SFT, Objective, TokenBatch
+from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
@@ -51,10 +54,9 @@ from nxd_finetune.parallel.state import ParallelDims, ParallelState
 from nxd_finetune.sft.schedule import lr_factor
 
 if TYPE_CHECKING:
-    from nxd_finetune.lora import LoraConfig
     from nxd_finetune.recipe import ParallelSection, Recipe, TrainingSection
 
-Batch = dict[str, torch.Tensor]
+Batch = TokenBatch
 Head = Callable[[torch.Tensor], torch.Tensor]  # the output layer as a loss runs it: DecoderForCausalLM.head
 
 
@@ -91,6 +93,7 @@ class Engine:
     sequence_parallel: bool = False
     full_logits: bool = False
     loss_chunk_rows: int | None = None
+    objective: Objective = SFT
 
     # ------------------------------------------------------------------ layout facts
 
@@ -147,15 +150,20 @@ class Engine:
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), logits_index=index)
         return logits, targets
 
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Summed cross entropy of a micro-batch's targets on the whole model. With
-        :attr:`loss_chunk_rows` (and not :attr:`full_logits`) the output layer and the loss run a
-        chunk of target positions at a time (:func:`loss.chunked_ce_sum`): no ``[targets, vocab]``
-        logits are ever held."""
+    def scores(self, batch: Batch) -> L.Scores:
+        """A micro-batch's model output on the whole model as the objective reads it: logits at the
+        target positions (or every position with :attr:`full_logits`), or with
+        :attr:`loss_chunk_rows` the final hidden states there, the output layer running a chunk
+        of positions at a time (:class:`loss.ChunkedScores`: no ``[targets, vocab]`` logits)."""
         if self.full_logits or self.loss_chunk_rows is None:
-            return L.ce_sum(*self.logits_and_targets(batch), self.tp_group)
+            return L.LogitScores(*self.logits_and_targets(batch), self.tp_group)
         hidden, head, targets = self._hidden_and_targets(batch)
-        return L.chunked_ce_sum(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+        return L.ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """The objective's summed loss of a micro-batch on the whole model."""
+        target = self.objective.target(batch)
+        return self.objective.loss_sum(self.scores(batch), target)
 
     def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, Head, torch.Tensor]:
         """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
@@ -165,17 +173,24 @@ class Engine:
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
         return hidden, model.head, targets  # lm_head and the final soft-cap (Gemma 2)
 
-    def forward_backward(self, micro_batches: list[Batch], n_targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Sequence[Batch], n_targets: torch.Tensor,
+                         backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Forward + backward of one optimizer step's micro-batches (on the device); gradients
-        accumulate. Returns this dp rank's share of the step loss (detached; the same on every
-        TP and PP rank of it): summing it over dp gives the step's token-mean loss."""
+        accumulate. ``n_targets``: the objective's units of the whole step (all micro-batches and
+        dp ranks). ``backward(loss)``: how a micro-batch loss is backpropagated (default
+        ``loss.backward()``; Lightning's ``manual_backward``); the pipeline schedule runs its own.
+        Returns this dp rank's share of the step loss (detached; the same on every TP and PP rank
+        of it): summing it over dp gives the step's mean loss."""
         with autocast(self.device, self.precision):
             if self.runner is not None:
                 return self.runner.step(micro_batches, n_targets)
             total = torch.zeros((), device=self.device)
             for batch in micro_batches:
                 loss = self.loss_sum(batch) / n_targets
-                loss.backward()
+                if backward is None:
+                    loss.backward()
+                else:
+                    backward(loss)
                 total += loss.detach()
                 del loss  # its graph's nodes, kept by it, would stay through the next forward
             return total
@@ -190,23 +205,16 @@ class Engine:
 
     @torch.no_grad()
     def eval_stats(self, batch: Batch) -> torch.Tensor:
-        """``[loss sum, correct, targets]`` of one eval batch on this dp rank (sum over batches and
-        dp ranks, then divide)."""
+        """The objective's eval statistics of one batch on this dp rank (supervised: ``[loss sum,
+        correct, targets]``; summed over batches and dp ranks, then :meth:`Objective.eval_record`)."""
         with autocast(self.device, self.precision):
             if self.runner is not None:
                 return self.runner.eval_step(batch)
-            if self.full_logits or self.loss_chunk_rows is None:
-                return L.eval_stats(*self.logits_and_targets(batch), self.tp_group)
-            hidden, head, targets = self._hidden_and_targets(batch)
-            return L.chunked_eval_stats(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+            return self.objective.eval_stats(self.scores(batch), self.objective.target(batch))
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1)."""
-        if self.state.dp_size == 1:
-            return t
-        out = t.detach().clone()
-        dist.all_reduce(out, group=self.state.dp_group)
-        return out
+        return dp_sum(t, self.state)
 
 
 # ---------------------------------------------------------------------- building
@@ -280,7 +288,8 @@ def _optimizer(rank_model: RankModel, t: TrainingSection, zero1: bool,
 
 
 def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_steps: int,
-                 state: ParallelState | None = None, host: HostGroups | None = None) -> Engine:
+                 state: ParallelState | None = None, host: HostGroups | None = None,
+                 objective: Objective = SFT) -> Engine:
     """This rank's :class:`Engine` (see the module docstring). Collective when a process group is
     initialised: every rank calls it with the same recipe. ``state`` / ``host``: the layout's
     groups when the caller has made them already (the trainer needs them before the engine), else
@@ -302,16 +311,16 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     lineage: list[str | None] = [None]
     hooks = None
     if recipe.lora is not None:
-        from nxd_finetune.sft.build import lora_config_from_recipe
-
-        lora_cfg = lora_config_from_recipe(recipe.lora)
+        lora_cfg = LoraConfig.from_section(recipe.lora)
         hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
     rows = L.chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
-                           activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows)
+                           activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows,
+                           objective=objective)
     rank_model = parallelize_model(build_model(config), state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, host, lora_cfg, targets,
-                  lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows)
+                  lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows,
+                  objective=objective)

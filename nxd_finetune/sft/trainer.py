@@ -15,10 +15,7 @@ the data-parallel reduction is therefore a sum.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import math
 import os
 import time
 import warnings
@@ -29,10 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.errors import NxdError, NxdWarning
-from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
+from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.metrics import MetricsWriter, Progress
+from nxd_finetune.sft.setup import setup_rank
+from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 
 if TYPE_CHECKING:
@@ -42,22 +42,6 @@ if TYPE_CHECKING:
     from nxd_finetune.sft.engine import Engine
     from nxd_finetune.sft.loader import TrainLoader
     from nxd_finetune.xla import StepRuntime
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Counters that a checkpoint must carry to resume exactly."""
-
-    step: int = 0
-    tokens: int = 0  # target (loss-bearing) tokens consumed, all dp ranks
-    input_tokens: int = 0  # non-padding tokens consumed, all dp ranks
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> xla where torch_neuronx imports, else cuda when available, else cpu."""
-    from nxd_finetune.parallel.launch import device_backend
-
-    return device_backend(name, local_rank).device
 
 
 def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets: torch.Tensor,
@@ -76,11 +60,12 @@ def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets
 
 def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
              runtime: StepRuntime | None = None) -> dict[str, float]:
-    """Token-mean eval loss, perplexity and next-token accuracy over target tokens of every dp
-    rank's eval share. Collective (every rank calls it; eval loaders give each rank as many batches).
+    """The objective's eval record over every dp rank's eval share (supervised: token-mean eval
+    loss, perplexity and next-token accuracy over target tokens). Collective (every rank calls
+    it; eval loaders give each rank as many batches).
     One host read at the end; on XLA one graph per batch (``runtime.sync()``)."""
     engine.train(False)
-    stats = torch.zeros(3, device=engine.device)
+    stats = torch.zeros(engine.objective.eval_width, device=engine.device)
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
@@ -88,11 +73,7 @@ def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_bat
         if runtime is not None:
             runtime.sync()
     engine.train(True)
-    loss_sum, correct, n = engine.dp_sum(stats).tolist()
-    if n == 0:
-        return {}
-    loss = loss_sum / n
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
+    return engine.objective.eval_record(engine.dp_sum(stats).tolist())
 
 
 def train(
@@ -148,16 +129,11 @@ def train(
         while state.step < total_steps:
             micro_batches, n_input = next(steps)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
-            n_local = torch.stack([(shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in micro_batches]).sum()
-            counts = engine.dp_sum(torch.stack([n_local.to(torch.int64), torch.tensor(n_input, dtype=torch.int64,
-                                                                                     device=engine.device)]))
-            n_targets = counts[0].clamp(min=1).to(torch.float32)
-            loss = engine.forward_backward(micro_batches, n_targets)
-            grad_norm = engine.step()
+            result = train_step(engine, micro_batches, n_input)
             state.step += 1
-            values: dict[str, Any] = {"counts": counts}
+            values: dict[str, Any] = {"counts": result.counts}
             if state.step % log_every == 0 or state.step == total_steps:
-                values.update(loss=engine.dp_sum(loss), grad_norm=grad_norm)
+                values.update(loss=engine.dp_sum(result.loss), grad_norm=result.grad_norm)
             runtime.on_host(functools.partial(on_values, state.step, float(engine.scheduler.get_last_lr()[0])), values)
             runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
@@ -284,59 +260,15 @@ def prepare_shared(recipe: Recipe) -> None:
     prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
 
 
-@contextlib.contextmanager
-def rank0_first(rank: int, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Rank 0 runs the block first (filling caches), the others after it. ``group``: the world's
-    host group (gloo; the xla backend's own barrier returns at once)."""
-    initialised = dist.is_available() and dist.is_initialized()
-    if initialised and rank != 0:
-        dist.barrier(group=group)
-    yield
-    if initialised and rank == 0:
-        dist.barrier(group=group)
-
-
 def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
-    from nxd_finetune.neuron import apply_neuron_env
-    from nxd_finetune.parallel.launch import dist_backend_for, init_distributed
-    from nxd_finetune.parallel.state import ParallelDims, ParallelState
-    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-    from nxd_finetune.sft.engine import HostGroups, build_engine
-    from nxd_finetune.sft.loader import build_dataloaders
-    from nxd_finetune.xla import make_runtime
-
     t0 = time.perf_counter()
-    tcfg, par = recipe.training, recipe.parallel
-    apply_neuron_env(recipe)  # Trainium only; before the first XLA tensor
-    device = pick_device(tcfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    backend = init_distributed(dist_backend_for(device.type))
-    runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
-    rank = backend.rank
-    layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
-    host = HostGroups.for_state(layout)  # collectives on CPU tensors and objects (gloo)
+    par = recipe.parallel
+    rr = setup_rank(recipe)
+    engine, runtime, host, device, rank = rr.engine, rr.runtime, rr.host, rr.device, rr.rank
+    model_dir, tokenizer, data, grad_accum, total_steps = rr.model_dir, rr.tokenizer, rr.data, rr.grad_accum, \
+        rr.total_steps
     out_dir = Path(recipe.output.dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
-    if device.type == "cpu":
-        # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
-        # ~100x slower; flushing them to zero changes no result at the loss's precision.
-        torch.set_flush_denormal(True)
-        _share_cores()
-    with rank0_first(rank, host.world):
-        model_dir = resolve_model_dir(recipe.model.path)
-        tokenizer = load_tokenizer(recipe, model_dir)
-        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
-                                 dp_world=par.dp, seed=tcfg.seed,
-                                 fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
-    grad_accum = recipe.grad_accum_steps
-    if tcfg.max_steps:
-        total_steps = tcfg.max_steps
-    else:
-        total_steps = max(1, math.ceil((tcfg.epochs or 1.0) * data.train.batches_per_epoch / grad_accum))
-    engine = build_engine(recipe, model_dir, device, total_steps, layout, host)
-    runtime.prepare(engine)
 
     # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
     from nxd_finetune.serve.samples import EvalSamples
@@ -422,16 +354,6 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
-
-
-def _share_cores() -> None:
-    """Split this machine's cores between the processes of the run on it (as ``torchrun`` does
-    with ``OMP_NUM_THREADS``), unless the user set ``OMP_NUM_THREADS``: 2 ranks each running
-    torch's default of every core oversubscribe the CPU (slower, and more malloc arenas)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // local))
 
 
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:

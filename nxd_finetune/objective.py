@@ -1,0 +1,90 @@
+"""The objective: what the training step computes on one micro-batch, in one place for every path.
+
+The step (``sft/step.py``), the engine's whole-model path (``sft/engine.py``) and the pipeline's
+last stage (``parallel/pipeline.py``) all ask the run's :class:`Objective` for the micro-batch's
+loss and eval statistics; none of them knows which objective it is. The model output reaches the
+objective as :class:`~nxd_finetune.loss.Scores` (vocab-parallel and chunked as the layout needs,
+never a ``[tokens, vocab]`` tensor the objective must handle).
+
+An objective defines:
+
+- ``target(batch)``: the tensor (batch dimension first) that travels with a micro-batch to the
+  pipeline's last stage, and ``labels(target)``: its ``[B, T]`` token labels (-100: no loss);
+- ``count(batch)``: the micro-batch's normalisation units (int64 scalar); the step sums them over
+  its micro-batches and the data-parallel ranks, and each micro-batch's ``loss_sum`` is divided by
+  that total, so the step's gradient is the mean over the global batch however it is split;
+- ``loss_sum(scores, target)``: the micro-batch's loss, summed over its units;
+- ``eval_stats(scores, target)``: a fixed-length vector summed over eval batches and dp ranks, and
+  ``eval_record(stats)``: the logged eval record from that sum.
+
+:class:`CrossEntropy` (supervised fine-tuning: token-mean cross entropy of the target tokens) is
+the first objective. A second one (preference tuning, with its own batch fields and metrics) is
+another class with these methods; the loop, the pipeline schedule, the checkpoint and the
+exporter stay as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
+
+TokenBatch = Mapping[str, torch.Tensor]
+"""A micro-batch: ``input_ids``, ``labels`` (``[B, T]``; -100 where no loss) and optional
+``position_ids`` / ``segment_ids`` (packed rows); an objective may require more fields."""
+
+
+class Objective(Protocol):
+    """What the step computes on a micro-batch (see the module docstring)."""
+
+    name: str
+    eval_width: int  # length of the eval_stats vector
+
+    def target(self, batch: TokenBatch) -> torch.Tensor: ...
+
+    def labels(self, target: torch.Tensor) -> torch.Tensor: ...
+
+    def count(self, batch: TokenBatch) -> torch.Tensor: ...
+
+    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor: ...
+
+    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor: ...
+
+    def eval_record(self, stats: Sequence[float]) -> dict[str, float]: ...
+
+
+class CrossEntropy:
+    """Supervised fine-tuning: cross entropy of the target tokens, token-mean over the step."""
+
+    name = "sft"
+    eval_width = 3
+
+    def target(self, batch: TokenBatch) -> torch.Tensor:
+        return batch["labels"]
+
+    def labels(self, target: torch.Tensor) -> torch.Tensor:
+        return target
+
+    def count(self, batch: TokenBatch) -> torch.Tensor:
+        return (shift_labels(batch["labels"]) != IGNORE_INDEX).sum().to(torch.int64)
+
+    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+        return scores.ce_sum()
+
+    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+        """``[loss sum, correct next-token predictions, targets]``."""
+        return scores.eval_stats()
+
+    def eval_record(self, stats: Sequence[float]) -> dict[str, float]:
+        loss_sum, correct, n = stats
+        if n == 0:
+            return {}
+        loss = loss_sum / n
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
+
+
+SFT = CrossEntropy()

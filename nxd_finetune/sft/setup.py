@@ -1,0 +1,130 @@
+"""One rank's setup from a recipe, the same for ``run``, ``eval`` and the Lightning module.
+
+:func:`setup_rank` builds, in order: the device and the process groups (or takes the caller's:
+Lightning's strategy makes its own), the device runtime hooks (:mod:`nxd_finetune.xla`), the
+model directory and tokenizer, this data-parallel rank's loaders, the step count, and the
+:class:`~nxd_finetune.sft.engine.Engine` (model, optimizer, schedule, objective). It returns them
+as one :class:`RankRun`. Rank 0 fills the caches (model, tokenized data) before the others read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from nxd_finetune.neuron import apply_neuron_env
+from nxd_finetune.objective import SFT, Objective
+from nxd_finetune.parallel.host import HostGroups
+from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
+from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
+from nxd_finetune.sft.engine import Engine, build_engine
+from nxd_finetune.sft.loader import DataLoaders, build_dataloaders
+from nxd_finetune.xla import StepRuntime, make_runtime
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.recipe import Recipe
+
+
+@dataclasses.dataclass
+class RankRun:
+    """Everything one process of a run holds (see the module docstring)."""
+
+    recipe: Recipe
+    device: torch.device
+    layout: ParallelState
+    host: HostGroups
+    runtime: StepRuntime
+    model_dir: Path
+    tokenizer: PreTrainedTokenizerBase
+    data: DataLoaders
+    grad_accum: int
+    total_steps: int
+    engine: Engine
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> xla where torch_neuronx imports, else cuda when available, else cpu."""
+    return device_backend(name, local_rank).device
+
+
+@contextlib.contextmanager
+def rank0_first(rank: int, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Rank 0 runs the block first (filling caches), the others after it. ``group``: the world's
+    host group (gloo; the xla backend's own barrier returns at once)."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if initialised and rank != 0:
+        dist.barrier(group=group)
+    yield
+    if initialised and rank == 0:
+        dist.barrier(group=group)
+
+
+def share_cores() -> None:
+    """Split this machine's cores between the processes of the run on it (as ``torchrun`` does
+    with ``OMP_NUM_THREADS``), unless the user set ``OMP_NUM_THREADS``: 2 ranks each running
+    torch's default of every core oversubscribe the CPU (slower, and more malloc arenas)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local))
+
+
+def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
+    """``training.max_steps``, or the optimizer steps of ``training.epochs`` epochs."""
+    t = recipe.training
+    if t.max_steps:
+        return t.max_steps
+    return max(1, math.ceil((t.epochs or 1.0) * batches_per_epoch / recipe.grad_accum_steps))
+
+
+def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
+               host: HostGroups | None = None, objective: Objective = SFT, write_recipe: bool = True) -> RankRun:
+    """This process's :class:`RankRun`. Without ``device`` / ``layout`` / ``host`` the Neuron
+    environment is applied, the device picked (``training.device``) and the process group
+    initialised from the launcher's environment (world size 1 included). ``write_recipe``: rank 0
+    writes ``<output.dir>/recipe.yaml``. Collective."""
+    par = recipe.parallel
+    if device is None:
+        apply_neuron_env(recipe)  # Trainium only; before the first XLA tensor
+        device = pick_device(recipe.training.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if layout is None:
+        backend = init_distributed(dist_backend_for(device.type))
+        layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
+    host = host if host is not None else HostGroups.for_state(layout)  # collectives on CPU tensors (gloo)
+    runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
+    if write_recipe and layout.rank == 0:
+        out_dir = Path(recipe.output.dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
+    if device.type == "cpu":
+        # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
+        # ~100x slower; flushing them to zero changes no result at the loss's precision.
+        torch.set_flush_denormal(True)
+        share_cores()
+    tcfg = recipe.training
+    with rank0_first(layout.rank, host.world):
+        model_dir = resolve_model_dir(recipe.model.path)
+        tokenizer = load_tokenizer(recipe, model_dir)
+        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
+                                 dp_world=par.dp, seed=tcfg.seed,
+                                 fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
+    total_steps = total_steps_of(recipe, data.train.batches_per_epoch)
+    engine = build_engine(recipe, model_dir, device, total_steps, layout, host, objective)
+    runtime.prepare(engine)
+    return RankRun(recipe, device, layout, host, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
+                   total_steps, engine)
