@@ -47,9 +47,9 @@ def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path
     """Tokenize once (fills the data cache the ``ours`` workers read) and write HF's optimizer
     steps: the padded micro-batches our loader yields with packing off (same samples, same order).
     Returns the batches file and the sample lengths (for the FLOP count)."""
+    from nxd_finetune.data.inputs import load_tokenizer
+    from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.recipe import recipe_from_dict
-    from nxd_finetune.sft.build import load_tokenizer
-    from nxd_finetune.sft.loader import build_dataloaders
 
     recipe = recipe_from_dict(recipe_dict(shape, False, PADDED_MBS, GRAD_ACCUM, max_samples))
     tok = load_tokenizer(recipe, Path(recipe.model.path))

@@ -100,11 +100,11 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     """One rank: the trainer's engine and data, ``steps`` optimizer steps, then its numbers."""
     import torch
 
+    from nxd_finetune.data.inputs import load_tokenizer
+    from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.parallel.launch import init_distributed
     from nxd_finetune.recipe import recipe_from_dict
-    from nxd_finetune.sft.build import load_tokenizer
     from nxd_finetune.sft.engine import build_engine
-    from nxd_finetune.sft.loader import build_dataloaders
     from nxd_finetune.sft.trainer import step_batches
 
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ with the number of samples beyond the tokenized arrays.
 The set is generated here (fixed seed; under ``bench/.cache/``, not committed): multi-turn
 conversations (a quarter two turns, 30% with a system message) of 20-600 words drawn from the
 quickstart corpus's sentences, log-uniform lengths. The tokenizer is the quickstart's BPE with its
-chat template (built locally). Each measurement runs :func:`nxd_finetune.sft.data.tokenize_rows` in
+chat template (built locally). Each measurement runs :func:`nxd_finetune.data.datasets.tokenize_rows` in
 a fresh process on rows loaded with ``datasets`` (memory-mapped Arrow), and reports the main
 process's peak resident memory (``VmHWM``), the workers' (``RUSAGE_CHILDREN``: the largest one)
 and the bytes of the resulting arrays. Results: ``bench/results/tokenize.{json,md}``.
@@ -78,8 +78,8 @@ def measure(path: str, rows: int, num_proc: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
+    from nxd_finetune.data.datasets import DataSpec, load_rows, tokenize_rows
     from nxd_finetune.quickstart import ensure_tiny_model
-    from nxd_finetune.sft.data import DataSpec, load_rows, tokenize_rows
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
     data = load_rows(path)

@@ -22,9 +22,9 @@ from bench.common import LORA, SEED, ensure_model, recipe_dict  # noqa: E402
 
 
 def batch_for(shape: str, packing: bool, mbs: int, index: int) -> dict[str, torch.Tensor]:
+    from nxd_finetune.data.inputs import load_tokenizer
+    from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.recipe import recipe_from_dict
-    from nxd_finetune.sft.build import load_tokenizer
-    from nxd_finetune.sft.loader import build_dataloaders
 
     recipe = recipe_from_dict(recipe_dict(shape, packing, mbs, 1, None))
     tok = load_tokenizer(recipe, Path(recipe.model.path))

@@ -77,11 +77,11 @@ def _timing(clock: StepClock) -> dict[str, Any]:
 def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from nxd_finetune.data.inputs import load_tokenizer
+    from nxd_finetune.data.loader import build_dataloaders
+    from nxd_finetune.metrics import MetricsWriter
     from nxd_finetune.recipe import recipe_from_dict
-    from nxd_finetune.sft.build import load_tokenizer
     from nxd_finetune.sft.engine import build_engine
-    from nxd_finetune.sft.loader import build_dataloaders
-    from nxd_finetune.sft.metrics import MetricsWriter
     from nxd_finetune.sft.trainer import TrainState, step_batches, train
 
     rss_imports = _rss_mb()

@@ -172,10 +172,10 @@ def merge(
     Streams tensor by tensor (peak memory about one shard plus the adapter). Exit code 2 with one
     line when the adapter does not fit the base or was trained on another base.
     """
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.lora.merge import merge_adapter, parse_size
     from nxd_finetune.models import resolve_dtype
     from nxd_finetune.registry.fetch import fetch_adapter
-    from nxd_finetune.sft.build import resolve_model_dir
 
     shard_bytes = parse_size(max_shard_size)
     if dtype is not None:

@@ -176,7 +176,7 @@ def _answer_positions(tokenizer, messages: list[dict], chat_template: str | None
 
     The answer is the content of the last (assistant) message, without the end-of-turn tokens.
     """
-    from nxd_finetune.sft.formats import render_chat
+    from nxd_finetune.data.formats import render_chat
 
     prompt = render_chat(tokenizer, messages[:-1], chat_template, add_generation_prompt=True)
     answer = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]

@@ -1,6 +1,6 @@
 """Experiment trackers: MLflow (``logging.mlflow``) and Weights & Biases (``logging.wandb``).
 
-The run's :class:`~nxd_finetune.sft.metrics.MetricsWriter` (global rank 0 only) hands every logged
+The run's :class:`~nxd_finetune.metrics.MetricsWriter` (global rank 0 only) hands every logged
 record to the trackers opened here: numbers as metrics at their optimizer step, the
 ``eval.prompts`` generations as a text table. A tracker run gets the resolved recipe as its
 parameters / config when it starts, and the final artefact when the run ends (the output

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter
 from nxd_finetune.models import load_pretrained
-from nxd_finetune.sft.build import resolve_model_dir
 
 
 def small_adapter(out: Path) -> Path:

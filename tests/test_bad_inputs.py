@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from nxd_finetune.cli import main
-from nxd_finetune.sft.build import resolve_model_dir
+from nxd_finetune.data.inputs import resolve_model_dir
 from tests.adapter_helpers import small_adapter
 
 ROOT = Path(__file__).resolve().parents[1]

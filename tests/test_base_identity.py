@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from nxd_finetune.cli import main
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import NxdWarning
 from nxd_finetune.lora.identity import (
     BASE_CONFIG_KEY,
@@ -30,7 +31,6 @@ from nxd_finetune.lora.identity import (
 from nxd_finetune.models import DecoderConfig
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.build import resolve_model_dir
 from nxd_finetune.sft.engine import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]

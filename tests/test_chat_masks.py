@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from nxd_finetune.data.formats import render_row, resolve_columns, tokenize_rendered
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.quickstart import CHAT_TEMPLATE as QUICKSTART_TEMPLATE
-from nxd_finetune.sft.formats import render_row, resolve_columns, tokenize_rendered
 
 SPECIALS = ["<|pad|>", "<s>", "</s>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
             "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "[INST]", "[/INST]",

@@ -25,8 +25,8 @@ from cli_run import QUICKSTART, RUN, STEPS, curve, env, finish, records, resumed
 
 from nxd_finetune.checkpoint import format as F
 from nxd_finetune.checkpoint.training import StopSignals, rng_state, set_rng_state
+from nxd_finetune.metrics import purge_tensorboard, truncate_metrics
 from nxd_finetune.sft.curve import read_series, write_loss_curve
-from nxd_finetune.sft.metrics import purge_tensorboard, truncate_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread_and_tmpdir")
 
@@ -213,9 +213,9 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
     from checkpoint_helpers import make_run, train, trainable
 
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
+    from nxd_finetune.data.sampler import ResumableSampler
     from nxd_finetune.parallel import ParallelDims, ParallelState
     from nxd_finetune.recipe import load_recipe
-    from nxd_finetune.sft.sampler import ResumableSampler
     from nxd_finetune.sft.trainer import TrainState
 
     def pieces(resume: str | None):

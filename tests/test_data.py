@@ -8,15 +8,15 @@ import os
 import pytest
 import torch
 
+from nxd_finetune.data import datasets as data_mod
+from nxd_finetune.data import tokenize as tokenize_mod
+from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, load_rows, prepare_datasets, tokenize_rows
+from nxd_finetune.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from nxd_finetune.data.loader import build_dataloaders
+from nxd_finetune.data.packing import collate, make_rows, pack_bins
+from nxd_finetune.data.sampler import ResumableSampler
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
-from nxd_finetune.sft import data as data_mod
-from nxd_finetune.sft import tokenize as tokenize_mod
-from nxd_finetune.sft.data import DataSpec, TokenizedDataset, load_rows, prepare_datasets, tokenize_rows
-from nxd_finetune.sft.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
-from nxd_finetune.sft.loader import build_dataloaders
-from nxd_finetune.sft.packing import collate, make_rows, pack_bins
-from nxd_finetune.sft.sampler import ResumableSampler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -188,7 +188,7 @@ def test_missing_column_lists_available(bpe_tok):
 
 
 def test_chat_template_from_recipe_string_or_file(bpe_tok, tmp_path):
-    from nxd_finetune.sft.formats import load_chat_template
+    from nxd_finetune.data.formats import load_chat_template
 
     (tmp_path / "t.jinja").write_text(WORD_TEMPLATE)
     assert load_chat_template("t.jinja", tmp_path) == WORD_TEMPLATE
@@ -197,7 +197,7 @@ def test_chat_template_from_recipe_string_or_file(bpe_tok, tmp_path):
         load_chat_template("missing.jinja", tmp_path)
     from transformers import PreTrainedTokenizerFast
 
-    from nxd_finetune.sft.formats import render_chat
+    from nxd_finetune.data.formats import render_chat
 
     bare = PreTrainedTokenizerFast(tokenizer_object=bpe_tok.backend_tokenizer, eos_token="<|eos|>")
     with pytest.raises(DataError, match="no chat template"):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nxd_finetune.cli import main
+from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.errors import DataError
-from nxd_finetune.sft.data import DataSpec, prepare_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"

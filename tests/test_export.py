@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.lora import lora_modules, save_adapter
 from nxd_finetune.parallel.launch import launch
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.build import resolve_model_dir
 from nxd_finetune.sft.engine import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]

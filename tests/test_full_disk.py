@@ -27,9 +27,9 @@ def full_disk(tmp_path):
 @pytest.fixture
 def adapter(quickstart_cache, tmp_path) -> Path:
     """A 1.2 MB adapter of the quickstart model (r16, all linear layers)."""
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter
     from nxd_finetune.models import load_pretrained
-    from nxd_finetune.sft.build import resolve_model_dir
 
     model = load_pretrained(resolve_model_dir("builtin:tiny-llama"))
     cfg = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nxd_finetune.cli import main
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import NxdWarning
 from nxd_finetune.lora import lora_modules, read_adapter
 from nxd_finetune.lora.io import adapter_config_hash
@@ -22,7 +23,6 @@ from nxd_finetune.recipe import load_recipe
 from nxd_finetune.registry import pull, show
 from nxd_finetune.registry.publish import publish_run
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.build import resolve_model_dir
 from nxd_finetune.sft.engine import build_engine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -122,7 +122,7 @@ def test_one_process_matches_run_and_its_adapter_loads_in_peft(reference, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
-    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.data.inputs import resolve_model_dir
 
     out = tmp_path / "one"
     _fit(out, 1, ["training.grad_accum=2"], tensorboard=True, checkpoint_every=MID, validate_every=STEPS)
@@ -198,10 +198,10 @@ def test_model_function_and_nxd_config_reproduce_run(reference, tmp_path):
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
+    from nxd_finetune.data.inputs import load_tokenizer, lora_config_from_recipe, resolve_model_dir
+    from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.lightning import NxdModelModule, NxdStrategy
     from nxd_finetune.models import DecoderConfig, build_model
-    from nxd_finetune.sft.build import load_tokenizer, lora_config_from_recipe, resolve_model_dir
-    from nxd_finetune.sft.loader import build_dataloaders
     from nxd_finetune.sft.schedule import lr_factor
 
     r = load_recipe(QUICKSTART, [*BASE, "training.grad_accum=2"])

@@ -134,8 +134,8 @@ def test_vocab_parallel_chunked_equals_the_full_vocabulary_loss():
 def test_engine_chunked_path_equals_the_default(quickstart_cache, monkeypatch):
     """``training.loss_chunk_tokens`` on the quickstart model: the same loss and gradients as the
     default (one chunk), through ``Engine.forward_backward`` and ``eval_stats``."""
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.recipe import load_recipe
-    from nxd_finetune.sft.build import resolve_model_dir
     from nxd_finetune.sft.engine import build_engine
 
     rec = load_recipe(ROOT / "recipes" / "quickstart.yaml", ["training.max_steps=2", "training.warmup_steps=0"])

@@ -201,11 +201,11 @@ def test_micro_batch_targets_bound_the_loaders_micro_batches(quickstart_cache, p
     """``validate`` counts the most targets one micro-batch holds (the loss's logits rows) in the
     tokenized data; the training loader's real micro-batches over two epochs never hold more,
     and with one row per micro-batch one of them holds exactly that many."""
+    from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
+    from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.loss import shift_labels
     from nxd_finetune.preflight.data import micro_batch_targets
     from nxd_finetune.recipe import load_recipe
-    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-    from nxd_finetune.sft.loader import build_dataloaders
 
     repo = Path(__file__).resolve().parents[1]
     recipe = load_recipe(repo / "recipes" / "quickstart.yaml", [f"data.packing={str(packing).lower()}",

@@ -228,7 +228,7 @@ def test_truncated_base_checkpoint_is_one_line_at_merge_and_run(quickstart_cache
     ``error:`` line naming the file, exit 2, no traceback, nothing written."""
     import shutil
 
-    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.data.inputs import resolve_model_dir
 
     base = tmp_path / "base"
     shutil.copytree(resolve_model_dir("builtin:tiny-llama"), base)

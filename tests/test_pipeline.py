@@ -87,7 +87,7 @@ def make_model(lora: bool = False, tied: bool = False) -> DecoderForCausalLM:
 
 
 def packed_batch(gen: torch.Generator, rows: int, seq: int) -> dict[str, torch.Tensor]:
-    """Rows of 2-3 packed samples then padding (segment 0), like ``sft.packing``: positions restart
+    """Rows of 2-3 packed samples then padding (segment 0), like ``data.packing``: positions restart
     per sample, the first token of each sample, prompt tokens and padding have label -100."""
     batch = {k: torch.zeros(rows, seq, dtype=torch.long) for k in ("input_ids", "position_ids", "segment_ids")}
     batch["input_ids"] = torch.randint(0, TINY["vocab_size"], (rows, seq), generator=gen)

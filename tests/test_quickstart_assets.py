@@ -137,7 +137,7 @@ def test_answer_accuracy(tiny):
 
 
 def test_quickstart_recipe_and_data_fit(tiny, tmp_path):
-    from nxd_finetune.sft.loader import build_dataloaders
+    from nxd_finetune.data.loader import build_dataloaders
 
     recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     assert recipe.model.path == "builtin:tiny-llama" and recipe.data.format == "messages"

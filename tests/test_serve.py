@@ -21,7 +21,8 @@ from nxd_finetune.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-EVAL_ROWS = [json.loads(line) for line in (ROOT / "nxd_finetune" / "assets" / "quickstart" / "eval.jsonl").read_text().splitlines()]
+EVAL_FILE = ROOT / "nxd_finetune" / "assets" / "quickstart" / "eval.jsonl"
+EVAL_ROWS = [json.loads(line) for line in EVAL_FILE.read_text().splitlines()]
 N_QUESTIONS = 16
 MAX_NEW = 6
 

@@ -386,8 +386,8 @@ def test_eager_runtime_reads_values_at_once_and_keeps_cpu_tensors():
 def test_full_logits_gives_the_targets_only_loss_and_is_not_sequence_parallel():
     """``Engine.full_logits`` (set by ``XlaRuntime.prepare``): logits at every position, the same
     loss as the default gather of target positions; ``sequence_parallel`` keeps its own meaning."""
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, ce_sum
-    from nxd_finetune.sft.build import resolve_model_dir
     from nxd_finetune.sft.engine import build_engine
 
     rec = load_recipe(QUICKSTART, ["training.max_steps=2", "training.warmup_steps=0"])

@@ -44,6 +44,7 @@ from nxd_finetune.checkpoint.manager import CheckpointManager
 from nxd_finetune.checkpoint.run_state import RunState, TrainState
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
+from nxd_finetune.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 from nxd_finetune.recipe.resume import (
     OPTIMIZER_KEYS,
     SCHEDULE_KEYS,
@@ -52,7 +53,6 @@ from nxd_finetune.recipe.resume import (
     check_resume,
     describe_changes,
 )
-from nxd_finetune.sft.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 
 if TYPE_CHECKING:
     from torch import nn

@@ -5,7 +5,7 @@ The module is a thin layer over what every ``nxd-finetune run`` process builds (
 has made the process groups) it builds the rank's :class:`~nxd_finetune.sft.engine.Engine` with
 :func:`~nxd_finetune.sft.engine.build_engine` (the one assembly, ``parallelize_model``; the
 :class:`~nxd_finetune.parallel.optimizer.ParallelOptimizer`, ZeRO-1 when the strategy says so; the
-warmup + decay schedule) and the data of its data-parallel rank (``sft.loader``), with the recipe's
+warmup + decay schedule) and the data of its data-parallel rank (``data.loader``), with the recipe's
 ``parallel`` section taking the strategy's sizes and ``training.precision`` the precision plugin's.
 
 One ``training_step`` is one optimizer step, as in ``run`` (``sft/trainer.py``): the train
@@ -36,15 +36,15 @@ import torch
 from nxd_finetune.checkpoint.run_state import JsonDict, RunState
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.metrics import METRICS_FILE
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
-from nxd_finetune.sft.metrics import METRICS_FILE
 from nxd_finetune.sft.setup import setup_rank
 
 if TYPE_CHECKING:
+    from nxd_finetune.data.loader import TrainLoader
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
-    from nxd_finetune.sft.loader import TrainLoader
 
 
 class StepStream:

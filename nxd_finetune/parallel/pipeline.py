@@ -10,7 +10,7 @@ Stage modules keep the full model's names. ``build_stage_module`` returns a
 ``DecoderForCausalLM`` *shell* that shares its submodules with the given model but holds only
 the stage's layers in a ``ModuleDict`` keyed by their global index, so parameter names stay
 ``model.layers.<i>...`` / ``lm_head.weight``: HF checkpoint slices load and PEFT adapter keys come
-out by name (STYLE.md point 2). The shell's forward is the model's own:
+out by name. The shell's forward is the model's own:
 ``forward(hidden_or_ids, position_ids=None, segment_ids=None)`` -> hidden states ``[B, T, H]``, or
 logits ``[B, T, V]`` on the last stage, unless its ``return_hidden`` is set: then its final hidden
 states, and the loss runs the output layer a chunk of target positions at a time

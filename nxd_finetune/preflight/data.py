@@ -1,5 +1,5 @@
 """Data checks of ``validate``: read the first rows of every local data file (JSON lines or array,
-CSV, Parquet, Arrow / ``save_to_disk``; the file types ``sft.data`` reads) without converting
+CSV, Parquet, Arrow / ``save_to_disk``; the file types ``data.datasets`` reads) without converting
 the whole file, and check that they fit ``data.format`` and ``data.fields``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def _data_sources(key: str, spec: str | list[str], fetch_dir: Path) -> list[Path]:
     """The local files or ``save_to_disk`` directories behind ``data.<key>`` (the sources
-    ``sft.data.load_rows`` reads): ``s3://`` objects fetched into ``fetch_dir`` as ``run`` fetches
+    ``data.datasets.load_rows`` reads): ``s3://`` objects fetched into ``fetch_dir`` as ``run`` fetches
     them; other remote ones (``hf://...``) are reported and skipped."""
     sources: list[Path] = []
     for item in [spec] if isinstance(spec, str) else spec:
@@ -90,16 +90,16 @@ def _rows_arrow(path: Path, n: int) -> list[dict]:
     return loaded.select(range(min(n, len(loaded)))).to_list()
 
 
-# the file types of sft.data.LOCAL_BUILDERS, read a few rows at a time (no full conversion)
+# the file types of data.datasets.LOCAL_BUILDERS, read a few rows at a time (no full conversion)
 _READERS = {".jsonl": _rows_jsonl, ".json": _rows_jsonl, ".csv": _rows_csv, ".parquet": _rows_parquet,
             ".arrow": _rows_arrow}
 
 
 def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5) -> None:
     """Read the first rows of every file of ``data.<key>`` and check they fit ``data.format``:
-    the mapped columns exist (``sft.formats.resolve_columns``) and hold the right kind of value.
+    the mapped columns exist (``data.formats.resolve_columns``) and hold the right kind of value.
     Raises DataError naming the file and row."""
-    from nxd_finetune.sft.formats import resolve_columns
+    from nxd_finetune.data.formats import resolve_columns
 
     fmt = recipe.data.format
     fetch_dir = Path(recipe.data.cache_dir).expanduser() if recipe.data.cache_dir else data_cache()
@@ -152,9 +152,9 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     sources = [spec] if isinstance(spec, str) else spec or []
     if spec is None or any("://" in s and not s.startswith(S3_SCHEME) for s in sources):
         return None
-    from nxd_finetune.sft.build import load_tokenizer
-    from nxd_finetune.sft.data import DataSpec, prepare_datasets
-    from nxd_finetune.sft.packing import make_rows
+    from nxd_finetune.data.datasets import DataSpec, prepare_datasets
+    from nxd_finetune.data.inputs import load_tokenizer
+    from nxd_finetune.data.packing import make_rows
 
     train, _ = prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
     per_sample = sample_targets(train.labels, train.offsets)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def find_model_dir(recipe: Recipe) -> Path:
     """The model directory, after checking config, weights and tokenizer files are there."""
-    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.data.inputs import resolve_model_dir
 
     path = recipe.model.path
     if "://" in path:
@@ -87,12 +87,12 @@ def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None)
 
 def check_init_from_adapter(recipe: Recipe, config: Any, model_dir: Path) -> None:
     """``lora.init_from``: the checks ``run`` makes before loading the adapter
-    (:func:`nxd_finetune.sft.init_from.check_init_from`: LoRA ``peft_type``, the recipe's LoRA, the
+    (:func:`nxd_finetune.lora.init_from.check_init_from`: LoRA ``peft_type``, the recipe's LoRA, the
     same base), so ``validate`` refuses what ``run`` refuses with the same line."""
     if recipe.lora is None or not recipe.lora.init_from:
         return
+    from nxd_finetune.lora.init_from import check_init_from
     from nxd_finetune.registry.fetch import fetch_adapter
-    from nxd_finetune.sft.init_from import check_init_from
 
     source = recipe.lora.init_from
     with fetch_adapter(source, "lora.init_from") as fetched:

@@ -11,15 +11,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.recipe.messages import suggest
-from nxd_finetune.sft.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 StrList = list[str]
 
-# data.format -> its canonical fields (data.fields maps them to column names); owned by sft.formats
+# data.format -> its canonical fields (data.fields maps them to column names); owned by data.formats
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
     fmt: REQUIRED_FIELDS[fmt] + OPTIONAL_FIELDS.get(fmt, ()) for fmt in REQUIRED_FIELDS
 }

@@ -1,7 +1,7 @@
 """``nxd-finetune eval``: score a trained model on a recipe's eval set without training.
 
 The numbers come from the training loop's own pieces: the recipe's data pipeline
-(``sft.loader.build_dataloaders``), the engine of the recipe's layout (``sft.engine.build_engine``,
+(``data.loader.build_dataloaders``), the engine of the recipe's layout (``sft.engine.build_engine``,
 tp / pp / dp as in training, ``--nproc`` workers started by ``parallel.launch.launch``) and
 ``sft.trainer.evaluate``. What is scored enters through the recipe, so every layout loads it the
 way training does:
@@ -134,8 +134,8 @@ def eval_rank(recipe: Recipe) -> dict[str, Any] | None:
 def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
     """``(prompt messages, reference answer)`` of every eval conversation that ends with an
     assistant message, in the eval set's order."""
-    from nxd_finetune.sft.data import DataSpec, _split_eval, load_rows
-    from nxd_finetune.sft.formats import resolve_columns
+    from nxd_finetune.data.datasets import DataSpec, _split_eval, load_rows
+    from nxd_finetune.data.formats import resolve_columns
 
     spec = DataSpec.of(recipe.data)
     if spec.format != "messages":
@@ -155,9 +155,9 @@ def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
 def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16) -> dict[str, Any]:
     """Greedy generations for the eval conversations against their reference answers (whitespace
     stripped): ``exact_match`` and a few examples."""
+    from nxd_finetune.data.formats import load_chat_template
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.serve import generate as gen
-    from nxd_finetune.sft.build import resolve_model_dir
-    from nxd_finetune.sft.formats import load_chat_template
 
     pairs = _reference_rows(recipe)
     if not pairs:

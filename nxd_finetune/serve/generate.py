@@ -104,7 +104,7 @@ def _base_from_adapter(adapter_dir: Path, source: str) -> str:
 
 
 def _resolve_base(base: str, what: str) -> Path:
-    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.data.inputs import resolve_model_dir
 
     try:
         return resolve_model_dir(base)
@@ -221,7 +221,7 @@ def prompt_ids(tokenizer: Any, messages: Sequence[Message] | None = None, text: 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise NxdError("the tokenizer has no chat template: pass --chat-template (a Jinja file or string), "
                        "or --raw with --prompt")
-    from nxd_finetune.sft.formats import render_chat
+    from nxd_finetune.data.formats import render_chat
 
     rendered = render_chat(tokenizer, list(messages or []), chat_template, add_generation_prompt=True)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
@@ -246,7 +246,7 @@ def load_template(chat_template: str | None) -> str | None:
     """``--chat-template``: a Jinja file, an inline template, or None (the tokenizer's)."""
     if chat_template is None:
         return None
-    from nxd_finetune.sft.formats import load_chat_template
+    from nxd_finetune.data.formats import load_chat_template
 
     return load_chat_template(chat_template, None)
 

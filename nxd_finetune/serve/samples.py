@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune.sft.metrics import SAMPLES, MetricsWriter
+from nxd_finetune.metrics import SAMPLES, MetricsWriter
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -81,8 +81,8 @@ class EvalSamples:
 
     def generate(self) -> list[dict[str, str]] | None:
         """``[{"prompt", "completion"}]`` on global rank 0, None elsewhere. Collective."""
+        from nxd_finetune.data.formats import load_chat_template
         from nxd_finetune.serve.generate import GenerationConfig, LoadedModel, decode, generate_ids, prompt_ids
-        from nxd_finetune.sft.formats import load_chat_template
 
         tensors = self._weights()
         if not self.engine.is_logger or tensors is None:

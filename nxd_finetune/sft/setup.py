@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
+from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
 from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
-from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
 from nxd_finetune.sft.engine import Engine, build_engine
-from nxd_finetune.sft.loader import DataLoaders, build_dataloaders
 from nxd_finetune.xla import StepRuntime, make_runtime
 
 if TYPE_CHECKING:

@@ -29,18 +29,18 @@ import torch.distributed as dist
 from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.errors import NxdError, NxdWarning
 from nxd_finetune.loss import causal_lm_loss
+from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
-from nxd_finetune.sft.metrics import MetricsWriter, Progress
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 
 if TYPE_CHECKING:
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
+    from nxd_finetune.data.loader import TrainLoader
     from nxd_finetune.export import ExportSpec
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
-    from nxd_finetune.sft.loader import TrainLoader
     from nxd_finetune.xla import StepRuntime
 
 
@@ -237,9 +237,9 @@ def _preflight(recipe: Recipe) -> None:
     from nxd_finetune.trackers import check_trackers
 
     check_trackers(recipe)  # a missing mlflow / wandb package: one line naming the extra
+    from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import check_against_model
-    from nxd_finetune.sft.build import resolve_model_dir
 
     check_against_model(recipe, DecoderConfig.from_hf(resolve_model_dir(recipe.model.path)))
     from nxd_finetune.preflight.hardware import check_cpu_formats
@@ -253,8 +253,8 @@ def _preflight(recipe: Recipe) -> None:
 
 def prepare_shared(recipe: Recipe) -> None:
     """Build what workers would race to create: the builtin model and the tokenized-data cache."""
-    from nxd_finetune.sft.build import load_tokenizer, resolve_model_dir
-    from nxd_finetune.sft.data import DataSpec, prepare_datasets
+    from nxd_finetune.data.datasets import DataSpec, prepare_datasets
+    from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(recipe.model.path)
     prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))

@@ -1,6 +1,6 @@
 """Objects fetched from S3 into a local cache, checked: training data (``data.train`` /
 ``data.eval`` may name ``s3://bucket/key`` objects: ``.jsonl``, ``.json``, ``.parquet``, ``.csv``,
-``.arrow``), read as local files once fetched (:func:`nxd_finetune.sft.data.resolve_sources`,
+``.arrow``), read as local files once fetched (:func:`nxd_finetune.data.datasets.resolve_sources`,
 ``validate``'s data checks).
 
 Each object is fetched once per machine into the data cache,

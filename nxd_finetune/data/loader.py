@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from nxd_finetune.sft.data import DataSpec, TokenizedDataset, prepare_datasets
-from nxd_finetune.sft.packing import collate, make_rows, packing_stats
-from nxd_finetune.sft.sampler import ResumableSampler
+from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, prepare_datasets
+from nxd_finetune.data.packing import collate, make_rows, packing_stats
+from nxd_finetune.data.sampler import ResumableSampler
 
 
 def pad_token_id(tokenizer) -> int:

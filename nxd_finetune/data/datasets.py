@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from nxd_finetune.data import formats
+from nxd_finetune.data.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.errors import DataError
-from nxd_finetune.sft import formats
-from nxd_finetune.sft.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
 from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3

@@ -4,7 +4,8 @@ Only rank 0 of a run writes.
 
 A resume cuts the JSONL file and TensorBoard back to the checkpoint's step (:func:`truncate_metrics`,
 :func:`purge_tensorboard`, called by ``checkpoint.training``), so no step is logged twice; the
-loss-curve picture drawn from the JSONL file at the end of a run is :mod:`nxd_finetune.sft.curve`."""
+loss-curve picture drawn from the JSONL file at the end of a run is the trainer's
+(:mod:`nxd_finetune.sft.curve`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tokenizing rows into :class:`TokenizedDataset` (flat int32 arrays + offsets), in one process
-or in forked workers over contiguous shares (``data.num_proc``); :mod:`.data` loads and caches."""
+or in forked workers over contiguous shares (``data.num_proc``); :mod:`.datasets` loads and caches."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from nxd_finetune.data import formats
 from nxd_finetune.errors import NxdWarning
 from nxd_finetune.loss import IGNORE_INDEX
-from nxd_finetune.sft import formats
 
 
 class TokenizeSpec(Protocol):
-    """The data settings tokenizing reads (``nxd_finetune.sft.data.DataSpec`` has them)."""
+    """The data settings tokenizing reads (``nxd_finetune.data.datasets.DataSpec`` has them)."""
 
     format: str
     fields: dict[str, str]
