@@ -2,7 +2,7 @@
 
 Every loss in the project is computed here, for every layout: the trainer's micro-batch loss
 (:func:`ce_sum` at target positions, or :func:`chunked_ce_sum`, which never holds the logits of
-more than a chunk of positions), the pipeline's last-stage loss (:func:`step_loss`), eval
+more than a chunk of positions), the pipeline's last-stage scores (:func:`hidden_scores`), eval
 statistics (:func:`eval_stats`) and the reference :func:`causal_lm_loss` the tests compare with.
 An objective (:mod:`nxd_finetune.objective`) reads a micro-batch's output through :class:`Scores`
 (:class:`LogitScores`, :class:`ChunkedScores`), which call these functions.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -82,12 +82,6 @@ def _bucketed_index(flat_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         index = torch.cat([index, index.new_zeros(padded - n)])
         targets = torch.cat([targets, targets.new_full((padded - n,), IGNORE_INDEX)])
     return index, targets
-
-
-def count_targets(labels: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Loss-bearing tokens (shifted labels != -100) over the micro-batches' ``labels``, at least 1."""
-    total = sum((shift_labels(lab) != IGNORE_INDEX).sum() for lab in labels)
-    return torch.as_tensor(total).clamp(min=1)
 
 
 # ---------------------------------------------------------------------- cross entropy
@@ -161,15 +155,6 @@ def ce_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) 
     flat = logits.reshape(-1, logits.shape[-1])
     return F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def step_loss(logits: torch.Tensor, labels: torch.Tensor, n_targets: torch.Tensor | float,
-              tp_group: Group = None) -> torch.Tensor:
-    """A micro-batch's share of the optimizer step's token-mean loss: :func:`ce_sum` of ``logits``
-    ``[B, T, V(/tp)]`` against ``shift_labels(labels)``, divided by ``n_targets``, the target tokens
-    of the whole step (all micro-batches, all data-parallel ranks). Summing these over the step's
-    micro-batches and the dp ranks gives the step loss; the gradients need a dp *sum*."""
-    return ce_sum(logits, shift_labels(labels), tp_group) / n_targets
 
 
 @torch.no_grad()
@@ -275,23 +260,6 @@ def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     not ignored (``[N, H]``), and those targets (``[N]``), padded like :func:`target_index`."""
     index, kept = _bucketed_index(targets.reshape(-1))
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept
-
-
-def chunked_step_loss(hidden: torch.Tensor, labels: torch.Tensor, n_targets: torch.Tensor | float, *,
-                      head: Callable[[torch.Tensor], torch.Tensor], rows: int, tp_group: Group = None) -> torch.Tensor:
-    """:func:`step_loss` of ``head(hidden)`` from the final hidden states ``[B, T, H]``: the head
-    and the loss run :func:`chunked_ce_sum` over the target positions (a pipeline's last stage)."""
-    h, targets = _target_rows(hidden, shift_labels(labels))
-    return chunked_ce_sum(h, head, targets, rows, tp_group) / n_targets
-
-
-@torch.no_grad()
-def chunked_hidden_stats(hidden: torch.Tensor, targets: torch.Tensor, *, head: Callable[[torch.Tensor], torch.Tensor],
-                         rows: int, tp_group: Group = None) -> torch.Tensor:
-    """:func:`eval_stats` of ``head(hidden)`` (``hidden`` ``[B, T, H]``, ``targets`` shifted
-    ``[B, T]``), the head run ``rows`` target positions at a time."""
-    h, t = _target_rows(hidden, targets)
-    return chunked_eval_stats(h, head, t, rows, tp_group)
 
 
 # ---------------------------------------------------------------------- scores (what an objective reads)

@@ -170,26 +170,29 @@ def test_engine_chunked_path_equals_the_default(quickstart_cache, monkeypatch):
     torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=0)
 
 
-def test_chunked_step_loss_from_hidden_states_equals_step_loss():
-    """The pipeline's last-stage loss from hidden states ``[B, T, H]`` (head run over target
-    positions in chunks) equals :func:`step_loss` of the full logits, with the same gradients, and
-    its eval statistics equal :func:`eval_stats`."""
-    from nxd_finetune.loss import chunked_hidden_stats, chunked_step_loss, eval_stats, shift_labels, step_loss
+def test_pipeline_scores_from_hidden_states_equal_full_logits():
+    """The pipeline's last-stage scores from hidden states ``[B, T, H]`` (``hidden_scores``: the head
+    run over target positions in chunks) give the supervised objective's loss of the full logits,
+    with the same gradients, and its eval statistics equal :func:`eval_stats`."""
+    from nxd_finetune.loss import LogitScores, ce_sum, eval_stats, hidden_scores, shift_labels
+    from nxd_finetune.objective import SFT
 
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(16, 50, bias=False).double()
     hidden = torch.randn(2, 9, 16, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 50, (2, 9), generator=g)
     labels[0, :4] = IGNORE_INDEX
-    want = step_loss(head(hidden), labels, 7.0)
+    want = ce_sum(head(hidden), shift_labels(labels)) / 7.0
     gw = torch.autograd.grad(want, [hidden, head.weight])
-    got = chunked_step_loss(hidden, labels, 7.0, head=head, rows=3)
+    got = SFT.loss_sum(hidden_scores(hidden, labels, head=head, rows=3), labels) / 7.0
     gg = torch.autograd.grad(got, [hidden, head.weight])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for a, b in zip(gg, gw, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    full = LogitScores(head(hidden), shift_labels(labels))
+    torch.testing.assert_close(SFT.loss_sum(full, labels), want * 7.0, rtol=1e-12, atol=0)
     with torch.no_grad():
-        torch.testing.assert_close(chunked_hidden_stats(hidden, shift_labels(labels), head=head, rows=3),
+        torch.testing.assert_close(SFT.eval_stats(hidden_scores(hidden, labels, head=head, rows=3), labels),
                                    eval_stats(head(hidden), shift_labels(labels)), rtol=1e-6, atol=0)
 
 

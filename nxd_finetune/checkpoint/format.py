@@ -80,10 +80,6 @@ def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
 
 
-def optim_prefix(name: str) -> str:
-    return f"optim/{name}/"
-
-
 class Hasher:
     """sha256 and size of bytes fed in pieces."""
 

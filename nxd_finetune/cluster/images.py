@@ -17,18 +17,6 @@ from __future__ import annotations
 DOCKERFILES: dict[str, str] = {"cpu": "docker/Dockerfile.cpu", "neuron": "docker/Dockerfile.neuron"}
 
 
-def build_command(kind: str, tag: str, base_image: str | None = None) -> list[str]:
-    """``docker build`` of image ``kind`` (cpu | neuron) from the repository root."""
-    if kind not in DOCKERFILES:
-        from nxd_finetune.errors import NxdError
-
-        raise NxdError(f"unknown image {kind!r}; use {', '.join(DOCKERFILES)}")
-    cmd = ["docker", "build", "-f", DOCKERFILES[kind], "-t", tag]
-    if base_image:
-        cmd += ["--build-arg", f"BASE_IMAGE={base_image}"]
-    return [*cmd, "."]
-
-
 def parse_dockerfile(text: str) -> list[tuple[str, str]]:
     """``(INSTRUCTION, arguments)`` per instruction: comments and blank lines dropped, lines ending
     in ``\\`` joined with the next (whitespace around the join collapsed to one space)."""

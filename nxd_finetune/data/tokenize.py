@@ -10,7 +10,7 @@ import os
 import signal
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,17 +86,6 @@ class TokenizedDataset:
             stats = json.loads(f.metadata()["stats"])
         t = load_file(str(path))
         return cls(t["input_ids"], t["labels"], t["offsets"], stats)
-
-
-def token_stats(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[str, int]:
-    """``samples``, ``tokens`` and ``trainable_tokens`` (labels other than -100 after position 0:
-    position 0 is never a target once labels are shifted)."""
-    n = tokens = trainable = 0
-    for ids, labels in samples:
-        n += 1
-        tokens += len(ids)
-        trainable += sum(1 for t in labels[1:] if t != IGNORE_INDEX)
-    return {"samples": n, "tokens": tokens, "trainable_tokens": trainable}
 
 
 def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:

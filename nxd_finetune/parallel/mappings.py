@@ -243,11 +243,6 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else ReduceScatterToSequence.apply(x, group)
 
 
-def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
-    """Elementwise max over ``group`` into a new tensor (no autograd; used by the CE loss)."""
-    return x if group_size(group) == 1 else _all_reduce(x, group, dist.ReduceOp.MAX)
-
-
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ``group`` into a new tensor (no autograd)."""
     return x if group_size(group) == 1 else _all_reduce(x, group)

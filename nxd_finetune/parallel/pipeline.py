@@ -14,7 +14,7 @@ out by name. The shell's forward is the model's own:
 ``forward(hidden_or_ids, position_ids=None, segment_ids=None)`` -> hidden states ``[B, T, H]``, or
 logits ``[B, T, V]`` on the last stage, unless its ``return_hidden`` is set: then its final hidden
 states, and the loss runs the output layer a chunk of target positions at a time
-(``ParallelizeSpec.loss_chunk_rows``, :func:`nxd_finetune.loss.chunked_step_loss`).
+(``ParallelizeSpec.loss_chunk_rows``, :func:`nxd_finetune.loss.hidden_scores`).
 
 Side inputs. Position and segment ids must reach every stage. In torch 2.13 the schedules pass
 the positional ``step`` arguments to the first stage only (later stages get the received
