@@ -39,7 +39,18 @@ from nxd_finetune.parallel import (
     shard_slice,
     tp_plan_for,
 )
-from nxd_finetune.parallel import mappings as M
+from nxd_finetune.parallel.mappings import (
+    all_gather,
+    all_reduce_sum,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_from_tp_,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    scatter_to_tp,
+)
 
 # ----------------------------------------------------------------------------- harness
 
@@ -55,58 +66,58 @@ def _mapping_checks(state: ParallelState, out: dict) -> None:
     g, r, tp = state.tp_group, state.tp_rank, state.tp_size
     tot = sum(range(1, tp + 1))
     x = torch.ones(2, 3, requires_grad=True)
-    (M.copy_to_tp(x, g) * (r + 1)).sum().backward()
+    (copy_to_tp(x, g) * (r + 1)).sum().backward()
     out["copy_to_tp bwd all-reduce"] = ("close", x.grad, torch.full((2, 3), float(tot)))
     x = torch.full((2, 3), float(r + 1), requires_grad=True)
-    y = M.reduce_from_tp(x, g)
+    y = reduce_from_tp(x, g)
     (y * (r + 1)).sum().backward()
     out["reduce_from_tp fwd"] = ("close", y.detach(), torch.full((2, 3), float(tot)))
     out["reduce_from_tp bwd identity"] = ("close", x.grad, torch.full((2, 3), float(r + 1)))
     leaf = torch.full((2, 3), float(r + 1), requires_grad=True)
     fresh = leaf * 1.0  # a new non-leaf tensor nothing saved: reduce_from_tp_ sums into it
-    y = M.reduce_from_tp_(fresh, g)
+    y = reduce_from_tp_(fresh, g)
     (y * (r + 1)).sum().backward()
     out["reduce_from_tp_ fwd"] = ("close", y.detach(), torch.full((2, 3), float(tot)))
     same = float(y.data_ptr() == fresh.data_ptr())
     out["reduce_from_tp_ in place"] = ("close", torch.tensor(same), torch.tensor(1.0))
     out["reduce_from_tp_ bwd identity"] = ("close", leaf.grad, torch.full((2, 3), float(r + 1)))
     view = leaf.detach().clone()[:, :2]  # a view: summed into a copy, the viewed tensor untouched
-    y = M.reduce_from_tp_(view, g)
+    y = reduce_from_tp_(view, g)
     out["reduce_from_tp_ view copied"] = ("close", view, torch.full((2, 2), float(r + 1)))
     out["reduce_from_tp_ view fwd"] = ("close", y, torch.full((2, 2), float(tot)))
     saved = leaf.exp()  # exp keeps its output for backward: summing into it must not pass silently
     try:
-        M.reduce_from_tp_(saved, g).sum().backward()
+        reduce_from_tp_(saved, g).sum().backward()
         raised = 0.0
     except RuntimeError:
         raised = 1.0
     out["reduce_from_tp_ saved input raises"] = ("close", torch.tensor(raised), torch.tensor(1.0))
     full = torch.arange(2 * 3 * 4 * tp, dtype=torch.float32).view(2, 3, 4 * tp)
     x = full.clone().requires_grad_()
-    y = M.scatter_to_tp(x, g)
+    y = scatter_to_tp(x, g)
     (y * (r + 1)).sum().backward()
     grad_tp = torch.cat([torch.full((2, 3, 4), float(k + 1)) for k in range(tp)], dim=-1)
     out["scatter_to_tp fwd"] = ("close", y.detach(), full[..., 4 * r : 4 * (r + 1)])
     out["scatter_to_tp bwd all-gather"] = ("close", x.grad, grad_tp)
     x = full[..., 4 * r : 4 * (r + 1)].clone().requires_grad_()
-    y = M.gather_from_tp(x, g)
+    y = gather_from_tp(x, g)
     (y * grad_tp).sum().backward()
     out["gather_from_tp fwd"] = ("close", y.detach(), full)
     out["gather_from_tp bwd split"] = ("close", x.grad, torch.full_like(x, float(r + 1)))
     seq = torch.arange(2 * 2 * tp * 3, dtype=torch.float32).view(2, 2 * tp, 3)
     x = seq[:, 2 * r : 2 * (r + 1)].clone().requires_grad_()
-    y = M.gather_from_sequence(x, g)
+    y = gather_from_sequence(x, g)
     (y * (r + 1)).sum().backward()
     out["gather_from_sequence fwd"] = ("close", y.detach(), seq)
     out["gather_from_sequence bwd reduce-scatter"] = ("close", x.grad, torch.full_like(x, float(tot)))
     x = (seq * (r + 1)).requires_grad_()
-    y = M.reduce_scatter_to_sequence(x, g)
+    y = reduce_scatter_to_sequence(x, g)
     (y * (r + 1)).sum().backward()
     out["reduce_scatter_to_sequence fwd"] = ("close", y.detach(), tot * seq[:, 2 * r : 2 * (r + 1)])
     grad = torch.cat([torch.full((2, 2, 3), float(k + 1)) for k in range(tp)], dim=1)
     out["reduce_scatter_to_sequence bwd all-gather"] = ("close", x.grad, grad)
     x = seq.clone().requires_grad_()
-    y = M.scatter_to_sequence(x, g)
+    y = scatter_to_sequence(x, g)
     (y * (r + 1)).sum().backward()
     out["scatter_to_sequence fwd"] = ("close", y.detach(), seq[:, 2 * r : 2 * (r + 1)])
     out["scatter_to_sequence bwd all-gather"] = ("close", x.grad, grad)
@@ -144,20 +155,20 @@ def _linear_checks(state: ParallelState, out: dict) -> None:
             xin = x[:, seq].clone().requires_grad_()
             y = par(xin)
             dy_local = dy if opt else dy[..., Dout // tp * r : Dout // tp * (r + 1)]
-            full_y = y if opt else M.all_gather(y, -1, g)
+            full_y = y if opt else all_gather(y, -1, g)
         else:
             par = RowParallelLinear.from_linear(ref, g, input_is_parallel=opt, sequence_parallel=sp)
             xin = (x[..., H // tp * r : H // tp * (r + 1)] if opt else x).clone().requires_grad_()
             y = par(xin)
             dy_local = dy[:, seq]
-            full_y = M.all_gather(y, 1, g) if sp else y
+            full_y = all_gather(y, 1, g) if sp else y
         (y * dy_local).sum().backward()
         allreduce_replicated_grads(par, state)
         out[f"{tag} output"] = ("close", full_y.detach(), ref(x).detach())
         if kind == "column":
-            grad_in = M.all_gather(xin.grad, 1, g) if sp else xin.grad
+            grad_in = all_gather(xin.grad, 1, g) if sp else xin.grad
         else:
-            grad_in = M.all_gather(xin.grad, -1, g) if opt else xin.grad
+            grad_in = all_gather(xin.grad, -1, g) if opt else xin.grad
         out[f"{tag} input grad"] = ("close", grad_in, xr.grad)
         _grads_vs(ref, par, g, tag, out)
 
@@ -206,7 +217,7 @@ def _embedding_and_ce_checks(state: ParallelState, out: dict) -> None:
         loss = vocab_parallel_cross_entropy(shard, targets, g)
         (loss * weights).sum().backward()
         out[f"vocab CE x{scale}+{shift} loss"] = ("close", loss.detach(), ref_loss.detach())
-        out[f"vocab CE x{scale}+{shift} grad"] = ("close", M.all_gather(shard.grad, -1, g), lr.grad)
+        out[f"vocab CE x{scale}+{shift} grad"] = ("close", all_gather(shard.grad, -1, g), lr.grad)
 
 
 def _plan_error_checks(state: ParallelState) -> None:
@@ -248,7 +259,7 @@ def _state_worker(rank: int, world: int) -> dict:
     out: dict = {}
 
     def members_sum(group) -> torch.Tensor:
-        return M.all_reduce_sum(torch.tensor([float(rank)]), group)
+        return all_reduce_sum(torch.tensor([float(rank)]), group)
 
     for dims in (ParallelDims(tp=2, dp=2), ParallelDims(tp=2, pp=2), ParallelDims(tp=4), ParallelDims(dp=4)):
         s = ParallelState(dims)
@@ -296,7 +307,7 @@ def _llama_worker(rank: int, world: int, tp: int, variants: list[tuple[str, str,
             loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], g).sum() / n_valid
             loss.backward()
             tag = f"{label} tp={tp} sp={sp}"
-            out[f"{tag} logits"] = ("close", M.all_gather(logits.detach(), -1, g), logits_ref.detach())
+            out[f"{tag} logits"] = ("close", all_gather(logits.detach(), -1, g), logits_ref.detach())
             out[f"{tag} loss"] = ("close", loss.detach(), loss_ref.detach())
             if sp:
                 norm_grad = model.model.norm.weight.grad.clone()

@@ -55,7 +55,7 @@ from nxd_finetune.parallel import (
     make_slice_reader,
     tp_plan_for,
 )
-from nxd_finetune.parallel import mappings as M
+from nxd_finetune.parallel.mappings import all_gather
 
 IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
 LABELS = torch.where(torch.arange(8) < 3, -100, IDS)
@@ -113,7 +113,7 @@ def _forward_backward(model: nn.Module, group, seed: int) -> torch.Tensor:
     else:
         loss = vocab_parallel_cross_entropy(logits[:, :-1], LABELS[:, 1:], group).sum() / n_valid
     loss.backward()
-    return logits.detach() if group is None else M.all_gather(logits.detach(), -1, group)
+    return logits.detach() if group is None else all_gather(logits.detach(), -1, group)
 
 
 def _grad_checks(tag, model, ref, state, differ: list[str], out: dict) -> None:
@@ -135,7 +135,7 @@ def _merge_checks(tag, model, ref_logits, state, out: dict) -> None:
     with torch.no_grad():
         for _, m in lora_modules(model):
             m.merge()
-        merged = M.all_gather(model(IDS), -1, state.tp_group)
+        merged = all_gather(model(IDS), -1, state.tp_group)
         for _, m in lora_modules(model):
             m.unmerge()
     out[f"{tag} merged logits"] = ("close", merged, ref_logits)

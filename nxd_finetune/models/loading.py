@@ -14,7 +14,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,8 +28,19 @@ from nxd_finetune.safetensors_io import Entry, header_bytes, write_tensor
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
+
+
+class TensorSlice(Protocol):
+    """A tensor of a safetensors file not read yet (``safe_open(...).get_slice(name)``): its shape,
+    and the part an index selects, read when indexed."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+
+
 # reader(name, safe_slice, target_param) -> tensor of target_param's shape
-Reader = Callable[[str, object, torch.Tensor], torch.Tensor]
+Reader = Callable[[str, TensorSlice, torch.Tensor], torch.Tensor]
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -41,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def open_checkpoint_file(path: str | Path) -> Iterator[Any]:
+def open_checkpoint_file(path: str | Path) -> Iterator[safe_open]:
     """``safe_open(path)`` whose failure (a truncated or damaged file, not safetensors, missing) is
     one ModelLoadError line naming the file instead of safetensors' own error."""
     try:
@@ -87,8 +98,8 @@ def check_checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return index
 
 
-def _read_full(name: str, safe_slice: object, target: torch.Tensor) -> torch.Tensor:
-    return safe_slice[:]  # type: ignore[index]
+def _read_full(name: str, safe_slice: TensorSlice, target: torch.Tensor) -> torch.Tensor:
+    return safe_slice[:]
 
 
 def materialize(

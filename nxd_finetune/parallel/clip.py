@@ -25,13 +25,18 @@ float32 tensor (no ``.item()``, so no host sync). Every rank of the world must c
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from nxd_finetune.parallel.layers import ShardSpec, iter_shard_specs
+from nxd_finetune.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from nxd_finetune.parallel.zero1 import Zero1Optimizer
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -48,7 +53,7 @@ def counts_on_rank(spec: ShardSpec | None, tp_rank: int) -> bool:
     return tp_rank % spec.replicas == 0
 
 
-def _specs(specs: Any, state) -> dict[int, ShardSpec] | None:
+def _specs(specs: dict[int, ShardSpec] | nn.Module | None, state: ParallelState) -> dict[int, ShardSpec] | None:
     if isinstance(specs, nn.Module):
         return shard_spec_map(specs)
     if specs is None and state.tp_size > 1:
@@ -70,7 +75,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None) ->
     return out
 
 
-def _allreduce(x: torch.Tensor, groups: list[tuple[Any, int]]) -> torch.Tensor:
+def _allreduce(x: torch.Tensor, groups: list[tuple[ProcessGroup | None, int]]) -> torch.Tensor:
     for group, size in groups:
         if size > 1:
             dist.all_reduce(x, group=group)
@@ -89,7 +94,7 @@ def _scale(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> N
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float | None, state, *,
+def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float | None, state: ParallelState, *,
                    specs: dict[int, ShardSpec] | nn.Module | None = None,
                    not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip ``.grad`` in place to the global L2 norm ``max_norm``; returns the norm before clipping.
@@ -122,7 +127,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float |
 
 
 @torch.no_grad()
-def clip_grad_norm_zero1(optimizer: Any, max_norm: float | None, state, *,
+def clip_grad_norm_zero1(optimizer: Zero1Optimizer, max_norm: float | None, state: ParallelState, *,
                          specs: dict[int, ShardSpec] | nn.Module | None = None,
                          not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The ZeRO-1 variant: the norm over the reduced gradient *shards* of a

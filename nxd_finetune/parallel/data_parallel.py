@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from nxd_finetune.parallel import mappings as M
+from nxd_finetune.parallel.mappings import all_reduce_sum, group_size
 from nxd_finetune.parallel.state import ParallelState
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -39,7 +39,7 @@ def allreduce_scalar_sum(t: torch.Tensor, group) -> torch.Tensor:
     For counts (target tokens of the step: integer tensors are fine on gloo and nccl) and for
     logging sums. Returns ``t`` itself on a group of size one.
     """
-    return M.all_reduce_sum(t, group)
+    return all_reduce_sum(t, group)
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
@@ -75,7 +75,7 @@ def allreduce_gradients(
     the same on every rank. ``average=True`` divides by the group size after the sum. Duplicate
     parameters (tied weights) are reduced once. Raises ValueError for sparse gradients.
     """
-    world = M.group_size(dp_group)
+    world = group_size(dp_group)
     seen: set[int] = set()
     grads = []
     for p in params:

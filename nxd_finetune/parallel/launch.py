@@ -35,13 +35,16 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.neuron import neuron_available
 from nxd_finetune.xla import refuse_unformable_world, xla_device
+
+R = TypeVar("R")
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 
@@ -68,8 +71,6 @@ def resolve_device_name(name: str = "auto") -> str:
     pick xla: ask for ``xla`` explicitly there."""
     if name != "auto":
         return name
-    from nxd_finetune.neuron import neuron_available
-
     if neuron_available():
         return "xla"
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +153,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> De
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def _attempt_store(timeout_s: float) -> Any:
+def _attempt_store(timeout_s: float) -> dist.Store | None:
     """The process group's store when the workers share the elastic agent's rendezvous store.
 
     torch elastic (``torchrun`` with the c10d rendezvous) by default hands its workers the
@@ -178,7 +179,17 @@ def _attempt_store(timeout_s: float) -> Any:
     return dist.PrefixStore(f"nxd/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def smoke_test(x: float = 0.0) -> dict[str, Any]:
+class SmokeResult(TypedDict):
+    """What :func:`smoke_test` returns from each worker."""
+
+    rank: int
+    world_size: int
+    sum: float
+    backend: str
+    tmpdir: str
+
+
+def smoke_test(x: float = 0.0) -> SmokeResult:
     """A worker function that checks the process group: joins it (:func:`init_distributed`),
     all-reduces ``rank + x`` and leaves. Returns ``rank``, ``world_size``, ``sum`` (``x * world
     + world * (world - 1) / 2``), ``backend`` and ``tmpdir`` (where this worker's temporary files
@@ -187,7 +198,7 @@ def smoke_test(x: float = 0.0) -> dict[str, Any]:
     t = torch.tensor([backend.rank + float(x)], device=backend.device)
     if dist.is_initialized():
         dist.all_reduce(t)
-    out = {"rank": backend.rank, "world_size": backend.world_size, "sum": t.item(),
+    out: SmokeResult = {"rank": backend.rank, "world_size": backend.world_size, "sum": t.item(),
            "backend": backend.dist_backend, "tmpdir": tempfile.gettempdir()}
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -219,17 +230,17 @@ def _consequence(text: str) -> bool:
 LOST_PEER_GRACE_S = 2.0
 
 
-class _RootCauseFirst:
+class _RootCauseFirst(Generic[R]):
     """A worker function that, when its collective lost a peer, waits :data:`LOST_PEER_GRACE_S`
     before raising: the agent then sees the peer's own failure (a kill, a crash) first and reports
     that, not the connection error it caused. Picklable for ``spawn``."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., R]) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)  # the agent names the entrypoint
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> R:
         try:
             return self.fn(*args)
         except Exception as e:
@@ -315,8 +326,8 @@ class _RepeatedFailuresOneLine(logging.Filter):
         return True
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, start_method: str = "spawn",
-           rdzv_timeout_s: int = 120, max_restarts: int = 0) -> list[Any]:
+def launch(fn: Callable[..., R], nproc: int, *args: object, start_method: str = "spawn",
+           rdzv_timeout_s: int = 120, max_restarts: int = 0) -> list[R]:
     """Run ``fn(*args)`` in ``nproc`` local workers; returns their return values in rank order.
 
     Workers find ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1) and

@@ -16,14 +16,27 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.parallel import mappings as M
+from nxd_finetune.parallel.mappings import (
+    all_gather,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp_,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+)
+
+if TYPE_CHECKING:
+    from nxd_finetune.models.loading import TensorSlice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +99,7 @@ class ShardSpec:
             offset += size
         return out
 
-    def take(self, source: Any) -> torch.Tensor:
+    def take(self, source: torch.Tensor | TensorSlice) -> torch.Tensor:
         """This rank's shard of ``source`` (the full tensor, or anything indexable like it: a
         safetensors slice), its pieces concatenated."""
         chunks = [source[index] for index in self.pieces()]
@@ -120,9 +133,9 @@ def gather_shards(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
     Replicated chunks are taken once. Used to export adapters and to compare with unsharded runs.
     """
-    if spec.partition_dim is None or M.group_size(group) == 1:
+    if spec.partition_dim is None or group_size(group) == 1:
         return local.detach()
-    gathered = M.all_gather(local.detach(), spec.partition_dim, group)
+    gathered = all_gather(local.detach(), spec.partition_dim, group)
     if len(spec.parts) > 1:  # every rank's chunk is its pieces in order: regroup piece by piece
         sizes = [size // spec.num_partitions for size in spec.parts]
         ranks = gathered.chunk(spec.num_partitions, spec.partition_dim)
@@ -236,7 +249,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         dtype=None,
     ) -> None:
         super().__init__()
-        tp, rank = M.group_size(group), M.group_rank(group)
+        tp, rank = group_size(group), group_rank(group)
         if parts and (replicas > 1 or gather_output or sum(parts) != out_features):
             raise NxdError(f"fused output parts {parts} need {sum(parts)} == {out_features} outputs, no replicated "
                            "shards and no gathered output")
@@ -268,7 +281,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input every TP rank multiplies: gathered from the sequence shards under sequence
         parallel, else ``x`` (``copy_to_tp``: identity forward, gradient all-reduced backward)."""
-        return M.gather_from_sequence(x, self.group) if self.sequence_parallel else M.copy_to_tp(x, self.group)
+        return gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
 
     def local_output(self, x_in: torch.Tensor) -> torch.Tensor:
         """This rank's output shard ``[*, out/p]`` of the prepared input."""
@@ -276,7 +289,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from the local shard: gathered with ``gather_output``, else as is."""
-        return M.gather_from_tp(y, self.group) if self.gather_output else y
+        return gather_from_tp(y, self.group) if self.gather_output else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.local_output(self.parallel_input(x)))
@@ -308,7 +321,7 @@ class RowParallelLinear(_ParallelLinearBase):
         dtype=None,
     ) -> None:
         super().__init__()
-        tp, rank = M.group_size(group), M.group_rank(group)
+        tp, rank = group_size(group), group_rank(group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel RowParallelLinear needs input_is_parallel=True")
         if in_features % tp:
@@ -328,7 +341,7 @@ class RowParallelLinear(_ParallelLinearBase):
 
     def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's input slice ``[*, in/tp]``: ``x`` with ``input_is_parallel``, else split here."""
-        return x if self.input_is_parallel else M.scatter_to_tp(x, self.group)
+        return x if self.input_is_parallel else scatter_to_tp(x, self.group)
 
     def local_partial(self, x_l: torch.Tensor) -> torch.Tensor:
         """This rank's partial product ``x_l W_l^T`` (a fresh tensor, for :meth:`reduce`)."""
@@ -338,8 +351,8 @@ class RowParallelLinear(_ParallelLinearBase):
         """Sum the ranks' partial products: all-reduce, or reduce-scatter on the sequence dim under
         sequence parallel. ``partial`` must be a fresh tensor (summed in place)."""
         if self.sequence_parallel:
-            return M.reduce_scatter_to_sequence(partial, self.group)
-        return M.reduce_from_tp_(partial, self.group)
+            return reduce_scatter_to_sequence(partial, self.group)
+        return reduce_from_tp_(partial, self.group)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """The bias, once, after the reduction."""
@@ -369,7 +382,7 @@ class VocabParallelEmbedding(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        tp, rank = M.group_size(group), M.group_rank(group)
+        tp, rank = group_size(group), group_rank(group)
         if num_embeddings % tp:
             raise NxdError(f"vocab_size {num_embeddings} is not divisible by the tensor-parallel size {tp}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -407,8 +420,8 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
         if self.sequence_parallel:
-            return M.reduce_scatter_to_sequence(out, self.group)
-        return M.reduce_from_tp_(out, self.group)  # out: masked_fill's own output
+            return reduce_scatter_to_sequence(out, self.group)
+        return reduce_from_tp_(out, self.group)  # out: masked_fill's own output
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, vocab=[{self.vocab_start}, {self.vocab_end})"

@@ -65,7 +65,8 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
 
 
 @torch.no_grad()
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None,
+                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum over ``group`` into a new tensor (the input is never modified)."""
     out = x.detach().contiguous().clone()
     dist.all_reduce(out, op=op, group=group)
@@ -73,7 +74,7 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
     world = group_size(group)
     front = x.detach().movedim(dim, 0).contiguous()
@@ -83,7 +84,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over ``group``, then keep this rank's chunk along ``dim``."""
     world = group_size(group)
     _check_divisible(x, dim, world)
@@ -93,7 +94,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's chunk of ``x`` along ``dim`` (no communication)."""
     world = group_size(group)
     _check_divisible(x, dim, world)
@@ -204,15 +205,15 @@ class ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.group), None
 
 
-def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else ReduceFromTP.apply(x, group)
 
 
-def reduce_from_tp_(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tp_(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """:func:`reduce_from_tp` summing into ``x`` itself: for a fresh tensor the caller does not use
     again and autograd has not saved (a matmul's output). A view or a non-contiguous ``x`` is
     summed into a copy; a saved one makes backward raise autograd's in-place error."""
@@ -223,31 +224,31 @@ def reduce_from_tp_(x: torch.Tensor, group) -> torch.Tensor:
     return ReduceFromTPInPlace.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else ScatterToTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else GatherFromTP.apply(x, group)
 
 
-def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else ScatterToSequence.apply(x, group)
 
 
-def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else GatherFromSequence.apply(x, group)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else ReduceScatterToSequence.apply(x, group)
 
 
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over ``group`` into a new tensor (no autograd)."""
     return x if group_size(group) == 1 else _all_reduce(x, group)
 
 
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (no autograd; for export and tests)."""
     return x if group_size(group) == 1 else _all_gather(x, dim, group)

@@ -18,18 +18,20 @@ the NxD-style API alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
+from torch.optim.optimizer import ParamsT, StateDict
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.clip import clip_grad_norm, clip_grad_norm_zero1
 from nxd_finetune.parallel.data_parallel import allreduce_gradients
 from nxd_finetune.parallel.plan import allreduce_replicated_grads
 from nxd_finetune.parallel.state import ParallelState
-from nxd_finetune.parallel.zero1 import Zero1Optimizer
+from nxd_finetune.parallel.zero1 import Hyperparameter, ParamGroup, Zero1Optimizer
 
 GradReduction = Literal["mean", "sum"]
 
@@ -45,8 +47,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        optimizer_class: type[torch.optim.Optimizer],
-        params: Iterable[Any],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        params: ParamsT,
         *,
         state: ParallelState,
         model: nn.Module | None,
@@ -54,7 +56,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         grad_reduction: GradReduction = "mean",
         max_grad_norm: float | None = None,
         not_counted: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] = (),
-        **defaults: Any,
+        **defaults: Hyperparameter,
     ) -> None:
         # no Optimizer.__init__: everything is delegated to the wrapped optimizer
         if grad_reduction not in ("mean", "sum"):
@@ -70,40 +72,42 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.not_counted: list[torch.Tensor] = list(not_counted) if not callable(not_counted) else []
         self.optimizer: torch.optim.Optimizer
         if zero1:
-            self.optimizer = Zero1Optimizer(params, optimizer_class, state.dp_group, average=self.average, **defaults)
+            # mypy cannot tell the hyperparameters in ``defaults`` from Zero1Optimizer's own keywords
+            self.optimizer = Zero1Optimizer(params, optimizer_class, state.dp_group, average=self.average,
+                                            **defaults)  # type: ignore[arg-type]
         else:
             self.optimizer = optimizer_class(params, **defaults)
         self.grad_norm: torch.Tensor | None = None
 
     # torch's stub declares these as writeable attributes; here they forward to the wrapped optimizer
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[ParamGroup]:  # type: ignore[override]
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> defaultdict[torch.Tensor, StateDict]:  # type: ignore[override]
         return self.optimizer.state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Hyperparameter]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: ParamGroup) -> None:
         if self.zero1:
             raise NxdError("add_param_group is not supported with ZeRO-1: pass every group at construction")
         self.optimizer.add_param_group(param_group)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():

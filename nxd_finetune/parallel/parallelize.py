@@ -26,20 +26,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.models.loading import materialize
 from nxd_finetune.objective import SFT, Objective
-from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
+from nxd_finetune.parallel.pipeline import LossFn, PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.recompute import checkpointed
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
 
 CheckpointSpec = None | Literal["full"] | type[nn.Module] | tuple[type[nn.Module], ...]
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 StatsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -167,8 +167,6 @@ def materialize_module(module: nn.Module, weights: WeightSource, checkpoint_key:
     if not _on_meta(module):
         return
     if weights.checkpoint is not None:
-        from nxd_finetune.models import materialize
-
         materialize(module, weights.checkpoint, dtype=weights.dtype, device="cpu", reader=make_slice_reader(module),
                     name_map=checkpoint_name_map(module, checkpoint_key))
     elif weights.param_init_fn is not None:

@@ -77,7 +77,8 @@ SCHEDULES: dict[str, type] = {
 SIDE_INPUTS = ("position_ids", "segment_ids")
 _MAX_CACHED_SHAPES = 4
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# loss_fn(output, target, n_targets) -> the micro-batch's loss (its share of the step's mean)
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | int], torch.Tensor]
 
 
 def split_layers(
@@ -258,7 +259,8 @@ class PipelineRunner:
             return hidden_scores(output, labels, head=self._head, rows=self._rows, tp_group=self._tp_group)
         return LogitScores(output, shift_labels(labels), self._tp_group)
 
-    def _objective_loss(self, output: torch.Tensor, target: torch.Tensor, n_targets: Any) -> torch.Tensor:
+    def _objective_loss(self, output: torch.Tensor, target: torch.Tensor,
+                        n_targets: torch.Tensor | int) -> torch.Tensor:
         obj = self.objective
         return obj.loss_sum(self._scores(output, obj.labels(target)), target) / n_targets
 
@@ -333,7 +335,8 @@ class PipelineRunner:
         dist.broadcast(out, src=self.state.pp_ranks[-1], group=self.state.pp_group)
         return out
 
-    def step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
+    def step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]],
+             n_targets: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and backward of one optimizer step's ``micro_batches`` (dicts of ``input_ids``,
         ``labels`` and optional ``position_ids``/``segment_ids``, each ``[B, T]``); every rank of the
         pipeline group passes the same micro-batches. Gradients accumulate into ``.grad``.

@@ -35,13 +35,14 @@ materialised model (each layer copies its slice), which tests use.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.models.loading import TensorSlice
 from nxd_finetune.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -106,22 +107,45 @@ TP_PLANS: dict[str, dict[str, str]] = {
 }
 
 
-def tp_plan_for(config: Any) -> dict[str, str]:
-    """The plan for ``config.architecture``; NxdError listing the supported ones otherwise."""
+def tp_plan_for(config: object) -> dict[str, str]:
+    """The plan for ``config.architecture`` (a HeadConfig, or anything with that attribute);
+    NxdError listing the supported ones otherwise."""
     arch = getattr(config, "architecture", None)
     if arch not in TP_PLANS:
         raise NxdError(f"no tensor-parallel plan for {arch!r}; supported: {', '.join(TP_PLANS)}")
     return TP_PLANS[arch]
 
 
-def check_tp_config(config: Any, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+class HeadConfig(Protocol):
+    """The sizes a TP plan splits, as a model's config holds them (``DecoderConfig``, an HF config).
+    ``num_key_value_heads`` / ``head_dim``: None only before ``DecoderConfig`` fills them in."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def _kv_heads(config: HeadConfig) -> int:
+    nkv = config.num_key_value_heads
+    assert nkv is not None  # DecoderConfig.__post_init__ sets it
+    return nkv
+
+
+def check_tp_config(config: HeadConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None) -> None:
     """Raise NxdError (one line, with the numbers) when ``config`` cannot be split ``tp`` ways.
 
     Checks query heads, KV heads (split or replicated, see the module docstring), intermediate
     size and vocabulary; under sequence parallel also ``seq_len`` when given. Cheap, so the
     recipe check can call it before any worker starts.
     """
-    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    nq, nkv = config.num_attention_heads, _kv_heads(config)
     if nq % tp:
         raise NxdError(f"num_attention_heads={nq} is not divisible by tp={tp}")
     if nkv % tp and tp % nkv:
@@ -140,19 +164,20 @@ def check_tp_config(config: Any, tp: int, sequence_parallel: bool = False, seq_l
         raise NxdError(f"sequence parallel: sequence length {seq_len} is not divisible by tp={tp}")
 
 
-def _fused_parts(config: Any, style: str) -> tuple[int, ...]:
+def _fused_parts(config: HeadConfig, style: str) -> tuple[int, ...]:
     """The pieces of a fused projection's output (``ShardSpec.parts``); () for the other styles."""
     if style == "column_qkv":
-        d = config.head_dim
-        return (config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d)
+        d, nkv = config.head_dim, _kv_heads(config)
+        assert d is not None  # DecoderConfig.__post_init__ sets it
+        return (config.num_attention_heads * d, nkv * d, nkv * d)
     if style == "column_gate_up":
         return (config.intermediate_size, config.intermediate_size)
     return ()
 
 
-def kv_replication(config: Any, tp: int) -> int:
+def kv_replication(config: HeadConfig, tp: int) -> int:
     """How many consecutive TP ranks share one KV head (1 when tp divides the KV head count)."""
-    nkv = config.num_key_value_heads
+    nkv = _kv_heads(config)
     return tp // nkv if tp > nkv else 1
 
 
@@ -200,7 +225,7 @@ def apply_tp_plan(
     tp = state.tp_size
     if tp == 1:
         return model
-    config = model.config
+    config: HeadConfig = model.config  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
     check_tp_config(config, tp)
     replicas = kv_replication(config, tp)
     group, sp = state.tp_group, sequence_parallel
@@ -262,7 +287,7 @@ def make_slice_reader(model: nn.Module):
         assert param is not None  # iter_shard_specs yields set parameters only
         specs[id(param)] = (param, spec)
 
-    def reader(key: str, safe_slice: Any, target: torch.Tensor) -> torch.Tensor:
+    def reader(key: str, safe_slice: TensorSlice, target: torch.Tensor) -> torch.Tensor:
         entry = specs.get(id(target))
         if entry is None or entry[0] is not target or entry[1].partition_dim is None:
             return safe_slice[:] if not specs else safe_slice[:].clone()

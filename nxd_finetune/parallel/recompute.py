@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
+P = ParamSpec("P")
+R = TypeVar("R")
 _RECORD = contextvars.ContextVar("nxd_finetune_record_graph", default=False)
 
 
@@ -36,7 +38,7 @@ def recording_graph() -> Iterator[None]:
         _RECORD.reset(token)
 
 
-def checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+def checkpointed(module: nn.Module, forward: Callable[P, R]) -> Callable[P, R]:
     """``forward`` (of ``module``) recomputed in backward.
 
     Keyword tensors become positional inputs of the checkpoint, so they get gradients. When no
@@ -46,11 +48,14 @@ def checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[...
     the module, it is the plain forward.
     """
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    plain: Callable[..., R] = forward  # called below with the checkpoint's positional inputs
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         if _RECORD.get():
-            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            keywords: dict[str, Any] = kwargs  # forward's, passed through checkpoint's own keywords
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **keywords)
         names = list(kwargs)
         inputs = [*args, *kwargs.values()]
         if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
@@ -60,8 +65,8 @@ def checkpointed(module: nn.Module, forward: Callable[..., Any]) -> Callable[...
 
         n = len(args)  # not ``args``: the graph keeps this function after backward, and so would it
 
-        def call(*values: Any) -> Any:
-            return forward(*values[:n], **dict(zip(names, values[n:], strict=False)))
+        def call(*values: object) -> R:
+            return plain(*values[:n], **dict(zip(names, values[n:], strict=False)))
 
         return torch.utils.checkpoint.checkpoint(call, *inputs, use_reentrant=True)
 

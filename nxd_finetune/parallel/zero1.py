@@ -63,14 +63,20 @@ masters are taken at construction), or call :meth:`Zero1Optimizer.refresh_master
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim.optimizer import ParamsT, StateDict
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.parallel import mappings as M
+from nxd_finetune.parallel.clip import clip_grad_norm_zero1
+from nxd_finetune.parallel.layers import ShardSpec
+from nxd_finetune.parallel.mappings import group_rank, group_size
+from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1_flat import (
     FlatShard,
     all_gather_single,
@@ -83,6 +89,11 @@ from nxd_finetune.parallel.zero1_flat import (
     shard_state,
     slot,
 )
+
+# An optimizer hyperparameter as torch's optimizers take them (lr, betas, eps, foreach, ...).
+Hyperparameter = float | bool | tuple[float, ...] | None
+# A torch param group: {"params": [...], "lr": ..., ...} (torch types it ``dict[str, Any]``).
+ParamGroup = dict[str, Any]
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -102,19 +113,19 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
-        optimizer_class: type[torch.optim.Optimizer],
-        dp_group,
+        params: ParamsT,
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        dp_group: ProcessGroup | None,
         *,
         average: bool = False,
         reduce_dtype: torch.dtype | None = torch.float32,
         inner_chunk_numel: int = 1 << 22,
-        **defaults: Any,
+        **defaults: Hyperparameter,
     ) -> None:
         super().__init__(params, defaults)
         self.inner_chunk_numel = inner_chunk_numel
         self.dp_group = dp_group
-        self.dp_size, self.dp_rank = M.group_size(dp_group), M.group_rank(dp_group)
+        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.average, self.reduce_dtype = average, reduce_dtype
         # gloo's reduce-scatter and all-gather stage a whole-buffer copy: use in-place collectives
         self._gloo = self.dp_size > 1 and dist.get_backend(dp_group) == "gloo"
@@ -227,12 +238,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """The fp32 gradient shards (after :meth:`reduce_gradients`), e.g. to scale them."""
         return [f.master.grad for f in self.flats if f.master.grad is not None]
 
-    def clip_grad_norm(self, max_norm: float | None, state, specs: Any = None,
+    def clip_grad_norm(self, max_norm: float | None, state: ParallelState,
+                       specs: dict[int, ShardSpec] | nn.Module | None = None,
                        not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
         """Reduce the gradients if not done yet, then clip the shards to the global L2 norm
         ``max_norm`` (see :func:`~nxd_finetune.parallel.clip.clip_grad_norm_zero1`); returns the norm."""
-        from nxd_finetune.parallel.clip import clip_grad_norm_zero1
-
         if not self._reduced:
             self.reduce_gradients()
         return clip_grad_norm_zero1(self, max_norm, state, specs=specs, not_counted=not_counted)
@@ -285,8 +295,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
         assert buf is not None
         if self._gloo:
             for r in range(self.dp_size):
-                dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size],
-                               src=dist.get_global_rank(self.dp_group, r), group=self.dp_group)
+                src = r if self.dp_group is None else dist.get_global_rank(self.dp_group, r)  # None: the world
+                dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size], src=src, group=self.dp_group)
         elif self.dp_size > 1:
             all_gather_single(buf, flat.master.clone(), group=self.dp_group)
         for p, off in zip(flat.params, flat.offsets, strict=True):
@@ -295,7 +305,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpointing
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """This dp rank's shard: the inner optimizer's state (over the master shards), the fp32
         master shards, the outer groups' options, and the layout needed to reshard later
         (``zero1``: dp size / rank and, per flat space, group, dtype, numel, padding, this rank's
@@ -311,7 +321,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Restore a :meth:`state_dict` written by the same dp rank of the same layout.
 
         Restores the master shards and the inner states, not the model parameters (they come

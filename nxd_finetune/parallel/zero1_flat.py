@@ -6,10 +6,11 @@ wrapped optimizer's state of a shard, joined over its chunks or handed back to t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import StateDict
 
 from nxd_finetune.errors import NxdError
 
@@ -28,6 +29,19 @@ def is_slot(t: torch.Tensor | None, buf: torch.Tensor, offset: int, p: torch.Ten
     """Whether ``t`` is (still) the view :func:`slot` gives, not a tensor put in its place."""
     return (t is not None and t.dtype == buf.dtype and t.device == buf.device and t.shape == p.shape
             and t.is_contiguous() and t.data_ptr() == buf.data_ptr() + offset * buf.element_size())
+
+
+class FlatLayout(TypedDict):
+    """One flat space as a ZeRO-1 state dict records it (to check or reshard on load)."""
+
+    group: int
+    dtype: str
+    numel: int
+    padded_numel: int
+    shard_start: int
+    shard_size: int
+    param_shapes: list[list[int]]
+    param_offsets: list[int]
 
 
 @dataclasses.dataclass
@@ -58,7 +72,7 @@ class FlatShard:
                 out.append((i, a - lo, b - lo))
         return out
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self) -> FlatLayout:
         return {
             "group": self.group_index,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -121,7 +135,7 @@ def copy_params_to_master(flat: FlatShard) -> None:
         flat.master[a:b].copy_(flat.params[i].detach().reshape(-1)[a - off : b - off])
 
 
-def shard_state(inner: torch.optim.Optimizer, flat: FlatShard) -> dict[str, Any]:
+def shard_state(inner: torch.optim.Optimizer, flat: FlatShard) -> StateDict:
     """The wrapped optimizer's state of ``flat``'s master shard: per-element states of its
     chunks joined (a new tensor when there are several), scalar states of the first chunk."""
     states = [inner.state.get(c, {}) for c in flat.chunks]

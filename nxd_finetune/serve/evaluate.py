@@ -106,7 +106,7 @@ def _score(recipe: Recipe) -> dict[str, Any]:
     if recipe.parallel.nproc == 1:
         return eval_rank(recipe) or {}
     prepare_shared(recipe)
-    return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0]
+    return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0] or {}
 
 
 def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
