@@ -25,7 +25,7 @@ float32 tensor (no ``.item()``, so no host sync). Every rank of the world must c
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,19 @@ from torch.distributed import ProcessGroup
 from nxd_finetune.parallel.layers import ShardSpec, iter_shard_specs
 from nxd_finetune.parallel.state import ParallelState
 
-if TYPE_CHECKING:
-    from nxd_finetune.parallel.zero1 import Zero1Optimizer
-
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+class GradShards(Protocol):
+    """The reduced gradient shards of a ZeRO-1 optimizer (:class:`~.zero1.Zero1Optimizer`)."""
+
+    def local_grad_slices(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, this rank's slice of its reduced gradient)`` pairs."""
+        ...
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """The fp32 gradient shards, clipped in place."""
+        ...
 
 
 def shard_spec_map(model: nn.Module) -> dict[int, ShardSpec]:
@@ -127,7 +136,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float |
 
 
 @torch.no_grad()
-def clip_grad_norm_zero1(optimizer: Zero1Optimizer, max_norm: float | None, state: ParallelState, *,
+def clip_grad_norm_zero1(optimizer: GradShards, max_norm: float | None, state: ParallelState, *,
                          specs: dict[int, ShardSpec] | nn.Module | None = None,
                          not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The ZeRO-1 variant: the norm over the reduced gradient *shards* of a
