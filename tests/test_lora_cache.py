@@ -1,6 +1,9 @@
 """The registry adapter cache behind the vLLM resolver (nxd_finetune/serve/lora_cache.py), without vLLM:
-selectors, registries searched in order (local and a real moto S3 server), every sha256 checked,
-corrupted versions and cached copies, the base-model check. tests/vllm/ runs it inside vLLM."""
+selectors (and why a name is not one), registries searched in order (local and a real moto S3
+server), every sha256 checked, corrupted versions; cached copies read-only, never removed or
+rewritten (an altered one is replaced under a new path), and ``ensure`` (what every load in vLLM
+reads) answering a verified copy of a path handed out earlier, pulling again after ``rm -rf``;
+the base-model check. tests/vllm/ runs it inside vLLM."""
 
 from __future__ import annotations
 
@@ -173,6 +176,7 @@ def test_ensure_pulls_a_copy_removed_by_hand_again(moto_s3, tmp_path):
         assert (path / name).read_bytes() == (src / name).read_bytes()
     outside = make_adapter(tmp_path / "elsewhere")
     assert loader.ensure(outside) == outside  # not a cached copy: not this cache's business
+    assert loader.holds(path) and not loader.holds(outside) and not loader.holds(cache_dir)
 
 
 def test_ensure_refuses_what_the_registry_cannot_give_again(tmp_path):

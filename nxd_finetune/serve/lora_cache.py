@@ -157,6 +157,10 @@ class AdapterCache:
             return CachedAdapter(path, found.ref, found.name, found.version)
         return None
 
+    def holds(self, path: str | os.PathLike) -> bool:
+        """``path`` is the path of a copy in this cache (whatever its state)."""
+        return _copy_location(self.cache_dir, Path(path).absolute()) is not None
+
     def ensure(self, path: str | os.PathLike) -> Path:
         """The path of a verified copy with the content of ``path``, a copy :meth:`fetch` handed out
         earlier (perhaps to another process): ``path`` itself while its files match, else the copy

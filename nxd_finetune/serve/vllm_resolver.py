@@ -16,9 +16,11 @@ and returns a ``LoRARequest`` for the copy.
 What vLLM 0.32's interface leaves to it, and what this module does about it:
 
 - vLLM asks resolvers only for a name it has not loaded, keeps the answer under that name until
-  ``POST /v1/unload_lora_adapter`` removes it, and numbers (slots) adapters by name. So ``NAME``
-  and ``NAME@TAG`` stay the version they named at their first request, and ``NAME``, ``NAME@TAG``
-  and ``NAME:VERSION`` naming one version take one slot each (the README says how to unload).
+  ``POST /v1/unload_lora_adapter`` removes it, and numbers adapters after the resolver answers. So
+  ``NAME`` and ``NAME@TAG`` stay the version they named at their first request (the README says how
+  to unload). So that names of one version take one LoRA slot, :func:`register` wraps
+  ``OpenAIServingModels.resolve_lora`` (in the API server): a name resolved to the cached copy that
+  another loaded name uses takes that name's adapter id.
 - vLLM keeps only the copy's path, and reads the files again from it in its engine process when it
   loads an adapter it had evicted from its CPU cache. :func:`register` therefore wraps vLLM's
   ``WorkerLoRAManager._load_adapter`` (in the engine processes it is loaded into) so that every
@@ -37,8 +39,9 @@ What vLLM 0.32's interface leaves to it, and what this module does about it:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from pathlib import Path
+from typing import Any
 
 import msgspec
 from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMError, VLLMNotFoundError
@@ -116,15 +119,39 @@ def _last_resolver() -> bool:
 def _checked_load_adapter(self: WorkerLoRAManager, lora_request: LoRARequest) -> LoRAModel:
     """vLLM's ``WorkerLoRAManager._load_adapter``, reading a verified copy of a cached adapter."""
     assert _vllm_load_adapter is not None
-    if _load_cache is not None:
+    if _load_cache is not None and _load_cache.holds(lora_request.lora_path):
         try:
-            path = _load_cache.ensure(Path(lora_request.lora_path))
+            path = _load_cache.ensure(lora_request.lora_path)
         except NxdError as e:
             logger.error("nxd-finetune registry: cannot load LoRA adapter %r again: %s", lora_request.lora_name, e)
             raise
+        logger.info("nxd-finetune registry: loading LoRA adapter %r (id %d) from %s, files checked",
+                    lora_request.lora_name, lora_request.lora_int_id, path)
         if str(path) != lora_request.lora_path:
             lora_request = msgspec.structs.replace(lora_request, lora_path=str(path))
     return _vllm_load_adapter(self, lora_request)
+
+
+def _one_slot_per_copy(resolve_lora: Callable[[Any, str], Awaitable[Any]]) -> Callable[[Any, str], Awaitable[Any]]:
+    """Wrap vLLM's ``OpenAIServingModels.resolve_lora``: a name this resolver answered with a copy
+    that another loaded name already uses takes that name's adapter id (vLLM gives every name a new
+    one after the resolver answers), so that ``NAME``, ``NAME@TAG`` and ``NAME:VERSION`` of one
+    version take one LoRA slot. vLLM has by then loaded the copy once under the new id; that entry
+    of its CPU cache is never asked for again and ages out."""
+
+    async def resolve(models: Any, lora_name: str) -> Any:
+        found = await resolve_lora(models, lora_name)
+        if isinstance(found, LoRARequest) and _load_cache is not None and _load_cache.holds(found.lora_path):
+            same = next((r for n, r in models.lora_requests.items() if n != lora_name and r.lora_path == found.lora_path
+                         and r.lora_int_id != found.lora_int_id), None)
+            if same is not None:
+                logger.info("nxd-finetune registry: %r takes the LoRA slot of %r (id %d, the same copy)",
+                            lora_name, same.lora_name, same.lora_int_id)
+                found.lora_int_id = same.lora_int_id
+        return found
+
+    resolve._nxd_one_slot = True  # type: ignore[attr-defined]
+    return resolve
 
 
 def register() -> None:
@@ -143,3 +170,13 @@ def register() -> None:
                        "evicted and loaded again is read from its cached copy without a check")
     else:
         WorkerLoRAManager._load_adapter = _checked_load_adapter  # type: ignore[method-assign]
+    try:  # the API server's layer; an optional part of vLLM for this plugin
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    except ImportError:
+        return
+    current = getattr(OpenAIServingModels, "resolve_lora", None)
+    if current is None:
+        logger.warning("nxd-finetune registry: this vLLM has no OpenAIServingModels.resolve_lora; names of one "
+                       "version take a LoRA slot each")
+    elif not getattr(current, "_nxd_one_slot", False):
+        OpenAIServingModels.resolve_lora = _one_slot_per_copy(current)  # type: ignore[method-assign]

@@ -80,3 +80,30 @@ def test_names_it_does_not_hold_are_left_to_later_resolvers(resolver, tmp_path):
     assert answer(resolver, "nobody") is None and answer(resolver, "bot:0") is None
     assert asyncio.run(other.resolve_lora("builtin:tiny-llama", "local-bot")).lora_path == str(adapter)
     assert answer(resolver, "bot:7").code == 404 and answer(resolver, "broken").code == 400
+
+
+def test_register_wraps_vllm_once(tmp_path, monkeypatch):
+    """With the registry set, ``register`` (run by vLLM in each of its processes, perhaps twice)
+    adds the resolver and wraps vLLM's adapter load and name resolution exactly once."""
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from nxd_finetune.serve import vllm_resolver
+
+    monkeypatch.setattr(LoRAResolverRegistry, "resolvers", {})
+    monkeypatch.setattr(WorkerLoRAManager, "_load_adapter", WorkerLoRAManager._load_adapter)
+    original = OpenAIServingModels.resolve_lora
+    monkeypatch.setattr(OpenAIServingModels, "resolve_lora", original)
+    monkeypatch.delenv("NXD_FINETUNE_LORA_REGISTRY", raising=False)
+    vllm_resolver.register()
+    assert not LoRAResolverRegistry.resolvers and not hasattr(OpenAIServingModels.resolve_lora, "_nxd_one_slot")
+
+    monkeypatch.setenv("NXD_FINETUNE_LORA_REGISTRY", str(tmp_path / "reg"))
+    monkeypatch.setenv("NXD_FINETUNE_LORA_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        vllm_resolver.register()
+    assert list(LoRAResolverRegistry.resolvers) == [RESOLVER_NAME]
+    assert WorkerLoRAManager._load_adapter is vllm_resolver._checked_load_adapter
+    wrapped = OpenAIServingModels.resolve_lora
+    assert [c.cell_contents for c in wrapped.__closure__] == [original]  # vLLM's own, wrapped once
+    assert wrapped._nxd_one_slot and vllm_resolver._load_cache.holds(tmp_path / "cache/k/bot/1-0123456789abcdef")

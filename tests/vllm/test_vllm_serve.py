@@ -11,7 +11,9 @@ LoRA loading) answers every check, since each vLLM start costs about a minute on
 - the cached copies vLLM reads again: a byte flipped in one, then the whole cache removed by hand,
   while the server runs; adapters evicted from vLLM's CPU cache (``--max-loras 2``) and asked for
   again are read from verified copies (the answers stay PEFT's, the server stays up);
-- a tag moved while the server runs: the name keeps its version until unloaded, then follows the tag.
+- a tag moved while the server runs: the name keeps its version until unloaded, then follows the tag;
+- ``NAME`` and ``NAME:VERSION`` of one version take one LoRA slot (nothing is read again while
+  cycling through them and another adapter with 2 slots).
 
 These run in file order on the one server; the last ones alter its cache.
 """
@@ -75,7 +77,7 @@ def _env(work: Path, **extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def base_dir(quickstart_cache) -> Path:
-    from nxd_finetune.sft.build import resolve_model_dir
+    from nxd_finetune.data.inputs import resolve_model_dir
 
     return resolve_model_dir("builtin:tiny-llama")
 
@@ -265,6 +267,26 @@ def test_refusals_give_their_reason(server, prompts, work):
     assert "refused LoRA adapter 'broken:1'" in text
     assert "broken:1: adapter_model.safetensors does not match its manifest" in text
     assert not [p for p in (work / "lora-cache").rglob("*") if "broken" in p.parts and p.is_file()]
+
+
+def _loads(log: Path) -> int:
+    """How many times vLLM has read a cached copy's files (the plugin logs each checked load)."""
+    return log.read_text().count("nxd-finetune registry: loading LoRA adapter")
+
+
+def test_names_of_one_version_take_one_slot(server, prompts, expected):
+    """``qs-tp2`` and ``qs-tp2:1`` share one adapter id: cycling through them and ``qs-pp2:1`` fits
+    vLLM's CPU cache of 2 (three ids would evict one at every request and read its files again)."""
+    client, log = server
+    cycle = (("qs-tp2:1", "tp2"), ("qs-tp2", "tp2"), ("qs-pp2:1", "pp2"))
+    for name, layout in cycle:
+        assert_same(complete(client, name, prompts), expected[layout], name)
+    assert "'qs-tp2' takes the LoRA slot of 'qs-tp2:1'" in log.read_text()
+    loads = _loads(log)
+    for _ in range(2):
+        for name, layout in cycle:
+            assert_same(complete(client, name, prompts), expected[layout], name)
+    assert _loads(log) == loads
 
 
 def _copy_of(log: Path, name: str) -> Path:
