@@ -111,6 +111,15 @@ REAL_CONFIGS = {
         "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
         "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
         "vocab_size": 256000},
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+        "intermediate_size": 6912, "max_position_embeddings": 32768, "num_attention_heads": 4,
+        "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144},
 }
 
 
@@ -265,6 +274,8 @@ SHIPPED = {
     "phi4-lora": ("phi-4", 40 * 16 * ((5120 + 7680) + (5120 + 5120) + (5120 + 35840) + (17920 + 5120))),
     # q 3584 -> 16*256, k/v 3584 -> 8*256, o, gate/up 3584 -> 14336, down
     "gemma2-9b-lora": ("gemma-2-9b", 42 * 16 * ((3584 + 4096) * 2 + (3584 + 2048) * 2 + (3584 + 14336) * 3)),
+    # q 1152 -> 4*256, k/v 1152 -> 256, o, gate/up 1152 -> 6912, down
+    "gemma3-1b-lora": ("gemma-3-1b-it", 26 * 16 * ((1152 + 1024) * 2 + (1152 + 256) * 2 + (1152 + 6912) * 3)),
 }
 
 
@@ -284,6 +295,28 @@ def test_shipped_recipe_validates_against_the_released_config(capsys, tmp_path, 
                         re.search(r"parameters: total ([\d,]+)\s+trainable ([\d,]+)", out.out).groups())
     assert trainable == lora_trainable
     assert total == DecoderConfig.from_hf(REAL_CONFIGS[real]).num_parameters() + lora_trainable
+
+
+def test_gemma3_config_written_before_transformers_5(make_tiny_hf):
+    """Released Gemma 3 configs predate ``layer_types`` and per-layer-type ``rope_parameters``:
+    ``rope_theta`` + ``rope_scaling`` (full layers), ``rope_local_base_freq`` (sliding layers) and
+    ``sliding_window_pattern``. Read the same way transformers converts them: equal logits."""
+    _, path = _tiny(make_tiny_hf, "gemma3-linear-rope")
+    raw = json.loads((path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw.pop("layer_types")
+    raw.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling={"rope_type": "linear", "factor": 8.0},
+               rope_local_base_freq=rope["sliding_attention"]["rope_theta"], sliding_window_pattern=3)
+    (path / "config.json").write_text(json.dumps(raw))
+    config = DecoderConfig.from_hf(path)
+    assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    assert (config.rope_theta, config.rope_local_base_freq, config.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.layer_types == config.layer_types
+    ours = load_pretrained(path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() <= 1e-5
 
 
 def test_memory_estimate_counts_gemma_tensors():
