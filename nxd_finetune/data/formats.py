@@ -18,7 +18,8 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
   it includes the template's end-of-turn marker (what the model must learn to emit to stop).
   TRL's convention (``return_assistant_tokens_mask`` on ``{% generation %}`` templates): when the
   turn ends with a special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) followed by whitespace
-  (ChatML's ``"\n"``), that whitespace is not trained; the end-of-turn token is.
+  (ChatML's ``"\n"``), that whitespace is not trained; the end-of-turn token is. Nor is an eos the
+  template prints after the whole conversation (Phi-3's ``<|end|>\n<|endoftext|>``).
   Templates for which these renders are not prefixes of each other raise DataError.
   Optional ``fields.role`` / ``fields.content`` rename the keys inside messages (ShareGPT's
   ``from``/``value``); the roles ``human``/``gpt`` are read as ``user``/``assistant``.
@@ -169,6 +170,18 @@ def _turn_end(through: str, start: int, specials: tuple[str, ...]) -> int:
     return len(through)
 
 
+def _without_closing_eos(rendered: str, eos: str | None, specials: tuple[str, ...]) -> str:
+    """``rendered`` less the eos a template prints after the whole conversation when no generation
+    prompt is asked for, after the turn's own closing special token (Phi-3: ``<|end|>\n<|endoftext|>``):
+    it closes the conversation, not the turn, so a turn's span and the prefix test stop before it, as
+    TRL's assistant mask does. An eos right after the answer (Mistral's ``</s>``) is the turn's end
+    and stays."""
+    if not eos or not rendered.endswith(eos):
+        return rendered
+    head = rendered[: -len(eos)]
+    return head if head.rstrip().endswith(tuple(t for t in specials if t != eos)) else rendered
+
+
 def _render_messages(
     row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
 ) -> Rendered:
@@ -188,7 +201,8 @@ def _render_messages(
             # the turn starts where its content does
             found = render_chat(tokenizer, messages[:1], chat_template).find(str(message["content"]))
             before = render_chat(tokenizer, messages[:1], chat_template)[: max(found, 0)]
-        through = render_chat(tokenizer, messages[: i + 1], chat_template)
+        through = _without_closing_eos(render_chat(tokenizer, messages[: i + 1], chat_template), tokenizer.eos_token,
+                                       specials)
         if not (through.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template renders conversation prefixes inconsistently (turn "
