@@ -20,16 +20,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxd_finetune.assets import BUILTIN_PREFIX, QUICKSTART_CORPUS
+from nxd_finetune.data.formats import render_chat
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import models_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TINY_LLAMA = "builtin:tiny-llama"
 CORPUS = QUICKSTART_CORPUS  # package data: found in an installed package too
@@ -38,7 +42,7 @@ _VERSION = 1  # bump when the build below changes in a way the hash would not se
 SEED = 0
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
-MODEL_CONFIG: dict[str, Any] = {
+MODEL_CONFIG: dict[str, Any] = {  # LlamaConfig keyword arguments
     "hidden_size": 256,
     "num_hidden_layers": 4,
     "num_attention_heads": 8,
@@ -82,7 +86,7 @@ def _build_key() -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_tokenizer(corpus: Path = CORPUS):
+def build_tokenizer(corpus: Path = CORPUS) -> PreTrainedTokenizerFast:
     """Train the quickstart tokenizer on ``corpus``; returns a ``PreTrainedTokenizerFast``.
 
     Plain calls (``tok(text)``) prepend ``<|bos|>`` like Llama tokenizers do; the chat template
@@ -171,13 +175,12 @@ def resolve_model_path(path: str | os.PathLike) -> Path | str:
     return ensure_tiny_model()
 
 
-def _answer_positions(tokenizer, messages: list[dict], chat_template: str | None) -> tuple[list[int], int]:
+def _answer_positions(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],
+                      chat_template: str | None) -> tuple[list[int], int]:
     """Token ids of the whole conversation and the index where the final answer starts.
 
     The answer is the content of the last (assistant) message, without the end-of-turn tokens.
     """
-    from nxd_finetune.data.formats import render_chat
-
     prompt = render_chat(tokenizer, messages[:-1], chat_template, add_generation_prompt=True)
     answer = tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -187,8 +190,8 @@ def _answer_positions(tokenizer, messages: list[dict], chat_template: str | None
 @torch.no_grad()
 def answer_accuracy(
     model_fn: Callable[[torch.Tensor], torch.Tensor],
-    tokenizer,
-    rows: Iterable[dict] | Sequence[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    rows: Iterable[Mapping[str, Sequence[Mapping[str, str]]]],
     chat_template: str | None = None,
     batch_size: int = 16,
     messages_field: str = "messages",

@@ -22,9 +22,13 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nxd_finetune.errors import NxdError
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
+    from nxd_finetune.recipe import Recipe
 
 STATE_FILE = "trackers.json"
 Sample = Mapping[str, str]
@@ -35,10 +39,10 @@ class Tracker(Protocol):
 
     def log_samples(self, step: int, rows: Sequence[Sample]) -> None: ...
 
-    def finish(self, summary: Mapping[str, Any] | None) -> None: ...
+    def finish(self, summary: JsonDict | None) -> None: ...
 
 
-def _require(package: str, key: str) -> Any:
+def _require(package: str, key: str) -> Any:  # the optional package's module
     import importlib
 
     try:
@@ -47,7 +51,7 @@ def _require(package: str, key: str) -> Any:
         raise NxdError(f"logging.{key} needs the {package} package: pip install 'nxd-finetune[{key}]'") from None
 
 
-def check_trackers(recipe: Any) -> None:
+def check_trackers(recipe: Recipe) -> None:
     """Fail early (one line naming the extra) when a tracker's package is missing."""
     if recipe.logging.mlflow is not None:
         _require("mlflow", "mlflow")
@@ -55,7 +59,7 @@ def check_trackers(recipe: Any) -> None:
         _require("wandb", "wandb")
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     """``{"lora": {"rank": 16}}`` -> ``{"lora.rank": "16"}`` (values as JSON text, strings as is)."""
     out: dict[str, str] = {}
     for key, value in tree.items():
@@ -67,14 +71,14 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _artefact_tags(recipe: Any, summary: Mapping[str, Any]) -> dict[str, str]:
+def _artefact_tags(recipe: Recipe, summary: JsonDict) -> dict[str, str]:
     tags = {"nxd_finetune.output": str(Path(summary["output"]).resolve())}
     if "registry_version" in summary:
         tags["nxd_finetune.registry_ref"] = f"{recipe.output.registry}:{summary['registry_version']}"
     return tags
 
 
-def _adapter_dir(recipe: Any, summary: Mapping[str, Any]) -> Path | None:
+def _adapter_dir(recipe: Recipe, summary: JsonDict) -> Path | None:
     """The final directory when it is an adapter alone (small enough to attach to a run)."""
     if recipe.lora is None or recipe.checkpoint.save_mode != "adapter":
         return None
@@ -98,13 +102,14 @@ def _mlflow_store(uri: str) -> tuple[str, str | None]:
 class MlflowTracker:
     """One MLflow run, written through ``mlflow.MlflowClient`` (no global active run)."""
 
-    def __init__(self, recipe: Any, out_dir: Path, run_id: str | None) -> None:
+    def __init__(self, recipe: Recipe, out_dir: Path, run_id: str | None) -> None:
         _require("mlflow", "mlflow")
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
         section = recipe.logging.mlflow
-        self.recipe = recipe
+        assert section is not None, "open_trackers opens MLflow only when logging.mlflow is set"
+        self.recipe, self.section = recipe, section
         uri, artifacts = _mlflow_store(section.tracking_uri)
         try:
             self.client = MlflowClient(tracking_uri=uri)
@@ -133,7 +138,7 @@ class MlflowTracker:
         self.uri = uri
 
     def state(self) -> dict[str, str]:
-        return {"run_id": self.run_id, "tracking_uri": self.recipe.logging.mlflow.tracking_uri}
+        return {"run_id": self.run_id, "tracking_uri": self.section.tracking_uri}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
@@ -147,7 +152,7 @@ class MlflowTracker:
         table: Any = [dict(r) for r in rows]  # mlflow writes any JSON-serialisable value
         self.client.log_dict(self.run_id, table, f"eval_samples/step-{step:08d}.json")
 
-    def finish(self, summary: Mapping[str, Any] | None) -> None:
+    def finish(self, summary: JsonDict | None) -> None:
         if summary is not None:
             for key, value in _artefact_tags(self.recipe, summary).items():
                 self.client.set_tag(self.run_id, key, value)
@@ -164,10 +169,11 @@ class WandbTracker:
     """One W&B run (``wandb.init``; ``mode: offline`` writes only local files, synced later with
     ``wandb sync``)."""
 
-    def __init__(self, recipe: Any, out_dir: Path, run_id: str | None) -> None:
+    def __init__(self, recipe: Recipe, out_dir: Path, run_id: str | None) -> None:
         wandb = _require("wandb", "wandb")
         section = recipe.logging.wandb
-        self.recipe = recipe
+        assert section is not None, "open_trackers opens W&B only when logging.wandb is set"
+        self.recipe, self.section = recipe, section
         root = Path(section.dir or out_dir)
         root.mkdir(parents=True, exist_ok=True)
         try:
@@ -180,7 +186,7 @@ class WandbTracker:
         self._wandb = wandb
 
     def state(self) -> dict[str, str]:
-        return {"run_id": self.run.id, "project": self.recipe.logging.wandb.project}
+        return {"run_id": self.run.id, "project": self.section.project}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log(dict(values), step=step)
@@ -189,7 +195,7 @@ class WandbTracker:
         table = self._wandb.Table(columns=["prompt", "completion"], data=[[r["prompt"], r["completion"]] for r in rows])
         self.run.log({"eval_samples": table}, step=step)
 
-    def finish(self, summary: Mapping[str, Any] | None) -> None:
+    def finish(self, summary: JsonDict | None) -> None:
         if summary is not None:
             for key, value in _artefact_tags(self.recipe, summary).items():
                 self.run.summary[key] = value
@@ -204,11 +210,11 @@ class WandbTracker:
 # ---------------------------------------------------------------- opening
 
 
-def open_trackers(recipe: Any, out_dir: Path, resumed: bool) -> list[Tracker]:
+def open_trackers(recipe: Recipe, out_dir: Path, resumed: bool) -> list[Tracker]:
     """The trackers the recipe asks for; a ``resumed`` run continues the runs named in
     ``<out_dir>/trackers.json``, a fresh one starts new runs and rewrites that file."""
     path = Path(out_dir) / STATE_FILE
-    saved: dict[str, Any] = {}
+    saved: JsonDict = {}
     if resumed and path.is_file():
         saved = json.loads(path.read_text())
     opened: dict[str, MlflowTracker | WandbTracker] = {}

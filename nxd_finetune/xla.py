@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 
@@ -28,6 +28,12 @@ if TYPE_CHECKING:
     from nxd_finetune.sft.engine import Engine
 
 log = logging.getLogger(__name__)
+
+ItemT = TypeVar("ItemT")
+StateT = TypeVar("StateT")
+TreeT = TypeVar("TreeT")
+# host values handed to ``on_host``'s function: 0-d tensors as floats, larger ones as lists
+HostValues = dict[str, float | list[float] | None]
 
 
 # ---------------------------------------------------------------- device
@@ -70,7 +76,7 @@ def refuse_unformable_world(world_size: int) -> None:
 # ---------------------------------------------------------------- device loader
 
 
-def _move(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _move(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:  # any nesting of containers
     """``obj`` (tensors in dicts / lists / tuples, other values as they are) with ``fn`` applied to
     every tensor."""
     if isinstance(obj, torch.Tensor):
@@ -85,7 +91,7 @@ def _move(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 _END = object()
 
 
-class DeviceLoader:
+class DeviceLoader(Generic[ItemT, StateT]):
     """Iterates ``source`` and yields each item with its tensors moved by ``transfer``.
 
     With ``prefetch > 0`` a background thread draws up to ``prefetch`` items ahead and copies them,
@@ -99,19 +105,20 @@ class DeviceLoader:
     consumer; :meth:`close` stops the thread (also at the end of a ``with`` block).
     """
 
-    def __init__(self, source: Iterable[Any], transfer: Callable[[Any], Any], prefetch: int = 0,
-                 snapshot: Callable[[], Any] | None = None, restore: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, source: Iterable[ItemT], transfer: Callable[[ItemT], ItemT], prefetch: int = 0,
+                 snapshot: Callable[[], StateT] | None = None,
+                 restore: Callable[[StateT], None] | None = None) -> None:
         self._source_iterable = source
-        self._source: Iterator[Any] | None = None
+        self._source: Iterator[ItemT] | None = None
         self._transfer, self._snapshot, self._restore = transfer, snapshot, restore
-        self._state: Any = None
+        self._state: StateT | None = None
         self._started = False
         self._prefetch = prefetch
-        self._queue: queue.Queue[tuple[Any, Any, BaseException | None]] | None = None
+        self._queue: queue.Queue[tuple[object, StateT | None, BaseException | None]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _draw(self) -> tuple[Any, Any]:
+    def _draw(self) -> tuple[ItemT, StateT | None]:
         if self._source is None:
             self._source = iter(self._source_iterable)
         item = next(self._source)
@@ -122,7 +129,7 @@ class DeviceLoader:
         while not self._stop.is_set():
             try:
                 item, state = self._draw()
-                entry: tuple[Any, Any, BaseException | None] = (self._transfer(item), state, None)
+                entry: tuple[object, StateT | None, BaseException | None] = (self._transfer(item), state, None)
             except StopIteration:
                 entry = (_END, None, None)
             except BaseException as e:  # handed to the consumer
@@ -136,10 +143,10 @@ class DeviceLoader:
             if entry[0] is _END:
                 return
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[ItemT]:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> ItemT:
         self._started = True
         if self._prefetch <= 0:
             item, state = self._draw()
@@ -149,21 +156,21 @@ class DeviceLoader:
             self._queue = queue.Queue(maxsize=self._prefetch)
             self._thread = threading.Thread(target=self._worker, name="nxd-device-loader", daemon=True)
             self._thread.start()
-        item, state, error = self._queue.get()
+        entry, state, error = self._queue.get()
         if error is not None:
             raise error
-        if item is _END:
+        if entry is _END:
             raise StopIteration
         self._state = state
-        return item
+        return cast(ItemT, entry)  # not _END: an item of ``source``, transferred
 
-    def state_dict(self) -> Any:
+    def state_dict(self) -> StateT | None:
         """``snapshot()`` as of the last item handed out (before any: the current ``snapshot()``)."""
         if not self._started and self._snapshot is not None:
             return self._snapshot()
         return self._state
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: StateT) -> None:
         """Restore the source's position (``restore(state)``); only before the first item."""
         if self._started:
             raise NxdError("DeviceLoader.load_state_dict: items were already drawn")
@@ -176,24 +183,24 @@ class DeviceLoader:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> DeviceLoader:
+    def __enter__(self) -> DeviceLoader[ItemT, StateT]:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 # ---------------------------------------------------------------- step runtimes
 
 
-def _floats(values: Mapping[str, Any]) -> dict[str, Any]:
+def _floats(values: Mapping[str, torch.Tensor | float | None]) -> HostValues:
     """0-d tensors -> float, larger ones -> lists, None stays None."""
-    def one(v: Any) -> Any:
+    def _one(v: torch.Tensor | float | None) -> float | list[float] | None:
         if v is None:
             return None
         return v.tolist() if isinstance(v, torch.Tensor) and v.numel() > 1 else float(v)
 
-    return {k: one(v) for k, v in values.items()}
+    return {k: _one(v) for k, v in values.items()}
 
 
 class StepRuntime:
@@ -212,8 +219,8 @@ class StepRuntime:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None,
-                restore: Callable[[Any], None] | None = None) -> DeviceLoader:
+    def batches(self, source: Iterable[ItemT], snapshot: Callable[[], StateT] | None = None,
+                restore: Callable[[StateT], None] | None = None) -> DeviceLoader[ItemT, StateT]:
         """``source``'s items on the device (see :class:`DeviceLoader` for ``snapshot``/``restore``)."""
         if self.device.type == "cpu":
             return DeviceLoader(source, lambda x: x, 0, snapshot, restore)
@@ -229,10 +236,10 @@ class StepRuntime:
     def sync(self) -> None:
         """A graph boundary outside the optimizer step (eval batches); nothing to do eagerly."""
 
-    def on_host(self, fn: Callable[[dict[str, Any]], None], values: Mapping[str, Any]) -> None:
+    def on_host(self, fn: Callable[[HostValues], None], values: Mapping[str, torch.Tensor | float | None]) -> None:
         fn(_floats(values))
 
-    def to_cpu(self, obj: Any) -> Any:
+    def to_cpu(self, obj: TreeT) -> TreeT:
         if self.device.type == "cpu":
             return obj
         return _move(obj, lambda t: t.detach().cpu())
@@ -242,7 +249,7 @@ class StepRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, list[int]]:
         return {}
 
 
@@ -294,8 +301,8 @@ class XlaRuntime(StepRuntime):
         sync = getattr(self._torch_xla, "sync", None)
         sync() if sync is not None else self._xm.mark_step()
 
-    def batches(self, source: Iterable[Any], snapshot: Callable[[], Any] | None = None,
-                restore: Callable[[Any], None] | None = None) -> DeviceLoader:
+    def batches(self, source: Iterable[ItemT], snapshot: Callable[[], StateT] | None = None,
+                restore: Callable[[StateT], None] | None = None) -> DeviceLoader[ItemT, StateT]:
         return DeviceLoader(source, lambda x: self._xm.send_cpu_data_to_device(x, self.device),
                             self.prefetch, snapshot, restore)
 
@@ -321,17 +328,17 @@ class XlaRuntime(StepRuntime):
                         "Python-side branch changed; every change costs a compilation (see docs/trainium.md)",
                         step, self.compiles[-1])
 
-    def on_host(self, fn: Callable[[dict[str, Any]], None], values: Mapping[str, Any]) -> None:
+    def on_host(self, fn: Callable[[HostValues], None], values: Mapping[str, torch.Tensor | float | None]) -> None:
         names = list(values)
         tensors = [values[k] for k in names]
 
-        def closure(*materialised: Any) -> None:
+        def closure(*materialised: torch.Tensor | float | None) -> None:
             cpu = self._xm._maybe_convert_to_cpu(list(materialised))
             fn(_floats(dict(zip(names, cpu, strict=True))))
 
         self._xm.add_step_closure(closure, args=tuple(tensors))
 
-    def to_cpu(self, obj: Any) -> Any:
+    def to_cpu(self, obj: TreeT) -> TreeT:
         """Flush pending work, then copy every XLA tensor of ``obj`` to the CPU in one transfer."""
         self._sync()
         return self._xm._maybe_convert_to_cpu(obj)
@@ -339,7 +346,7 @@ class XlaRuntime(StepRuntime):
     def wait(self) -> None:
         self._xm.wait_device_ops()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, list[int]]:
         """``xla_compiles`` / ``xla_graphs``: graphs compiled / launched since this runtime was created
         (the run's start: eval before training included), after each optimizer step."""
         return {"xla_compiles": list(self.compiles), "xla_graphs": list(self.launches)}
