@@ -331,3 +331,16 @@ def test_memory_estimate_counts_gemma_tensors():
     plain = dataclasses.replace(gemma, sandwich_norms=False, attn_logit_softcapping=None)
     extra = sum(layer_tensors(recipe, gemma)[1]) - sum(layer_tensors(recipe, plain)[1])  # recomputed (full AC)
     assert extra == 2 * 2 * 3584 / 8 + (3 * 2 + 4) * 4096 * 16 / 8
+
+
+def test_fused_qkv_refuses_replicated_kv_heads():
+    """A fused qkv_proj is split by head; KV heads cannot be replicated over more tp ranks than
+    there are of them (Phi-4: 10 KV heads; with its 100,352-token vocabulary only tp 2 splits it):
+    one line naming the numbers."""
+    from nxd_finetune.errors import NxdError
+    from nxd_finetune.parallel.plan import check_tp_config
+
+    phi4 = DecoderConfig.from_hf(REAL_CONFIGS["phi-4"])
+    check_tp_config(phi4, 2)
+    with pytest.raises(NxdError, match=r"^num_key_value_heads=10 is not divisible by tp=20 \(a fused qkv_proj"):
+        check_tp_config(phi4, 20)

@@ -166,6 +166,9 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
 
 def test_tp2_gradients_equal_the_unsharded_model(make_tiny_hf):
     dirs = {family: str(make_tiny_hf(kind, **overrides)[1]) for family, (kind, overrides) in FAMILIES.items()}
+    # Gemma 3 1B's one KV head: tp2 replicates it, and its k_norm, on both ranks
+    kind, overrides = FAMILIES["gemma3"]
+    dirs["gemma3-kv-replicated"] = str(make_tiny_hf(kind, **{**overrides, "num_key_value_heads": 1})[1])
     got = launch(_tp2_grads, 2, dirs, start_method="fork")[0]
     close = {k: v for k, v in got.items() if not k.endswith("/before-sync")}
     assert max(close.values()) <= 1e-5, sorted(close.items(), key=lambda kv: -kv[1])[:3]
