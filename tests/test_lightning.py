@@ -198,9 +198,10 @@ def test_model_function_and_nxd_config_reproduce_run(reference, tmp_path):
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    from nxd_finetune.data.inputs import load_tokenizer, lora_config_from_recipe, resolve_model_dir
+    from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
     from nxd_finetune.data.loader import build_dataloaders
     from nxd_finetune.lightning import NxdModelModule, NxdStrategy
+    from nxd_finetune.lora import LoraConfig
     from nxd_finetune.models import DecoderConfig, build_model
     from nxd_finetune.sft.schedule import lr_factor
 
@@ -212,7 +213,7 @@ def test_model_function_and_nxd_config_reproduce_run(reference, tmp_path):
     steps = _Steps([[next(it), next(it)] for _ in range(n)])
     config = {"tensor_parallel_size": 2, "optimizer_config": {"max_grad_norm": t.grad_clip},
               "model_init_config": {"meta_device_init": True, "checkpoint": str(model_dir)},
-              "lora_config": lora_config_from_recipe(r.lora)}
+              "lora_config": LoraConfig.from_section(r.lora)}
     schedule = functools.partial(lr_factor, total_steps=STEPS, warmup_steps=t.warmup_steps, kind=t.scheduler,
                                  min_lr_ratio=t.min_lr_ratio)
     module = NxdModelModule(build_model, model_args=(DecoderConfig.from_hf(model_dir),),

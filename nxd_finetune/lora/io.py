@@ -157,8 +157,6 @@ def save_adapter(
     config_hash: str | None = None,
     *,
     state: ParallelState | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
-    target_names: list[str] | None = None,
     base_dir: str | Path | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT does.
@@ -177,28 +175,20 @@ def save_adapter(
     (:func:`gather_adapter_state_dict`, collective: every rank of the TP group calls this) and
     only TP rank 0 of data-parallel rank 0 writes, so the files equal a tp=1 run's; other ranks
     return without writing (a caller that reads the files on them barriers first). Raises
-    AdapterError with ``state.pp_size > 1`` (a stage holds only part of the adapter).
-
-    ``tensors`` (PEFT file keys -> full tensors, e.g. the union of the pipeline stages'
-    :func:`gather_adapter_state_dict`): written as given, by this process, with no collective;
-    ``target_names`` (the wrapped modules of the whole model) then resolves ``all-linear``.
+    AdapterError with ``state.pp_size > 1`` (a stage holds only part of the adapter). The files
+    are written by :func:`write_adapter_files`, the exporter's writer (full tensors in, files out).
     """
     if next(lora_modules(model), None) is None:
         raise AdapterError("the model has no LoRA layers to save; call inject_lora first")
-    if tensors is not None:
-        state = None
-    elif state is not None and state.pp_size > 1:
+    if state is not None and state.pp_size > 1:
         raise AdapterError(
             "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
         )
     config = getattr(model, "config", None)
     if config_hash is None and config is not None and hasattr(config, "config_hash"):
         config_hash = config.config_hash()
-    if tensors is not None:
-        sd = tensors
-    else:
-        sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
-    names = target_names if target_names is not None else [name for name, _ in lora_modules(model)]
+    sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
+    names = [name for name, _ in lora_modules(model)]
     if not _is_writer(state):
         _adapter_config(cfg, base_model_name_or_path, revision, names, extra_config)  # same errors on every rank
         return Path(out_dir)

@@ -39,8 +39,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +50,7 @@ from nxd_finetune.registry.core import Registry, open_registry
 from nxd_finetune.registry.errors import IntegrityError, RegistryError
 from nxd_finetune.registry.manifest import MANIFEST, sha256_file
 from nxd_finetune.registry.ref import parse_ref
+from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import cache_home
 
 ENV_REGISTRY = "NXD_FINETUNE_LORA_REGISTRY"
@@ -208,25 +207,24 @@ class AdapterCache:
 
     @staticmethod
     def _pull(registry: Registry, name: str, version: int, files: Mapping[str, Mapping], dest: Path) -> bool:
-        """Pull into a hidden temp dir, make its files read-only and rename it to ``dest``. False when
-        another process published ``dest`` first with content that does not verify."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}"
+        """Pull into a hidden temp dir, make its files read-only and publish it as ``dest``
+        (:func:`~nxd_finetune.storage.atomic.publish_dir`). False when another process published
+        ``dest`` first with content that does not verify."""
+        key = _content_key(files)
         try:
-            registry.pull(name, tmp, version)  # checks every sha256; leaves nothing behind on failure
-            if json.loads((tmp / MANIFEST).read_text())["files"] != files:
-                # the version was removed and pushed again between show and pull
-                raise IntegrityError(f"{registry.uri.rstrip('/')}/{name}:{version} changed while it was pulled; "
-                                     "try again")
-            for f in tmp.iterdir():
-                f.chmod(0o444)
-            try:
-                os.rename(tmp, dest)
-                return True
-            except OSError:  # another process published it first
-                return _verified(dest, _content_key(files))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # a temp dir: never handed to a server
+            with publish_dir(dest, already_published=lambda d: _verified(d, key)) as tmp:
+                registry.pull(name, tmp, version)  # checks every sha256; leaves nothing behind on failure
+                if json.loads((tmp / MANIFEST).read_text())["files"] != files:
+                    # the version was removed and pushed again between show and pull
+                    raise IntegrityError(f"{registry.uri.rstrip('/')}/{name}:{version} changed while it was "
+                                         "pulled; try again")
+                for f in tmp.iterdir():
+                    f.chmod(0o444)
+        except OSError:
+            if dest.is_dir() and any(dest.iterdir()):
+                return False  # another process published it first, and its copy does not verify
+            raise
+        return True
 
 
 def _content_key(files: Mapping[str, Mapping]) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nxd_finetune.lora.io import write_adapter_files
 from nxd_finetune.metrics import SAMPLES, MetricsWriter
 
 if TYPE_CHECKING:
@@ -62,11 +63,10 @@ class EvalSamples:
             else:
                 from peft import PeftModel
 
-                from nxd_finetune.lora import save_adapter
-
                 with tempfile.TemporaryDirectory(prefix="nxd-samples-") as tmp:
-                    save_adapter(self.engine.modules[0], self.engine.lora_config, tmp, str(self.model_dir),
-                                 tensors=tensors, target_names=self.engine.lora_targets)
+                    # the exporter's writer: the gathered tensors as a PEFT adapter peft loads
+                    write_adapter_files(tmp, self.engine.lora_config, tensors, self.engine.lora_targets,
+                                        str(self.model_dir))
                     self._model = PeftModel.from_pretrained(base, tmp)
                 self._model.eval()
                 return self._model
