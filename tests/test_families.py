@@ -13,11 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nxd_finetune.cli import main
+from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained
+from nxd_finetune.parallel.plan import check_tp_config
+from nxd_finetune.preflight.memory import layer_tensors
+from nxd_finetune.quickstart import ensure_tiny_model
+from nxd_finetune.recipe import load_recipe
 from nxd_finetune.safetensors_io import header_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,8 +203,6 @@ PHI_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 def test_lora_adapter_loads_in_peft_with_our_logits(make_tiny_hf, tmp_path, name, targets, expected):
     """LoRA (HF module names) with random B (a trained adapter), saved by us, loaded by `peft` on
     the `transformers` model: the same logits."""
-    from peft import PeftModel
-
     _, path = _tiny(make_tiny_hf, name)
     ours = load_pretrained(path).eval()
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
@@ -239,8 +243,6 @@ def write_header_only_checkpoint(path: Path, raw: dict, shard_bytes: int = 2**31
     """``config.json`` and safetensors shards (with their index) whose headers name every tensor
     with its shape and whose data regions are holes (sparse files: no weights written or stored),
     plus the quickstart tokenizer. Enough for ``validate``, which reads headers only."""
-    from nxd_finetune.quickstart import ensure_tiny_model
-
     path.mkdir(parents=True)
     config = DecoderConfig.from_hf(raw)
     shards: list[list] = [[]]
@@ -323,9 +325,6 @@ def test_memory_estimate_counts_gemma_tensors():
     """Gemma 2's two extra norms and its soft-capped (unfused) attention scores are in the per-token
     activations ``validate`` counts: bf16-mixed over a bf16 base (2-byte widths), tp 8, sequence
     parallel, 4,096 tokens, 16 heads."""
-    from nxd_finetune.preflight.memory import layer_tensors
-    from nxd_finetune.recipe import load_recipe
-
     recipe = load_recipe(REPO / "recipes" / "gemma2-9b-lora.yaml")
     gemma = DecoderConfig.from_hf(REAL_CONFIGS["gemma-2-9b"])
     plain = dataclasses.replace(gemma, sandwich_norms=False, attn_logit_softcapping=None)
@@ -337,9 +336,6 @@ def test_fused_qkv_refuses_replicated_kv_heads():
     """A fused qkv_proj is split by head; KV heads cannot be replicated over more tp ranks than
     there are of them (Phi-4: 10 KV heads; with its 100,352-token vocabulary only tp 2 splits it):
     one line naming the numbers."""
-    from nxd_finetune.errors import NxdError
-    from nxd_finetune.parallel.plan import check_tp_config
-
     phi4 = DecoderConfig.from_hf(REAL_CONFIGS["phi-4"])
     check_tp_config(phi4, 2)
     with pytest.raises(NxdError, match=r"^num_key_value_heads=10 is not divisible by tp=20 \(a fused qkv_proj"):
