@@ -164,11 +164,13 @@ class DeviceLoader(Generic[ItemT, StateT]):
         self._state = state
         return cast(ItemT, entry)  # not _END: an item of ``source``, transferred
 
-    def state_dict(self) -> StateT | None:
+    def state_dict(self) -> StateT:
         """``snapshot()`` as of the last item handed out (before any: the current ``snapshot()``)."""
-        if not self._started and self._snapshot is not None:
+        if self._snapshot is None:
+            raise NxdError("DeviceLoader.state_dict: no snapshot function was given")
+        if not self._started:
             return self._snapshot()
-        return self._state
+        return cast(StateT, self._state)  # snapshot() taken with the last item handed out
 
     def load_state_dict(self, state: StateT) -> None:
         """Restore the source's position (``restore(state)``); only before the first item."""

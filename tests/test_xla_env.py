@@ -343,6 +343,8 @@ def test_device_loader_stands_in_for_the_resumable_loader(prefetch):
         loader.load_state_dict({"drawn": 0})
     with pytest.raises(NxdError, match="no restore function"):
         DeviceLoader([], lambda x: x).load_state_dict({})
+    with pytest.raises(NxdError, match="no snapshot function"):
+        DeviceLoader([], lambda x: x).state_dict()
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -21,7 +21,7 @@ touched. The path-valued keys are listed in :data:`PATH_KEYS`; ``checkpoint.resu
 keyword and a ``data.chat_template`` holding ``{{`` or ``{%`` is an inline template, not a path.
 """
 
-from nxd_finetune.recipe.checks import check_against_model
+from nxd_finetune.recipe.checks import ModelShape, check_against_model
 from nxd_finetune.recipe.loading import PATH_KEYS, is_uri, load_recipe, recipe_from_dict, resolve_path
 from nxd_finetune.recipe.sections import (
     FORMAT_FIELDS,
@@ -35,6 +35,7 @@ from nxd_finetune.recipe.sections import (
     OutputSection,
     ParallelSection,
     Recipe,
+    RecipeDict,
     TrainingSection,
 )
 
@@ -47,10 +48,12 @@ __all__ = [
     "LoggingSection",
     "LoraSection",
     "ModelSection",
+    "ModelShape",
     "NeuronSection",
     "OutputSection",
     "ParallelSection",
     "Recipe",
+    "RecipeDict",
     "TrainingSection",
     "check_against_model",
     "is_uri",

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.recipe.sections import Recipe
 
 
-def check_against_model(recipe: Recipe, config: Any) -> None:
+class ModelShape(Protocol):
+    """The model sizes the rules read, under HF config attribute names (``num_key_value_heads`` and
+    ``intermediate_size`` are read when the object has them)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def check_against_model(recipe: Recipe, config: ModelShape) -> None:
     """Rules that need the model's shape; ``config`` has HF attribute names (``num_attention_heads``,
     ``num_key_value_heads``, ``num_hidden_layers``, ``vocab_size``, optionally
     ``intermediate_size``), e.g. ``nxd_finetune.models.DecoderConfig``.

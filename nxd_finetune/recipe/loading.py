@@ -8,7 +8,6 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -16,8 +15,8 @@ from pydantic import ValidationError
 from nxd_finetune.assets import builtin_recipe
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.recipe.messages import describe_errors, one_line
-from nxd_finetune.recipe.sections import Recipe
-from nxd_finetune.recipe.yaml_loader import load_yaml
+from nxd_finetune.recipe.sections import Recipe, RecipeDict
+from nxd_finetune.recipe.yaml_loader import YamlValue, load_yaml
 
 PATH_KEYS: frozenset[tuple[str, str]] = frozenset({
     ("model", "path"), ("model", "tokenizer"), ("data", "train"), ("data", "eval"), ("data", "cache_dir"),
@@ -60,7 +59,8 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = (), base_dir
     return recipe_from_dict(data, source=str(file), overrides=parsed)
 
 
-def recipe_from_dict(data: dict[str, Any], source: str = "recipe", overrides: Sequence[tuple] = ()) -> Recipe:
+def recipe_from_dict(data: RecipeDict, source: str = "recipe",
+                     overrides: Sequence[tuple[list[str], YamlValue, str]] = ()) -> Recipe:
     """Validate a plain dict (paths already resolved). Errors become one-line RecipeErrors prefixed
     with ``source``, or with the override that set the offending key."""
     try:
@@ -75,7 +75,7 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe", overrides: Se
         raise RecipeError(origin + message) from None
 
 
-def _parse_override(text: str) -> tuple[list[str], Any, str]:
+def _parse_override(text: str) -> tuple[list[str], YamlValue, str]:
     if "=" not in text:
         raise RecipeError(f"override {text!r} has no '='; write key.path=value (e.g. lora.rank=16)")
     key, raw = text.split("=", 1)
@@ -91,7 +91,7 @@ def _parse_override(text: str) -> tuple[list[str], Any, str]:
     return key.split("."), value, text
 
 
-def _set_path(data: dict, keys: list[str], value: Any, text: str) -> None:
+def _set_path(data: RecipeDict, keys: list[str], value: YamlValue, text: str) -> None:
     node = data
     for i, key in enumerate(keys[:-1]):
         child = node.get(key)
@@ -117,7 +117,7 @@ def resolve_path(value: str, base: Path) -> str:
     return os.path.normpath(p if p.is_absolute() else base / p)
 
 
-def _resolve_value(keys: Sequence[str], value: Any, base: Path) -> Any:
+def _resolve_value(keys: Sequence[str], value: YamlValue, base: Path) -> YamlValue:
     if len(keys) == 1 and isinstance(value, dict):
         return {k: _resolve_value((keys[0], k), v, base) for k, v in value.items()}
     if tuple(keys) not in PATH_KEYS:

@@ -24,7 +24,7 @@ import yaml
 
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.recipe.loading import recipe_from_dict
-from nxd_finetune.recipe.sections import Recipe
+from nxd_finetune.recipe.sections import Recipe, RecipeDict
 
 FIXED_KEYS: tuple[str, ...] = (
     "model", "lora.rank", "lora.alpha", "lora.bias", "lora.target_modules", "lora.use_rslora",
@@ -76,7 +76,7 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[RecipeChange]:
+def recipe_changes(saved: RecipeDict, current: RecipeDict) -> list[RecipeChange]:
     """Every dotted key whose value differs (a key present on one side only counts as None on the
     other, so a section switched on or off is a change of its keys)."""
     old, new = _flatten(saved), _flatten(current)
@@ -88,7 +88,7 @@ def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[Recip
     return changes
 
 
-def _global_batch(data: dict[str, Any]) -> int | None:
+def _global_batch(data: RecipeDict) -> int | None:
     try:
         recipe = recipe_from_dict(data)
         return recipe.training.global_batch(recipe.parallel.dp)

@@ -13,11 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
+from nxd_finetune.neuron import resolve_preset
 from nxd_finetune.recipe.messages import suggest
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 StrList = list[str]
+# a recipe as plain data (the YAML / JSON document): what Recipe.to_dict returns, recipe_from_dict reads
+RecipeDict = dict[str, Any]
 
 # data.format -> its canonical fields (data.fields maps them to column names); owned by data.formats
 FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -301,8 +304,6 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
-        from nxd_finetune.neuron import resolve_preset
-
         try:
             resolve_preset(self.training.precision, self.parallel.zero1, self.neuron.precision)
         except NxdError as e:
@@ -325,7 +326,7 @@ class Recipe(_Section):
         """``training.grad_accum_steps(parallel.dp)``."""
         return self.training.grad_accum_steps(self.parallel.dp)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RecipeDict:
         """Plain dict (lists, no tuples) that :func:`recipe_from_dict` turns back into this recipe."""
         return self.model_dump(mode="json")
 

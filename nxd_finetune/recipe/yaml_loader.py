@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+YamlValue = Any  # what a YAML document parses to: dicts, lists, strings, numbers, booleans, None
+
 MAX_DEPTH = 100  # nested mappings / sequences; a recipe uses 3
 MAX_NODES = 100_000  # scalars, mappings and sequences with aliases expanded; a recipe has a few hundred
 
@@ -28,7 +30,7 @@ class RecipeYamlLoader(yaml.SafeLoader):
 
     _depth = 0
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+    def compose_node(self, parent: yaml.Node | None, index: int | yaml.Node | None) -> yaml.Node | None:
         if self._depth >= MAX_DEPTH:
             raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
                                               self.peek_event().start_mark)
@@ -38,7 +40,7 @@ class RecipeYamlLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_document(self, node: yaml.Node) -> Any:
+    def construct_document(self, node: yaml.Node) -> YamlValue:
         try:
             expanded_size(node, {})
         except _TooBig as e:
@@ -96,9 +98,9 @@ def _construct_mapping(loader: RecipeYamlLoader, node: yaml.MappingNode, deep: b
 RecipeYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def load_yaml(text: str) -> Any:
+def load_yaml(text: str) -> YamlValue:
     """``text`` parsed with :class:`RecipeYamlLoader` (raises ``yaml.YAMLError``)."""
     return yaml.load(text, Loader=RecipeYamlLoader)  # noqa: S506 - a SafeLoader
 
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "RecipeYamlLoader", "expanded_size", "load_yaml"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "RecipeYamlLoader", "YamlValue", "expanded_size", "load_yaml"]
