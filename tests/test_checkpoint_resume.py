@@ -23,7 +23,7 @@ import pytest
 import torch
 from cli_run import QUICKSTART, RUN, STEPS, curve, env, finish, records, resumed_from, signal_when_logged, start  # noqa: F401
 
-from nxd_finetune.checkpoint import format as F
+from nxd_finetune.checkpoint.format import decode_extra, dumps, encode_extra
 from nxd_finetune.checkpoint.training import StopSignals, rng_state, set_rng_state
 from nxd_finetune.metrics import purge_tensorboard, truncate_metrics
 from nxd_finetune.sft.curve import read_series, write_loss_curve
@@ -36,8 +36,8 @@ def test_rng_state_survives_the_extra_encoding():
     random.seed(4)
     torch.rand(5)
     saved = rng_state()
-    data, tensors = F.encode_extra({"rng": saved})
-    restored = F.decode_extra(json.loads(F.dumps(data)), tensors)["rng"]
+    data, tensors = encode_extra({"rng": saved})
+    restored = decode_extra(json.loads(dumps(data)), tensors)["rng"]
     expected = (torch.rand(7), random.random())
     torch.manual_seed(0)
     random.seed(0)

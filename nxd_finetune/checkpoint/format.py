@@ -25,12 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TypedDict, cast
 
 import torch
 
+from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.errors import NxdError, NxdWarning
 
 FORMAT = "nxd-finetune-checkpoint"
@@ -80,6 +82,25 @@ def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
 
 
+class FileEntry(TypedDict):
+    """A file of a checkpoint as its manifest lists it."""
+
+    size: int
+    sha256: str
+
+
+class Manifest(TypedDict):
+    """A checkpoint's ``manifest.json``: ``layout`` is the parallel layout it was saved under,
+    ``tensors`` maps every tensor key to the file holding it."""
+
+    format: str
+    version: int
+    step: int
+    layout: JsonDict
+    files: dict[str, FileEntry]
+    tensors: dict[str, str]
+
+
 class Hasher:
     """sha256 and size of bytes fed in pieces."""
 
@@ -90,11 +111,11 @@ class Hasher:
         self._h.update(data)
         self.size += len(data)
 
-    def entry(self) -> dict[str, Any]:
+    def entry(self) -> FileEntry:
         return {"size": self.size, "sha256": self._h.hexdigest()}
 
 
-def file_entry(path) -> dict[str, Any]:
+def file_entry(path: str | os.PathLike[str]) -> FileEntry:
     """``{"size", "sha256"}`` of a local file (read in 4 MiB pieces)."""
     h = Hasher()
     with open(path, "rb") as f:
@@ -103,13 +124,13 @@ def file_entry(path) -> dict[str, Any]:
     return h.entry()
 
 
-def bytes_entry(data: bytes) -> dict[str, Any]:
+def bytes_entry(data: bytes) -> FileEntry:
     h = Hasher()
     h.update(data)
     return h.entry()
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     """Stable JSON bytes (sorted keys) for sidecars and the manifest."""
     return (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
@@ -117,21 +138,21 @@ def dumps(obj: Any) -> bytes:
 # ----------------------------------------------------------------------------- extra
 
 
-def encode_extra(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def encode_extra(extra: JsonDict | None) -> tuple[JsonDict, dict[str, torch.Tensor]]:
     """Split ``extra`` into JSON-able data and tensors: every tensor (at any depth of dicts /
     lists / tuples) is replaced by ``{"__tensor__": "<path>"}`` and returned in the tensor dict
     (a CPU copy). Tuples become lists. Raises CheckpointError naming the path of a value that is
     neither JSON-able nor a tensor (or a dict key that is not a string)."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: object, path: str) -> object:
         if torch.is_tensor(value):
             tensors[path] = value.detach().to("cpu", copy=True).contiguous()
             return {_TENSOR_REF: path}
         if isinstance(value, dict):
             if _TENSOR_REF in value:
                 raise CheckpointError(f"extra{path}: the key {_TENSOR_REF!r} is reserved")
-            out = {}
+            out: JsonDict = {}
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise CheckpointError(f"extra{path}: dict key {k!r} is not a string")
@@ -145,11 +166,13 @@ def encode_extra(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str
             return value
         raise CheckpointError(f"extra{path}: a {type(value).__name__} is neither JSON-able nor a tensor")
 
-    return walk(dict(extra or {}), ""), tensors
+    encoded = walk(dict(extra or {}), "")
+    assert isinstance(encoded, dict)  # a dict walks to a dict
+    return encoded, tensors
 
 
-def decode_extra(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode_extra` (tuples come back as lists)."""
+def decode_extra(data: object, tensors: dict[str, torch.Tensor]) -> object:
+    """Inverse of :func:`encode_extra` (tuples come back as lists): ``data`` is its JSON part."""
     if isinstance(data, dict):
         if set(data) == {_TENSOR_REF}:
             return tensors[data[_TENSOR_REF]]
@@ -162,17 +185,16 @@ def decode_extra(data: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # ----------------------------------------------------------------------------- manifest
 
 
-def make_manifest(step: int, files: dict[str, dict[str, Any]], tensors: dict[str, str],
-                  layout: dict[str, Any]) -> dict[str, Any]:
+def make_manifest(step: int, files: dict[str, FileEntry], tensors: dict[str, str], layout: JsonDict) -> Manifest:
     return {"format": FORMAT, "version": VERSION, "step": step, "layout": layout,
             "files": dict(sorted(files.items())), "tensors": dict(sorted(tensors.items()))}
 
 
-def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
+def check_manifest(manifest: object, where: str) -> Manifest:
     """Validate the structure of a parsed manifest; CheckpointError naming ``where`` otherwise."""
-    ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
-          and isinstance(manifest.get("tensors"), dict) and isinstance(manifest.get("step"), int))
-    if not ok:
+    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT
+            and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("tensors"), dict)
+            and isinstance(manifest.get("step"), int)):
         raise CheckpointError(f"{where}: not an nxd-finetune checkpoint manifest")
     if manifest.get("version", 0) > VERSION:
         raise CheckpointError(f"{where}: checkpoint format version {manifest['version']} is newer than this "
@@ -180,7 +202,7 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
     for name, entry in manifest["files"].items():
         if "/" in name or not isinstance(entry, dict) or not {"size", "sha256"} <= set(entry):
             raise CheckpointError(f"{where}: malformed file entry {name!r}")
-    return manifest
+    return cast(Manifest, manifest)  # its structure checked above
 
 
 def state_keys_by_param(keys: Iterable[str]) -> dict[str, list[str]]:

@@ -47,18 +47,31 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from nxd_finetune.checkpoint import format as F
-from nxd_finetune.checkpoint.format import CheckpointError, CheckpointWarning
+from nxd_finetune.checkpoint.format import (
+    EXTRA_JSON,
+    EXTRA_TENSORS,
+    MANIFEST,
+    CheckpointError,
+    CheckpointWarning,
+    check_manifest,
+    decode_extra,
+    encode_extra,
+    parse_step_dir,
+    state_keys_by_param,
+    step_dir,
+)
+from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.checkpoint.state import StageTensors, collect, group_options, restore, trainable, unwrap
 from nxd_finetune.checkpoint.stored import CheckpointReader, CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import SaveJob
+from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
 from nxd_finetune.storage import Storage, StorageError, open_storage
 
@@ -87,8 +100,9 @@ class CheckpointManager:
     without ``group`` when the default backend is not gloo.
     """
 
-    def __init__(self, uri: str | os.PathLike, keep_last: int = 2, async_save: bool = False, state: Any = None,
-                 group: Any = None, **storage_options: Any) -> None:
+    def __init__(self, uri: str | os.PathLike, keep_last: int = 2, async_save: bool = False,
+                 state: ParallelState | None = None, group: ProcessGroup | None = None,
+                 **storage_options: str | int | None) -> None:
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise CheckpointError(f"checkpoint keep_last must be a positive integer, got {keep_last!r}")
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -110,8 +124,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, modules: Sequence[nn.Module] | nn.Module, optimizer: Any = None,
-             extra: dict[str, Any] | None = None) -> str:
+    def save(self, step: int, modules: Sequence[nn.Module] | nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             extra: JsonDict | None = None) -> str:
         """Save the trainable parameters of ``modules`` (the model, or this rank's pipeline-stage
         modules), ``optimizer``'s state and ``extra`` (JSON-able values and tensors, at any depth;
         only rank 0's is stored) as checkpoint ``step``; returns its URI.
@@ -122,12 +136,12 @@ class CheckpointManager:
         optimizer steps parameters outside ``modules``); storage errors propagate.
         """
         self.wait()
-        name = F.step_dir(step)
+        name = step_dir(step)
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         params = trainable(modules)
         opt = unwrap(optimizer)
         groups = group_options(opt, params)
-        extra_enc = F.encode_extra(extra) if self.rank == 0 else None
+        extra_enc = encode_extra(extra) if self.rank == 0 else None
         if self.rank == 0 and (self.storage.list(f"{name}/") or self.storage.leftovers(f"{name}/")):
             delete_checkpoint(self.storage, step)  # a stale, possibly half-written save of this step
         save_id = self._broadcast_int(secrets.randbits(62) if self.rank == 0 else 0)
@@ -172,14 +186,14 @@ class CheckpointManager:
             err, self._error = self._error, None
             if self.rank == 0 and self._pending_step is not None:
                 self._discard(self._pending_step)
-            raise CheckpointError(f"saving checkpoint {F.step_dir(self._pending_step or 0)} under {self.uri} "
+            raise CheckpointError(f"saving checkpoint {step_dir(self._pending_step or 0)} under {self.uri} "
                                   f"failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
 
     def _discard(self, step: int) -> None:
         """Remove what a failed save of ``step`` left (it has no manifest, so it never counted);
         best effort: the save's own error is the one reported."""
         try:
-            if self.storage.exists(f"{F.step_dir(step)}/{F.MANIFEST}"):
+            if self.storage.exists(f"{step_dir(step)}/{MANIFEST}"):
                 return  # the save completed before failing (e.g. in pruning): keep it
             delete_checkpoint(self.storage, step)
         except (OSError, StorageError):
@@ -220,8 +234,8 @@ class CheckpointManager:
                                       "resume one by name (--resume), or start over with --no-resume")
             if step < 0:
                 return None
-            return mine or self._ref(self.storage, f"{self.uri}/{F.step_dir(step)}", F.step_dir(step))
-        if F.parse_step_dir(text) is not None:
+            return mine or self._ref(self.storage, f"{self.uri}/{step_dir(step)}", step_dir(step))
+        if parse_step_dir(text) is not None:
             storage, uri, prefix = self.storage, f"{self.uri}/{text}", text
         else:
             uri = text.rstrip("/")
@@ -251,7 +265,7 @@ class CheckpointManager:
         for step, complete in reversed(list_checkpoints(self.storage)):
             if not complete:
                 continue
-            name = F.step_dir(step)
+            name = step_dir(step)
             try:
                 return self._verified(self._ref(self.storage, f"{self.uri}/{name}", name))
             except (CheckpointError, StorageError) as e:
@@ -263,20 +277,21 @@ class CheckpointManager:
     @staticmethod
     def _ref(storage: Storage, uri: str, prefix: str) -> CheckpointRef:
         """A ref on the checkpoint under ``prefix`` of ``storage``; reads and checks its manifest."""
-        key = f"{prefix}/{F.MANIFEST}" if prefix else F.MANIFEST
+        key = f"{prefix}/{MANIFEST}" if prefix else MANIFEST
         try:
             raw = storage.get_bytes(key)
         except StorageError as e:
-            raise CheckpointError(f"{uri} is not a complete checkpoint (no {F.MANIFEST}): {e}") from None
+            raise CheckpointError(f"{uri} is not a complete checkpoint (no {MANIFEST}): {e}") from None
         try:
-            manifest = F.check_manifest(json.loads(raw), uri)
+            manifest = check_manifest(json.loads(raw), uri)
         except ValueError:
-            raise CheckpointError(f"{uri}/{F.MANIFEST} is not valid JSON") from None
+            raise CheckpointError(f"{uri}/{MANIFEST} is not valid JSON") from None
         return CheckpointRef(uri, manifest["step"], manifest, storage, prefix)
 
     # ------------------------------------------------------------------ load
 
-    def load(self, ref: CheckpointRef, modules: Sequence[nn.Module] | nn.Module, optimizer: Any = None) -> dict:
+    def load(self, ref: CheckpointRef, modules: Sequence[nn.Module] | nn.Module,
+             optimizer: torch.optim.Optimizer | None = None) -> JsonDict:
         """Restore the trainable parameters of ``modules`` and ``optimizer``'s state (ZeRO-1 shards
         included) for this rank's current layout from ``ref``; returns the saved ``extra``.
 
@@ -293,7 +308,7 @@ class CheckpointManager:
             for name in ref.manifest["files"]:
                 if name.startswith("state-pp") and name.endswith(".json"):
                     groups += json.loads(ref.read_bytes(name))["param_groups"]
-            states = F.state_keys_by_param(reader.keys)
+            states = state_keys_by_param(reader.keys)
             restore(trainable(modules), optimizer, reader, states, groups)
             return self._read_extra(ref)
         finally:
@@ -301,16 +316,17 @@ class CheckpointManager:
             ref.cleanup()
 
     @staticmethod
-    def read_extra_json(ref: CheckpointRef) -> dict[str, Any]:
+    def read_extra_json(ref: CheckpointRef) -> JsonDict:
         """The JSON part of a checkpoint's ``extra`` (its tensors left as stored references), e.g.
         the recipe it was saved under, read before :meth:`load` reads any tensor."""
-        data = json.loads(ref.read_bytes(F.EXTRA_JSON))
+        data = json.loads(ref.read_bytes(EXTRA_JSON))
         return data if isinstance(data, dict) else {}
 
     @staticmethod
-    def _read_extra(ref: CheckpointRef) -> dict[str, Any]:
-        data = json.loads(ref.read_bytes(F.EXTRA_JSON))
+    def _read_extra(ref: CheckpointRef) -> JsonDict:
+        data = json.loads(ref.read_bytes(EXTRA_JSON))
         tensors = {}
-        if F.EXTRA_TENSORS in ref.manifest["files"]:
-            tensors = load_safetensors_bytes(ref.read_bytes(F.EXTRA_TENSORS))
-        return F.decode_extra(data, tensors)
+        if EXTRA_TENSORS in ref.manifest["files"]:
+            tensors = load_safetensors_bytes(ref.read_bytes(EXTRA_TENSORS))
+        decoded = decode_extra(data, tensors)
+        return decoded if isinstance(decoded, dict) else {}

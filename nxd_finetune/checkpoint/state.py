@@ -20,16 +20,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 import torch
 from torch import nn
 
 from nxd_finetune.checkpoint.format import CheckpointError, optim_key, param_key
+from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
+from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
 
 TIED_TWINS = {"lm_head.weight": "model.embed_tokens.weight", "model.embed_tokens.weight": "lm_head.weight"}
+
+
+class SavedGroup(TypedDict):
+    """An optimizer param group as a checkpoint stores it: its JSON-able options (lr, betas, ...)
+    and the names of its parameters."""
+
+    options: JsonDict
+    params: list[str]
 
 
 @dataclasses.dataclass
@@ -69,15 +79,15 @@ def trainable(modules: Sequence[nn.Module]) -> list[LocalParam]:
     return out
 
 
-def unwrap(optimizer: Any) -> torch.optim.Optimizer | None:
+def unwrap(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The optimizer that holds the state: ``ParallelOptimizer.optimizer`` (AdamW or a
     :class:`Zero1Optimizer`), or ``optimizer`` itself."""
-    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    while optimizer is not None and isinstance(inner := getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = inner
     return optimizer
 
 
-def _json_option(value: Any) -> Any:
+def _json_option(value: object) -> object:
     if isinstance(value, tuple | list):
         return [_json_option(v) for v in value]
     if torch.is_tensor(value) and value.dim() == 0:
@@ -87,7 +97,7 @@ def _json_option(value: Any) -> Any:
     return None  # not storable (callables, tensors): left as the live optimizer has it
 
 
-def group_options(optimizer: torch.optim.Optimizer | None, params: list[LocalParam]) -> list[dict[str, Any]]:
+def group_options(optimizer: torch.optim.Optimizer | None, params: list[LocalParam]) -> list[SavedGroup]:
     """``[{"options": {lr, betas, ...}, "params": [names]}]`` for the optimizer's param groups.
 
     Raises CheckpointError when the optimizer holds a parameter that is not among ``params``
@@ -95,7 +105,7 @@ def group_options(optimizer: torch.optim.Optimizer | None, params: list[LocalPar
     if optimizer is None:
         return []
     names = {id(lp.param): lp.name for lp in params}
-    groups = []
+    groups: list[SavedGroup] = []
     for group in optimizer.param_groups:
         members = [p for p in group["params"] if p.requires_grad]
         unknown = [tuple(p.shape) for p in members if id(p) not in names]
@@ -151,7 +161,8 @@ class StageTensors:
     that is neither a scalar nor shaped like its parameter.
     """
 
-    def __init__(self, params: list[LocalParam], optimizer: Any, state: Any) -> None:
+    def __init__(self, params: list[LocalParam], optimizer: torch.optim.Optimizer | None,
+                 state: ParallelState | None) -> None:
         states = _per_param_states(unwrap(optimizer))
         self.state = state
         self.tp_rank = state.tp_rank if state is not None else 0
@@ -191,7 +202,8 @@ class StageTensors:
             del full
 
 
-def collect(params: list[LocalParam], optimizer: Any, state: Any, copy: bool = True) -> dict[str, torch.Tensor] | None:
+def collect(params: list[LocalParam], optimizer: torch.optim.Optimizer | None, state: ParallelState | None,
+            copy: bool = True) -> dict[str, torch.Tensor] | None:
     """Layout-free tensors of this rank's stage at once (see :class:`StageTensors`): a dict on the
     writing rank (tp rank 0, dp rank 0), None elsewhere.
 
@@ -238,8 +250,8 @@ def _read(reader: TensorReader, key: str, lp: LocalParam) -> torch.Tensor:
 
 
 @torch.no_grad()
-def restore(params: list[LocalParam], optimizer: Any, reader: TensorReader, states: dict[str, list[str]],
-            groups: Iterable[dict[str, Any]]) -> None:
+def restore(params: list[LocalParam], optimizer: torch.optim.Optimizer | None, reader: TensorReader,
+            states: dict[str, list[str]], groups: Iterable[SavedGroup]) -> None:
     """Load this rank's slices of parameters and optimizer state, for its current layout.
 
     ``states``: ``{stored param name: [state names]}``; ``groups``: the saved param-group options
@@ -286,7 +298,7 @@ def _restore_plain(opt: torch.optim.Optimizer, saved_states: Callable[[torch.Ten
 
 
 def _restore_group_options(opt: torch.optim.Optimizer, params: list[LocalParam], stored: dict[str, str],
-                           groups: Iterable[dict[str, Any]]) -> None:
+                           groups: Iterable[SavedGroup]) -> None:
     """Copy the saved options (lr, betas, ...) onto each live group, matched through the name
     of the group's first parameter; options the live group does not have are ignored."""
     saved = {name: g["options"] for g in groups for name in g["params"]}

@@ -11,13 +11,21 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from nxd_finetune.checkpoint import format as F
-from nxd_finetune.checkpoint.format import CheckpointError, CheckpointWarning
+from nxd_finetune.checkpoint.format import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointWarning,
+    FileEntry,
+    Manifest,
+    bytes_entry,
+    file_entry,
+    parse_step_dir,
+    step_dir,
+)
 from nxd_finetune.storage import LocalStorage, Storage, StorageError
 
 
@@ -31,7 +39,7 @@ class CheckpointRef:
 
     uri: str
     step: int
-    manifest: dict[str, Any]
+    manifest: Manifest
     storage: Storage
     prefix: str = ""
     _tmp: str | None = None
@@ -45,7 +53,7 @@ class CheckpointRef:
         if isinstance(self.storage, LocalStorage):
             path = str(self.storage.root / self.key(name))
             if verify:
-                self._check(name, F.file_entry(path) if os.path.isfile(path) else None)
+                self._check(name, file_entry(path) if os.path.isfile(path) else None)
             return path
         if name not in self._local:
             if self._tmp is None:
@@ -53,7 +61,7 @@ class CheckpointRef:
                 weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)  # if load() never runs
             path = os.path.join(self._tmp, name)
             self.storage.get_file(self.key(name), path)
-            self._check(name, F.file_entry(path))  # downloaded anyway: always checked
+            self._check(name, file_entry(path))  # downloaded anyway: always checked
             self._local[name] = path
         return self._local[name]
 
@@ -61,10 +69,10 @@ class CheckpointRef:
         """The content of a small file, checked against the manifest."""
         with open(self.local_path(name, verify=False), "rb") as f:
             data = f.read()
-        self._check(name, F.bytes_entry(data))
+        self._check(name, bytes_entry(data))
         return data
 
-    def _check(self, name: str, got: dict[str, Any] | None) -> None:
+    def _check(self, name: str, got: FileEntry | None) -> None:
         want = self.manifest["files"].get(name)
         if want is None:
             raise CheckpointError(f"{self.uri}: {name} is not in the manifest")
@@ -94,9 +102,9 @@ class CheckpointReader:
         self.ref, self.verify = ref, verify
         self.index: dict[str, str] = ref.manifest["tensors"]
         self.keys = set(self.index)
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, safe_open] = {}
 
-    def _file(self, key: str) -> Any:
+    def _file(self, key: str) -> safe_open:
         name = self.index[key]
         if name not in self._open:
             self._open[name] = safe_open(self.ref.local_path(name, verify=self.verify), framework="pt")
@@ -117,16 +125,16 @@ def list_checkpoints(storage: Storage) -> list[tuple[int, bool]]:
     """``(step, complete)`` of every step directory under ``storage``, oldest first."""
     out = []
     for name in storage.list_dirs(""):
-        step = F.parse_step_dir(name)
+        step = parse_step_dir(name)
         if step is not None:
-            out.append((step, storage.exists(f"{name}/{F.MANIFEST}")))
+            out.append((step, storage.exists(f"{name}/{MANIFEST}")))
     return sorted(out)
 
 
 def delete_checkpoint(storage: Storage, step: int) -> None:
     """Remove a checkpoint, its manifest first (so it is never seen half-deleted as complete)."""
-    name = F.step_dir(step)
-    storage.delete(f"{name}/{F.MANIFEST}")
+    name = step_dir(step)
+    storage.delete(f"{name}/{MANIFEST}")
     storage.delete_prefix(f"{name}/")
     for item in storage.leftovers(f"{name}/"):  # unfinished uploads of a killed save (S3)
         storage.drop_leftover(item)
@@ -145,10 +153,10 @@ def retain(storage: Storage, keep_last: int) -> list[int]:
         try:
             delete_checkpoint(storage, step)
         except StorageError as e:
-            warnings.warn(f"could not delete old checkpoint {F.step_dir(step)}: {e}", CheckpointWarning, stacklevel=2)
+            warnings.warn(f"could not delete old checkpoint {step_dir(step)}: {e}", CheckpointWarning, stacklevel=2)
     try:  # temp files / unfinished uploads of killed saves of steps before the newest complete one
         for item in storage.leftovers(""):
-            at = F.parse_step_dir(item.key.split("/", 1)[0])
+            at = parse_step_dir(item.key.split("/", 1)[0])
             if at is not None and at < complete[-1]:
                 storage.drop_leftover(item)
     except StorageError as e:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.manager import CheckpointManager
-from nxd_finetune.checkpoint.run_state import RunState, TrainState
+from nxd_finetune.checkpoint.run_state import JsonDict, RunState, TrainState
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
@@ -56,6 +56,7 @@ from nxd_finetune.recipe.resume import (
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed import ProcessGroup
 
     from nxd_finetune.parallel.state import ParallelState
     from nxd_finetune.recipe import Recipe, TrainingSection
@@ -64,9 +65,9 @@ if TYPE_CHECKING:
 class Resumable(Protocol):
     """A data position that checkpoints carry (the trainer's batch stream)."""
 
-    def state_dict(self) -> Any: ...
+    def state_dict(self) -> dict[str, int] | None: ...
 
-    def load_state_dict(self, state: Any) -> None: ...
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
 
 
 class Trained(Protocol):
@@ -132,7 +133,7 @@ class StopSignals:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agreed(self, state: Any, group: Any = None) -> int | None:
+    def agreed(self, state: ParallelState | None, group: ProcessGroup | None = None) -> int | None:
         """The signal number if any rank got one (collective over ``group`` -- the whole world, on
         CPU tensors: gloo; None: the default group -- when the world has several ranks; every
         rank must call it once per step)."""
@@ -151,14 +152,15 @@ class StopSignals:
 # ----------------------------------------------------------------------------- RNG
 
 
-def rng_state(state: Any = None, group: Any = None, device: torch.device | None = None) -> dict[str, Any]:
+def rng_state(state: ParallelState | None = None, group: ProcessGroup | None = None,
+              device: torch.device | None = None) -> JsonDict:
     """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
     ``[world, n]`` (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the
     default group; collective in multi-process worlds), the XLA device's seed when ``device`` is an
     XLA device (dropout masks there come from it, not from the CPU generator), and Python's
     ``random``."""
     cpu = torch.get_rng_state()
-    out: dict[str, Any] = {"torch_cpu": _gather_rows(cpu, state, group)}
+    out: JsonDict = {"torch_cpu": _gather_rows(cpu, state, group)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state, group)
     if device is not None and device.type == "xla":
@@ -171,7 +173,7 @@ def rng_state(state: Any = None, group: Any = None, device: torch.device | None 
     return out
 
 
-def _gather_rows(t: torch.Tensor, state: Any, group: Any) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, state: ParallelState | None, group: ProcessGroup | None) -> torch.Tensor:
     if state is None or state.world_size == 1:
         return t.unsqueeze(0).clone()
     rows = [torch.empty_like(t) for _ in range(state.world_size)]
@@ -179,7 +181,7 @@ def _gather_rows(t: torch.Tensor, state: Any, group: Any) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def set_rng_state(saved: dict[str, Any], state: Any = None, device: torch.device | None = None) -> None:
+def set_rng_state(saved: JsonDict, state: ParallelState | None = None, device: torch.device | None = None) -> None:
     """Restore :func:`rng_state`: this rank's row when the world size is the one saved, else
     row 0 (a resharded resume reproduces the data order, not every dropout mask)."""
     rank = state.rank if state is not None else 0
@@ -207,7 +209,7 @@ class Resumed:
     the eval before training (for the summary)."""
 
     ref: CheckpointRef
-    history: list[dict[str, Any]]
+    history: list[JsonDict]
     eval_before: dict[str, float]
 
 
@@ -282,6 +284,8 @@ class TrainingCheckpoints:
         saved = RunState.from_extra(extra)
         e.scheduler.load_state_dict(saved.scheduler or {})
         apply_training_changes(e.optimizer, e.scheduler, self.recipe.training, changes)
+        if saved.data is None:
+            raise CheckpointError(f"{ref.uri}: the checkpoint holds no data position to resume from")
         self.loader.load_state_dict(saved.data)
         train_state.restore(saved.train_state)
         set_rng_state(saved.rng, e.state, e.device)
@@ -310,7 +314,7 @@ class TrainingCheckpoints:
         if self.engine.state.world_size > 1:
             dist.barrier(group=self.group)
 
-    def save(self, train_state: TrainState, history: list[dict[str, Any]]) -> str:
+    def save(self, train_state: TrainState, history: list[JsonDict]) -> str:
         """Checkpoint the run at ``train_state.step`` (collective)."""
         e, step = self.engine, train_state.step
         metrics = self.out_dir / METRICS_FILE
@@ -321,7 +325,7 @@ class TrainingCheckpoints:
         self.last_saved = step
         return uri
 
-    def after_step(self, train_state: TrainState, history: list[dict[str, Any]]) -> None:
+    def after_step(self, train_state: TrainState, history: list[JsonDict]) -> None:
         """After a step's logging and eval: save every ``checkpoint.every_n_steps``; on a stop
         signal save and raise :class:`TrainingStopped`. Collective."""
         step = train_state.step
@@ -337,7 +341,7 @@ class TrainingCheckpoints:
                 f"stopped by {name} after step {step}; checkpoint saved to {self.uri}. Resume: run the same "
                 f"command again (same recipe and output.dir), or add --resume {self.uri}/step-{step:08d}", signum)
 
-    def finish(self, train_state: TrainState, history: list[dict[str, Any]]) -> None:
+    def finish(self, train_state: TrainState, history: list[JsonDict]) -> None:
         """The end-of-run checkpoint (unless this step is saved already); waits for async saves.
         Collective."""
         if self.last_saved != train_state.step:

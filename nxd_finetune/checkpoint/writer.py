@@ -11,14 +11,25 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from nxd_finetune.checkpoint import format as F
-from nxd_finetune.checkpoint.format import CheckpointError
-from nxd_finetune.checkpoint.state import StageTensors
+from nxd_finetune.checkpoint.format import (
+    EXTRA_JSON,
+    EXTRA_TENSORS,
+    MANIFEST,
+    CheckpointError,
+    FileEntry,
+    bytes_entry,
+    dumps,
+    file_entry,
+    make_manifest,
+    sidecar_file,
+    state_file,
+)
+from nxd_finetune.checkpoint.run_state import JsonDict
+from nxd_finetune.checkpoint.state import SavedGroup, StageTensors
 from nxd_finetune.checkpoint.stored import retain
 from nxd_finetune.safetensors_io import header_bytes, write_tensor
 from nxd_finetune.storage import Storage
@@ -59,10 +70,10 @@ class SaveJob:
     pp_rank: int
     n_stages: int
     tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file (or streams it)
-    groups: list[dict[str, Any]]
+    groups: list[SavedGroup]
     finalize: bool  # global rank 0: extra + manifest + retention
-    extra: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
-    layout: dict[str, Any]
+    extra: tuple[JsonDict, dict[str, torch.Tensor]] | None
+    layout: JsonDict
     keep_last: int
     stream: StageTensors | None = None  # a synchronous save's stage, gathered while it is written
 
@@ -78,14 +89,14 @@ class SaveJob:
         streamed = self.stream.tensors(copy=False) if self.stream is not None else None
         # local: written beside its final name and renamed; remote: staged in nxd-finetune's cache
         try:
-            with self.storage.staged(f"{self.name}/{F.state_file(self.pp_rank)}") as tmp:
+            with self.storage.staged(f"{self.name}/{state_file(self.pp_rank)}") as tmp:
                 if self.stream is not None and streamed is not None:  # (both: for the type checker)
                     keys = write_streamed(str(tmp), self.stream.plan(), streamed)
                 else:
                     assert self.tensors is not None  # freed only after this write
                     save_file(self.tensors, str(tmp))
                     keys = list(self.tensors)
-                entry = F.file_entry(str(tmp))
+                entry = file_entry(str(tmp))
                 failpoint("stage-written", self.step)  # killed with the file not yet at its name
         except Exception:
             if streamed is not None:  # the other TP ranks are still gathering: take part to the end
@@ -93,37 +104,37 @@ class SaveJob:
                     for _ in streamed:
                         pass
             raise
-        sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {F.state_file(self.pp_rank): entry},
+        sidecar = {"save_id": self.save_id, "pp_rank": self.pp_rank, "files": {state_file(self.pp_rank): entry},
                    "tensors": sorted(keys), "param_groups": self.groups}
         self.tensors = None  # free the host copy as soon as it is stored
-        self.storage.put_bytes(f"{self.name}/{F.sidecar_file(self.pp_rank)}", F.dumps(sidecar))
+        self.storage.put_bytes(f"{self.name}/{sidecar_file(self.pp_rank)}", dumps(sidecar))
 
     def _write_manifest(self) -> None:
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         data, tensors = self.extra or ({}, {})
         if tensors:
             blob = _safetensors_bytes(tensors)
-            self.storage.put_bytes(f"{self.name}/{F.EXTRA_TENSORS}", blob)
-            files[F.EXTRA_TENSORS] = F.bytes_entry(blob)
-        blob = F.dumps(data)
-        self.storage.put_bytes(f"{self.name}/{F.EXTRA_JSON}", blob)
-        files[F.EXTRA_JSON] = F.bytes_entry(blob)
+            self.storage.put_bytes(f"{self.name}/{EXTRA_TENSORS}", blob)
+            files[EXTRA_TENSORS] = bytes_entry(blob)
+        blob = dumps(data)
+        self.storage.put_bytes(f"{self.name}/{EXTRA_JSON}", blob)
+        files[EXTRA_JSON] = bytes_entry(blob)
         index: dict[str, str] = {}
         for pp_rank in range(self.n_stages):
             raw = self._wait_sidecar(pp_rank)
             sidecar = json.loads(raw)
-            files[F.sidecar_file(pp_rank)] = F.bytes_entry(raw)
+            files[sidecar_file(pp_rank)] = bytes_entry(raw)
             files.update(sidecar["files"])
             for key in sidecar["tensors"]:
                 if key in index:
                     raise CheckpointError(f"tensor {key} is written by two pipeline stages")
-                index[key] = F.state_file(pp_rank)
-        manifest = F.make_manifest(self.step, files, index, self.layout)
-        self.storage.put_bytes(f"{self.name}/{F.MANIFEST}", F.dumps(manifest))
+                index[key] = state_file(pp_rank)
+        manifest = make_manifest(self.step, files, index, self.layout)
+        self.storage.put_bytes(f"{self.name}/{MANIFEST}", dumps(manifest))
 
     def _wait_sidecar(self, pp_rank: int) -> bytes:
         """The sidecar of stage ``pp_rank`` written by this save (polled: other ranks write it)."""
-        key, delay, deadline = f"{self.name}/{F.sidecar_file(pp_rank)}", 0.02, time.monotonic() + SIDECAR_TIMEOUT_S
+        key, delay, deadline = f"{self.name}/{sidecar_file(pp_rank)}", 0.02, time.monotonic() + SIDECAR_TIMEOUT_S
         while True:
             if self.storage.exists(key):
                 raw = self.storage.get_bytes(key)

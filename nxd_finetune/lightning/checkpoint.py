@@ -26,8 +26,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from nxd_finetune.checkpoint import format as F
-from nxd_finetune.checkpoint.format import CheckpointError
+from nxd_finetune.checkpoint.format import MANIFEST, CheckpointError, encode_extra, parse_step_dir
 from nxd_finetune.checkpoint.manager import CheckpointManager
 from nxd_finetune.checkpoint.run_state import RunState
 from nxd_finetune.checkpoint.training import rng_state, set_rng_state
@@ -66,7 +65,7 @@ class NxdModelCheckpoint(ModelCheckpoint):
 def _root_and_step_name(filepath: str | os.PathLike) -> tuple[str, str | None]:
     text = os.fspath(filepath).rstrip("/")
     name = text.rsplit("/", 1)[-1]
-    if F.parse_step_dir(name) is not None:
+    if parse_step_dir(name) is not None:
         return text[: -len(name)].rstrip("/") or ".", name
     return text, None
 
@@ -74,7 +73,7 @@ def _root_and_step_name(filepath: str | os.PathLike) -> tuple[str, str | None]:
 def _storable(value: Any) -> Any:
     """``value`` if ``extra`` can hold it (JSON-able and tensors), else None."""
     try:
-        F.encode_extra({"v": value})
+        encode_extra({"v": value})
     except CheckpointError:
         return None
     return value
@@ -86,8 +85,8 @@ def save(module: NxdModuleBase, checkpoint: dict[str, Any], filepath: str | os.P
     docstring); returns its URI. Collective."""
     step = module.train_state.step
     root, name = _root_and_step_name(filepath)
-    if name is not None and F.parse_step_dir(name) != step:
-        raise NxdError(f"checkpoint path {filepath} names step {F.parse_step_dir(name)}, the run is at step {step}")
+    if name is not None and parse_step_dir(name) != step:
+        raise NxdError(f"checkpoint path {filepath} names step {parse_step_dir(name)}, the run is at step {step}")
     lightning_state = {k: _storable(checkpoint.get(k)) for k in ("epoch", "global_step", "callbacks")}
     saved = module.run_state(rng_state(module.parallel_state, group, module.trainer.strategy.root_device))
     saved.lightning = lightning_state
@@ -105,7 +104,7 @@ def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | 
 
     text = os.fspath(path).rstrip("/")
     local = "://" not in text
-    is_root = local and Path(text).is_dir() and not (Path(text) / F.MANIFEST).exists()
+    is_root = local and Path(text).is_dir() and not (Path(text) / MANIFEST).exists()
     root = text if is_root else (_root_and_step_name(text)[0] if local else text.rsplit("/", 1)[0])
     manager = CheckpointManager(root, keep_last=KEEP_ALL, state=state, group=group)
     ref = manager.resolve("latest" if is_root else text)
