@@ -35,6 +35,7 @@ TINY_FAMILIES = {
     "qwen3-tied": ("qwen3", dict(head_dim=24, tie_word_embeddings=True)),
     "qwen3-bias": ("qwen3", dict(attention_bias=True)),
     "qwen2.5-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "mistral-sliding": ("mistral", dict(sliding_window=5)),
     "phi3": ("phi3", {}),
     "phi3-mha-sliding": ("phi3", dict(num_key_value_heads=4, sliding_window=9)),
     "phi3-partial-rotary": ("phi3", dict(partial_rotary_factor=0.5)),
@@ -197,6 +198,8 @@ PHI_LINEARS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     ("qwen3-tied", "all-linear", LLAMA_LINEARS),
     ("phi3", "all-linear", PHI_LINEARS),
     ("phi3-partial-rotary", ["qkv_proj", "gate_up_proj"], {"qkv_proj", "gate_up_proj"}),
+    ("qwen2.5-tied", "all-linear", LLAMA_LINEARS),
+    ("mistral-sliding", "all-linear", LLAMA_LINEARS),
     ("gemma2", "all-linear", LLAMA_LINEARS),
     ("gemma3", "all-linear", LLAMA_LINEARS),
 ])
