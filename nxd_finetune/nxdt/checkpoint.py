@@ -26,6 +26,9 @@ import torch
 
 from nxd_finetune.errors import ModelLoadError
 
+# the ``lora_config`` dict NxD's LoRA pickles beside an adapter (NxD's keys and values, unchecked)
+SavedLoraConfig = dict[str, Any]
+
 SHARD = re.compile(r"^dp_rank_(\d+)(_ep_rank_\d+)?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 DONE, MARKER = "done", "checkpoint"
 
@@ -114,7 +117,7 @@ def _resolve_refs(obj: Any, folder: Path) -> Any:
     return obj
 
 
-def read_shard(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+def read_shard(file: Path) -> tuple[dict[str, torch.Tensor], SavedLoraConfig | None]:
     """One rank's model file: (tensors by NxD name, the ``lora_config`` dict NxD's LoRA saves
     beside an adapter, or None). A file written with ``save_xser`` has its tensors read from the
     ``.tensors`` folder beside it. A state dict nested under ``model`` (the converter's

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -20,18 +19,19 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.nxdt.keys import KeyWalk, translate
-from nxd_finetune.recipe import recipe_from_dict
+from nxd_finetune.recipe import RecipeDict, recipe_from_dict
 from nxd_finetune.recipe.messages import one_line
+from nxd_finetune.recipe.yaml_loader import YamlValue
 
 _SECTION_ORDER = ("model", "data", "lora", "parallel", "training", "eval", "checkpoint", "output", "logging", "neuron")
 
 
-def _multiply(a: Any, b: Any) -> Any:
+def _multiply(a: float, b: float) -> float:
     """NeMo's ``multiply`` resolver (registered by NeMo's training scripts, which NxDT builds on)."""
     return a * b
 
 
-def resolve_config(path: str | Path) -> dict[str, Any]:
+def resolve_config(path: str | Path) -> dict[str, YamlValue]:
     """The NxDT config at ``path`` as a plain dict, every interpolation resolved by OmegaConf.
     Raises RecipeError (one line) for a missing file, invalid YAML or an interpolation that does
     not resolve."""
@@ -50,9 +50,9 @@ def resolve_config(path: str | Path) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, YamlValue], prefix: str = "") -> dict[str, YamlValue]:
     """Dotted key -> leaf value; lists are leaves, an empty mapping is a leaf (None)."""
-    out: dict[str, Any] = {}
+    out: dict[str, YamlValue] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
@@ -67,7 +67,7 @@ class Translation:
     """The recipe (a plain dict, validated) and the report: ``mapped`` (NxDT key, recipe key or
     note) and ``dropped`` (NxDT key, why it is not carried over), one entry per key of the input."""
 
-    recipe: dict[str, Any]
+    recipe: RecipeDict
     mapped: list[tuple[str, str]]
     dropped: list[tuple[str, str]]
     source: Path
@@ -103,6 +103,6 @@ def translate_config(path: str | Path, model_path: str | None = None, cwd: Path 
     return Translation(recipe=walk.recipe, mapped=walk.mapped, dropped=walk.dropped, source=file)
 
 
-def _plain(tree: dict[str, Any]) -> dict[str, Any]:
+def _plain(tree: RecipeDict) -> RecipeDict:
     """A deep copy (validation may not touch the dict that is written)."""
     return {k: _plain(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in tree.items()}

@@ -16,9 +16,13 @@ import dataclasses
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import RecipeError
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import RecipeDict
+    from nxd_finetune.recipe.yaml_loader import YamlValue
 
 # NxD's fused LoRA targets -> HF's module names
 FUSED_TARGETS: dict[str, tuple[str, ...]] = {
@@ -49,14 +53,14 @@ PREFERENCE_REASON = ("preference tuning (DPO/ORPO) has not landed in nxd-finetun
 class KeyWalk:
     """The flattened config (dotted key -> leaf value), the recipe being built and the report."""
 
-    flat: dict[str, Any]
+    flat: dict[str, YamlValue]
     base: Path  # relative NxDT paths are relative to the directory training starts in
-    recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
+    recipe: RecipeDict = dataclasses.field(default_factory=dict)
     mapped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     dropped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     used: set[str] = dataclasses.field(default_factory=set)
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: YamlValue = None) -> YamlValue:
         value = self.flat.get(key, default)
         return default if value is None else value
 
@@ -66,7 +70,7 @@ class KeyWalk:
     def _keys(self, key: str) -> list[str]:
         return [k for k in self.flat if (k == key or k.startswith(key + ".")) and k not in self.used]
 
-    def put(self, recipe_key: str, value: Any, *keys: str) -> None:
+    def put(self, recipe_key: str, value: YamlValue, *keys: str) -> None:
         """Set ``recipe_key`` (dotted) to ``value``; ``keys`` are the NxDT keys it comes from."""
         node = self.recipe
         *parents, last = recipe_key.split(".")

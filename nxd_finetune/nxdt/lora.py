@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +35,9 @@ from nxd_finetune.nxdt.layout import (
     unite_gqa,
     unshuffle_columns,
 )
+
+if TYPE_CHECKING:
+    from nxd_finetune.nxdt.checkpoint import SavedLoraConfig
 
 _LORA = re.compile(r"^(.*)\.(lora_A|lora_B)\.weight(?:_(q|k|v|qkv))?$")
 _ROW = ("o_proj", "down_proj")
@@ -52,7 +55,7 @@ def split_base(tensors: Tensors) -> tuple[Tensors, Tensors]:
     return base, lora
 
 
-def lora_config_from(saved: dict[str, Any] | None, fallback_rank: int) -> LoraConfig:
+def lora_config_from(saved: SavedLoraConfig | None, fallback_rank: int) -> LoraConfig:
     """PEFT settings from the ``lora_config`` NxD saved (r, lora_alpha, dropout, bias, rsLoRA,
     init); without one, NxD's defaults (alpha 8) with the rank the tensors have."""
     saved = saved or {}
@@ -60,8 +63,9 @@ def lora_config_from(saved: dict[str, Any] | None, fallback_rank: int) -> LoraCo
     if modules_to_save:
         raise AdapterError(f"the NxD adapter trains whole modules too (modules_to_save={modules_to_save}); "
                            "only LoRA layers are imported")
+    rank = saved["r"] if "r" in saved else saved.get("lora_rank", fallback_rank)
     try:
-        return LoraConfig(r=int(saved.get("r", saved.get("lora_rank", fallback_rank))),
+        return LoraConfig(r=int(rank),
                           lora_alpha=float(saved.get("lora_alpha", 8)),
                           lora_dropout=float(saved.get("lora_dropout", 0.0)), bias=str(saved.get("bias", "none")),
                           use_rslora=bool(saved.get("use_rslora", False)),
