@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -87,11 +87,22 @@ def _bucketed_index(flat_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 # ---------------------------------------------------------------------- cross entropy
 
 
+class _CrossEntropyCtx(Protocol):
+    """The ``ctx`` of :class:`_VocabParallelCrossEntropy`: torch's autograd context with the two
+    fields its forward leaves for backward."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    logits_dtype: torch.dtype
+    used: bool
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy over vocab-sharded logits (Megatron's ``_VocabParallelCrossEntropy``)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Group,
+    def forward(ctx: _CrossEntropyCtx, logits: torch.Tensor, targets: torch.Tensor, group: Group,
                 ignore_index: int) -> torch.Tensor:
         tp = _size(group)
         rank = dist.get_rank(group) if tp > 1 else 0
@@ -120,7 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _CrossEntropyCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.used:  # the saved softmax is turned into the gradient in place (saves a copy)
             raise RuntimeError("vocab_parallel_cross_entropy supports one backward per forward")
         ctx.used = True
@@ -145,6 +156,17 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     if targets.shape != logits_shard.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits_shard.shape)}")
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index)
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
+    """Per-target cross entropy ``[*]`` (fp32; 0 where ``targets`` is -100): the negative log-prob
+    of each target. ``logits``: ``[*, V]``, or ``[*, V/tp]`` with a ``tp_group`` of more than one
+    rank (vocab-parallel: no rank holds the full-vocabulary logits)."""
+    if _size(tp_group) > 1:
+        return vocab_parallel_cross_entropy(logits, targets, tp_group)
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat if flat.dtype == torch.float64 else flat.float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape)
 
 
 def ce_sum(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
@@ -245,6 +267,29 @@ def chunked_ce_sum(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Te
     return torch.stack(parts).sum()
 
 
+def chunked_token_nll(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
+                      rows: int, tp_group: Group = None) -> torch.Tensor:
+    """:func:`token_nll` of ``head(hidden)`` ``[N]``, ``rows`` positions at a time under activation
+    checkpointing, as :func:`chunked_ce_sum` (never more than a chunk's logits held)."""
+    n = hidden.shape[0]
+    if n <= rows:
+        return token_nll(head(hidden), targets, tp_group)
+    fn = functools.partial(_chunk_nll, head, tp_group)
+    parts = []
+    for start in range(0, n, rows):
+        h, t = hidden[start:start + rows], targets[start:start + rows]
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(fn, h, t, use_reentrant=False))
+        else:
+            parts.append(fn(h, t))
+    return torch.cat(parts)
+
+
+def _chunk_nll(head: Callable[[torch.Tensor], torch.Tensor], tp_group: Group,
+               hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return token_nll(head(hidden), targets, tp_group)
+
+
 @torch.no_grad()
 def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
                        rows: int, tp_group: Group = None) -> torch.Tensor:
@@ -255,11 +300,22 @@ def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torc
     return stats
 
 
-def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``hidden`` ``[B, T, H]`` at the positions of shifted ``targets`` ``[B, T]`` that are
-    not ignored (``[N, H]``), and those targets (``[N]``), padded like :func:`target_index`."""
+    not ignored (``[N, H]``), those targets (``[N]``), padded like :func:`target_index`, and the
+    batch row of each (``[N]``)."""
     index, kept = _bucketed_index(targets.reshape(-1))
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept, index // targets.shape[1]
+
+
+def _rows_of(targets: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The batch row of every target: ``rows`` as given (targets gathered at target positions), or
+    from the shape of ``[B, T]`` targets (every position)."""
+    if rows is not None:
+        return rows
+    if targets.dim() != 2:
+        raise ValueError(f"targets {tuple(targets.shape)} without their rows: per-sequence scores need them")
+    return torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets).reshape(-1)
 
 
 # ---------------------------------------------------------------------- scores (what an objective reads)
@@ -267,24 +323,38 @@ def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 
 class Scores(Protocol):
     """How an objective reads one micro-batch's model output: the cross entropy of its target
-    tokens, summed, or its eval statistics, computed the way the layout needs (vocab-parallel,
-    chunked) without the objective seeing logits. See :mod:`nxd_finetune.objective`."""
+    tokens, summed, or per target with the batch row it belongs to (:meth:`token_nll`, what
+    per-sequence log-probs sum), or its eval statistics, computed the way the layout needs
+    (vocab-parallel, chunked) without the objective seeing logits. See :mod:`nxd_finetune.objective`."""
 
     def ce_sum(self) -> torch.Tensor: ...
+
+    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(nll [N], row [N])``: each target's negative log-prob (fp32, 0 for ignored padding
+        targets) and the micro-batch row it is in; ``-zeros(B).index_add(0, row, nll)`` gives the
+        rows' summed log-probs."""
+        ...
 
     def eval_stats(self) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
 class LogitScores:
-    """Scores from logits ``[*, V(/tp)]`` and their targets ``[*]`` (shifted, -100 ignored)."""
+    """Scores from logits ``[*, V(/tp)]`` and their targets ``[*]`` (shifted, -100 ignored).
+    ``rows``: the batch row of each target when they were gathered at target positions (``[N]``);
+    None for ``[B, T]`` targets (every position)."""
 
     logits: torch.Tensor
     targets: torch.Tensor
     tp_group: Group = None
+    rows: torch.Tensor | None = None
 
     def ce_sum(self) -> torch.Tensor:
         return ce_sum(self.logits, self.targets, self.tp_group)
+
+    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
+        nll = token_nll(self.logits, self.targets, self.tp_group).reshape(-1)
+        return nll, _rows_of(self.targets, self.rows)
 
     def eval_stats(self) -> torch.Tensor:
         return eval_stats(self.logits, self.targets, self.tp_group)
@@ -293,16 +363,22 @@ class LogitScores:
 @dataclasses.dataclass
 class ChunkedScores:
     """Scores from the final hidden states at the target positions ``[N, H]``, the output layer
-    and the targets ``[N]``: the head runs ``rows`` positions at a time (:func:`chunked_ce_sum`)."""
+    and the targets ``[N]``: the head runs ``rows`` positions at a time (:func:`chunked_ce_sum`).
+    ``batch_rows``: the micro-batch row of each target (``[N]``; needed by :meth:`token_nll`)."""
 
     hidden: torch.Tensor
     head: Callable[[torch.Tensor], torch.Tensor]
     targets: torch.Tensor
     rows: int
     tp_group: Group = None
+    batch_rows: torch.Tensor | None = None
 
     def ce_sum(self) -> torch.Tensor:
         return chunked_ce_sum(self.hidden, self.head, self.targets, self.rows, self.tp_group)
+
+    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
+        nll = chunked_token_nll(self.hidden, self.head, self.targets, self.rows, self.tp_group)
+        return nll, _rows_of(self.targets, self.batch_rows)
 
     def eval_stats(self) -> torch.Tensor:
         return chunked_eval_stats(self.hidden, self.head, self.targets, self.rows, self.tp_group)
@@ -312,5 +388,5 @@ def hidden_scores(hidden: torch.Tensor, labels: torch.Tensor, *, head: Callable[
                   rows: int, tp_group: Group = None) -> ChunkedScores:
     """:class:`ChunkedScores` of a pipeline's last stage: its final hidden states ``[B, T, H]`` and
     the micro-batch's ``labels`` ``[B, T]`` (shifted here)."""
-    h, targets = _target_rows(hidden, shift_labels(labels))
-    return ChunkedScores(h, head, targets, rows, tp_group)
+    h, targets, batch_rows = _target_rows(hidden, shift_labels(labels))
+    return ChunkedScores(h, head, targets, rows, tp_group, batch_rows)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxd_finetune.errors import NxdError
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
+    from nxd_finetune.trackers import Sample, Tracker
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES = "eval_samples"  # a record key holding [{"prompt", "completion"}, ...] (eval.prompts), not a number
@@ -27,7 +31,8 @@ class MetricsWriter:
     must already be Python numbers (callers convert once per logged step, never per micro-batch),
     except :data:`SAMPLES`, a list of generations: a TensorBoard text table and a tracker table."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool = True, trackers: Sequence[Any] = ()) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool = True,
+                 trackers: Sequence[Tracker] = ()) -> None:
         self.enabled = enabled
         self.path = out_dir / METRICS_FILE
         self.trackers = list(trackers) if enabled else []
@@ -44,14 +49,15 @@ class MetricsWriter:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
+    def log(self, step: int, values: Mapping[str, float | Sequence[Sample]]) -> None:
         if not self.enabled:
             return
         record = {"step": step, "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        samples = values.get(SAMPLES)
+        found = values.get(SAMPLES)
+        samples = found if isinstance(found, Sequence) else None  # the value of SAMPLES: a list of rows
         if self._tb is not None:
             for k, v in numbers.items():
                 self._tb.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "eval_")) else k, v, step)
@@ -70,14 +76,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
 
-    def finish(self, summary: dict[str, Any] | None) -> None:
+    def finish(self, summary: JsonDict | None) -> None:
         """End the tracker runs: the final artefact from ``summary`` (None: the run failed)."""
         for tracker in self.trackers:
             tracker.finish(summary)
         self.trackers = []
 
 
-def _markdown_table(rows: Sequence[dict[str, str]]) -> str:
+def _markdown_table(rows: Sequence[Mapping[str, str]]) -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", "<br>")
 

@@ -12,9 +12,12 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
 
 # architecture name in config.json -> family defaults that differ from Llama
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -94,7 +97,7 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    raw: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    raw: JsonDict = dataclasses.field(default_factory=dict, repr=False)  # the HF config.json read
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -112,7 +115,7 @@ class DecoderConfig:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
 
     @classmethod
-    def from_hf(cls, source: str | Path | dict[str, Any]) -> DecoderConfig:
+    def from_hf(cls, source: str | Path | JsonDict) -> DecoderConfig:
         """Build from a config dict, a ``config.json`` path or a model directory.
 
         Raises ModelLoadError for an unreadable file or an unsupported architecture (the message
@@ -160,7 +163,7 @@ class DecoderConfig:
             raise ModelLoadError("Qwen3 with use_sliding_window=true is not supported")
         return cls(architecture=arch, raw=raw, **kwargs)
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self) -> JsonDict:
         """The HF ``config.json`` dict (the original one when read from disk)."""
         if self.raw:
             return dict(self.raw)

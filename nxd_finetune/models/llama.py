@@ -13,7 +13,7 @@ replacing ``nn.Linear``/``nn.Embedding`` modules according to a plan.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from nxd_finetune.models.attention import (
     segment_runs,
 )
 from nxd_finetune.models.config import DecoderConfig
-from nxd_finetune.models.norms import RMSNorm
+from nxd_finetune.models.norms import AutogradCtx, RMSNorm
 from nxd_finetune.models.rope import RopeTables
 
 # re-exported: tests and bench/ reach the attention helpers through this module
@@ -44,12 +44,12 @@ class _SwiGLU(torch.autograd.Function):
     backward than the two autograd ops would keep (the MLP holds most of a layer's activations)."""
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: AutogradCtx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: AutogradCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         gate, up = ctx.saved_tensors
         d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
         d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,20 +33,29 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+class AutogradCtx(Protocol):
+    """The ``ctx`` torch hands an autograd Function's forward and backward, as ours use it."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
 class _RMSNormFn(torch.autograd.Function):
     """:class:`RMSNorm` of a 16-bit input, the same forward, keeping the input (16-bit) and the
     fp32 ``rsqrt`` per row for backward instead of the fp32 copy of the input that the autograd
     ops keep: 2 bytes per element less, twice per layer."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: AutogradCtx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.to(torch.float32)
         rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return weight * (h * rstd).to(x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: AutogradCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
         normed = x.to(torch.float32) * rstd
         d_weight = None
