@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from nxd_finetune.registry.core import PushProgress, Version, open_registry
 from nxd_finetune.registry.errors import RegistryError
@@ -17,7 +16,7 @@ def push(
     src: str | os.PathLike,
     ref: str,
     tags: Iterable[str] = (),
-    metadata: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, object] | None = None,
     progress: PushProgress | None = None,
 ) -> Version:
     """Push ``src`` to ``REGISTRY/NAME`` (a version or tag in ``ref`` is refused: use ``tags``)."""

@@ -61,7 +61,7 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _pid_alive(pid: Any, started: Any = None) -> bool:
+def _pid_alive(pid: object, started: object = None) -> bool:
     """Whether process ``pid`` runs and, where its start time was recorded, is the same process."""
     if type(pid) is not int or pid <= 0:
         return False
@@ -100,7 +100,7 @@ class Claims:
         """Whether generation ``gen`` is still the newest claim at ``name/v``."""
         return self.generations(name, v)[-1:] == [gen]
 
-    def is_stale(self, holder: Any) -> bool:
+    def is_stale(self, holder: object) -> bool:
         """Whether a claim's content shows a dead holder (see the module docstring)."""
         if not isinstance(holder, dict):
             return True

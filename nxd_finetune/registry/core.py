@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from nxd_finetune.registry import manifest as mf
 from nxd_finetune.registry.claims import CLAIM_RE, Claims
@@ -64,7 +64,7 @@ class Version:
     registry: str
     name: str
     version: int
-    manifest: dict[str, Any] = field(repr=False)
+    manifest: mf.AdapterManifest = field(repr=False)
     tags: tuple[str, ...] = ()
     reused: bool = False
 
@@ -197,7 +197,7 @@ class Registry:
                                 ) from None
         return Version(self.uri, name, v, manifest, tags)
 
-    def _manifest(self, name: str, v: int) -> dict[str, Any]:
+    def _manifest(self, name: str, v: int) -> mf.AdapterManifest:
         key = f"{name}/{v}/{mf.MANIFEST}"
         try:
             return mf.parse_manifest(self.storage.get_bytes(key), f"{self.uri}/{key}")
@@ -249,7 +249,7 @@ class Registry:
         src: str | os.PathLike,
         name: str,
         tags: Iterable[str] = (),
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, object] | None = None,
         progress: PushProgress | None = None,
     ) -> Version:
         """Publish the adapter directory ``src`` as the next version of ``name``; return it.
@@ -295,7 +295,7 @@ class Registry:
             except Exception:  # noqa: BLE001 - never mask the push's own outcome; gc removes it
                 pass
 
-    def _latest_with(self, name: str, entries: Mapping[str, Any]) -> int | None:
+    def _latest_with(self, name: str, entries: Mapping[str, mf.FileEntry]) -> int | None:
         """The latest usable version if its files equal ``entries``, else None."""
         good, _ = self._usable(name)
         if good and self._manifest(name, good[-1])["files"] == entries:
@@ -320,7 +320,9 @@ class Registry:
             versions, retired = self.versions(name), self.retired(name)  # lost the race: the next number
         raise RegistryError(f"could not publish {name} after {_MAX_ATTEMPTS} attempts (too much contention)")
 
-    def _upload_and_publish(self, name, v, gen, files, entries, adapter_base, meta, progress) -> dict | None:
+    def _upload_and_publish(
+        self, name, v, gen, files, entries, adapter_base, meta, progress
+    ) -> mf.AdapterManifest | None:
         try:
             for fname, path in files.items():
                 cb = (lambda n, _f=fname: progress(_f, n)) if progress else None
@@ -425,7 +427,8 @@ class Registry:
             v = self.resolve(name, version, tag) if version is not None else None
             if v is None or not self.storage.exists(f"{name}/{v}/{mf.MANIFEST}"):
                 raise
-            found = Version(self.uri, name, v, {})  # damaged: removable by its number
+            # damaged: removable by its number (its manifest does not parse: an empty one stands in)
+            found = Version(self.uri, name, v, cast(mf.AdapterManifest, {}))
         # the number is retired before the version disappears: no later push takes it again, so a
         # REF to it (lineage, a tag copied elsewhere) never names other weights
         self.storage.put_bytes(f"{name}/{RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))

@@ -33,7 +33,7 @@ import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import nxd_finetune
 from nxd_finetune.errors import AdapterError
@@ -41,12 +41,48 @@ from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.ref import parse_ref
 from nxd_finetune.storage.fetch import sha256_file
 
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
+
 FORMAT = "nxd-adapter-manifest/1"
 MANIFEST = "manifest.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors|jinja|txt)|README\.md|tokenizer\.model")
 ALLOWED_FILES = "*.json, *.safetensors, README.md and tokenizer files (*.jinja, *.txt, tokenizer.model)"
 METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
+
+
+class FileEntry(TypedDict):
+    """A stored file as the manifest lists it."""
+
+    sha256: str
+    size: int
+
+
+class PushMetadata(TypedDict, total=False):
+    """What a caller may add to a version's manifest (:func:`check_metadata` validates it)."""
+
+    recipe: JsonDict | None
+    metrics: JsonDict | None
+    parallel: JsonDict | None
+    lineage: str | None
+    base_model: JsonDict | None
+
+
+class AdapterManifest(TypedDict):
+    """A version's ``manifest.json`` (see the module docstring)."""
+
+    format: str
+    name: str
+    version: int
+    created: str
+    tool: dict[str, str]
+    files: dict[str, FileEntry]
+    base_model: JsonDict
+    recipe: JsonDict | None
+    metrics: JsonDict | None
+    parallel: JsonDict | None
+    lineage: str | None
 
 
 def check_file_name(name: str) -> str:
@@ -110,7 +146,7 @@ def _check_lora(src: Path) -> None:
     """What ``run`` (``lora.init_from``) and ``merge`` accept: the function they read an adapter
     with (a LoRA for a causal LM, without the PEFT features we do not implement, whose tensors
     safetensors reads), called before anything is uploaded."""
-    from nxd_finetune.lora.io import read_adapter
+    from nxd_finetune.lora.io import read_adapter  # lazy: torch and safetensors; the CLI's --help loads this module
 
     try:
         read_adapter(src)
@@ -118,7 +154,7 @@ def _check_lora(src: Path) -> None:
         raise RegistryError(f"{src}: {e}") from None
 
 
-def read_adapter_config(path: Path) -> dict[str, Any]:
+def read_adapter_config(path: Path) -> JsonDict:
     """``adapter_config.json`` as a dict; not JSON or not an object -> :class:`RegistryError`."""
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
@@ -129,7 +165,7 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def check_safetensors_header(path: Path) -> dict[str, Any]:
+def check_safetensors_header(path: Path) -> JsonDict:
     """Check the 8-byte length + JSON header of a safetensors file (no tensor data is read) and
     return the header."""
     size = path.stat().st_size
@@ -147,12 +183,12 @@ def check_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def file_entries(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
+def file_entries(files: Mapping[str, Path]) -> dict[str, FileEntry]:
     """``{name: {"sha256", "size"}}`` for the given files."""
     return {name: {"sha256": sha256_file(p), "size": p.stat().st_size} for name, p in sorted(files.items())}
 
 
-def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+def check_metadata(metadata: Mapping[str, object] | None) -> PushMetadata:
     """Validate caller metadata: only :data:`METADATA_KEYS`, JSON-serialisable, right shapes."""
     meta = dict(metadata or {})
     unknown = sorted(set(meta) - set(METADATA_KEYS))
@@ -169,10 +205,10 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise RegistryError(f"metadata is not JSON-serialisable: {e}") from None
-    return meta
+    return cast(PushMetadata, meta)  # keys and shapes checked above
 
 
-def adapter_base(files: Mapping[str, Path]) -> dict[str, Any]:
+def adapter_base(files: Mapping[str, Path]) -> JsonDict:
     """What an adapter directory (:func:`scan_adapter_dir`'s files) says of its base model:
     ``name_or_path`` and ``revision`` from ``adapter_config.json``, and ``config_hash`` where the
     adapter records one (``nxd_config_hash`` in the safetensors metadata, or in the JSON of older
@@ -185,8 +221,8 @@ def adapter_base(files: Mapping[str, Path]) -> dict[str, Any]:
 
 
 def build_manifest(
-    name: str, version: int, base_model: Mapping[str, Any], files: dict[str, dict], meta: Mapping[str, Any]
-) -> dict[str, Any]:
+    name: str, version: int, base_model: JsonDict, files: dict[str, FileEntry], meta: PushMetadata
+) -> AdapterManifest:
     """The manifest dict for ``name:version`` (see the module docstring); ``base_model``: the
     adapter's :func:`adapter_base`, under the caller's ``meta["base_model"]`` keys."""
     base = {**base_model, **(meta.get("base_model") or {})}
@@ -205,7 +241,7 @@ def build_manifest(
     }
 
 
-def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+def parse_manifest(data: bytes, where: str) -> AdapterManifest:
     """Decode and sanity-check a stored manifest; anything off raises :class:`RegistryError`."""
     try:
         manifest = json.loads(data)
@@ -225,9 +261,9 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
             or not isinstance(entry.get("size"), int)
         ):
             raise RegistryError(f"{where}: bad entry for {fname!r}")
-    return manifest
+    return cast(AdapterManifest, manifest)  # format and file entries checked above
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     """Stable, human-readable JSON bytes (sorted keys, 2-space indent, trailing newline)."""
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()

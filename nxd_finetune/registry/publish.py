@@ -74,11 +74,11 @@ def publish_run(
     final_dir: str | os.PathLike,
     registry_ref: str,
     *,
-    recipe_dict: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any] | None,
-    parallel: Mapping[str, Any] | None,
+    recipe_dict: Mapping[str, object] | None,
+    metrics: Mapping[str, object] | None,
+    parallel: Mapping[str, object] | None,
     lineage: str | None,
-    base_model: Mapping[str, Any] | None = None,
+    base_model: Mapping[str, object] | None = None,
 ) -> Version:
     """Push the adapter of a finished run to ``registry_ref`` (``REGISTRY/NAME``); return the version.
 
