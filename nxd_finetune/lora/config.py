@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nxd_finetune.errors import AdapterError
 
 if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import LoraSection
 
 ALL_LINEAR = "all-linear"
@@ -132,13 +133,13 @@ class LoraConfig:
                    target_modules=lora.target_modules, use_rslora=lora.use_rslora,
                    init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save))
 
-    def to_section(self, **extra: Any) -> dict[str, Any]:
+    def to_section(self, **extra: object) -> JsonDict:
         """This config as a recipe ``lora`` section (a dict; ``extra``: e.g. ``init_from``)."""
         return {"rank": self.r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "bias": self.bias,
                 "target_modules": self.target_modules, "use_rslora": self.use_rslora,
                 "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save), **extra}
 
-    def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> dict[str, Any]:
+    def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> JsonDict:
         """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT
         warns about keys it does not know).
 
@@ -165,7 +166,7 @@ class LoraConfig:
         return d
 
     @classmethod
-    def from_peft_dict(cls, d: dict[str, Any]) -> LoraConfig:
+    def from_peft_dict(cls, d: object) -> LoraConfig:
         """Read an ``adapter_config.json`` dict written by PEFT or by us.
 
         Raises AdapterError for a non-LoRA adapter, a task other than causal LM, or a PEFT feature

@@ -26,12 +26,15 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from safetensors import SafetensorError, safe_open
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdWarning
 from nxd_finetune.models import DecoderConfig, check_checkpoint_files
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
 
 CONFIG_HASH_KEY = "nxd_config_hash"
 BASE_CONFIG_KEY = "nxd_base_config"
@@ -44,7 +47,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 
-def identity_config(config: DecoderConfig) -> dict[str, Any]:
+def identity_config(config: DecoderConfig) -> JsonDict:
     """The fields that define the model (every :class:`DecoderConfig` field and HF's
     ``model_type``), JSON-normalised. Keys such as ``transformers_version`` or the file dtype are
     left out: a base re-saved by another transformers release is the same base."""

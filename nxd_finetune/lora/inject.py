@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +18,7 @@ from torch import nn
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
 from nxd_finetune.lora.layers import LoraLinear, ModulesToSaveWrapper, lora_layer_for
+from nxd_finetune.models.config import DecoderConfig
 
 OUTPUT_LAYER = "lm_head"
 
@@ -203,11 +203,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for name, wrapper in list(saved_modules(model)):
         _set_submodule(model, name, wrapper.modules_to_save)
     if untie:
-        model.config = untied_config(config)
+        assert isinstance(config, DecoderConfig)  # untie: a config with tie_word_embeddings set
+        model.config = untied_config(config)  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
     return model
 
 
-def untied_config(config: Any) -> Any:
+def untied_config(config: DecoderConfig) -> DecoderConfig:
     """A copy of a ``DecoderConfig`` with ``tie_word_embeddings=False`` (also in its raw HF dict)."""
     raw = {**config.raw, "tie_word_embeddings": False} if config.raw else {}
     return dataclasses.replace(config, tie_word_embeddings=False, raw=raw)

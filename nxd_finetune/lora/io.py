@@ -42,6 +42,10 @@ from nxd_finetune.lora.inject import (
 from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.checkpoint.run_state import JsonDict
+    from nxd_finetune.models.config import DecoderConfig
     from nxd_finetune.parallel.state import ParallelState
 
 PEFT_PREFIX = "base_model.model."
@@ -152,7 +156,7 @@ def save_adapter(
     cfg: LoraConfig,
     out_dir: str | Path,
     base_model_name_or_path: str | None,
-    extra_config: dict[str, Any] | None = None,
+    extra_config: JsonDict | None = None,
     revision: str | None = None,
     config_hash: str | None = None,
     *,
@@ -198,7 +202,7 @@ def save_adapter(
 
 
 def _adapter_config(cfg: LoraConfig, base_model_name_or_path: str | None, revision: str | None,
-                    target_names: list[str], extra_config: dict[str, Any] | None) -> dict[str, Any]:
+                    target_names: list[str], extra_config: JsonDict | None) -> JsonDict:
     d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
     d["target_modules"] = _resolved_targets(cfg, target_names)
     clash = sorted(set(extra_config or {}) & set(d))
@@ -217,7 +221,7 @@ def write_adapter_files(
     *,
     revision: str | None = None,
     config_hash: str | None = None,
-    extra_config: dict[str, Any] | None = None,
+    extra_config: JsonDict | None = None,
     identity: dict[str, str] | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` from full tensors under PEFT
@@ -407,12 +411,12 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
 # ----------------------------------------------------------------------------- save modes
 
 
-def _needs_untie(model: nn.Module, config: Any) -> bool:
+def _needs_untie(model: nn.Module, config: DecoderConfig) -> bool:
     changed = {n for n, _ in lora_modules(model)} | {n for n, _ in saved_modules(model)}
     return bool(config.tie_word_embeddings) and any(n == OUTPUT_LAYER or n.endswith(".embed_tokens") for n in changed)
 
 
-def save_tokenizer(tokenizer: Any, out_dir: str | Path) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase | str | Path | None, out_dir: str | Path) -> None:
     """Write tokenizer files to ``out_dir``: ``tokenizer`` is a directory (its tokenizer files are
     copied), an object with ``save_pretrained``, or None (nothing is written)."""
     if tokenizer is None:

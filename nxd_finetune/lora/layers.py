@@ -227,7 +227,7 @@ class ModulesToSaveWrapper(nn.Module):
         else:
             super().__setattr__(name, value)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         """The copy's forward. Floating inputs are cast to the copy's dtype and a floating output
         back to the original's, so a copy upcast to fp32 for training runs inside a bf16 model."""
         copy_p = next(self.modules_to_save.parameters(), None)

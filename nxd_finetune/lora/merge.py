@@ -42,6 +42,7 @@ from nxd_finetune.models import (
     build_model,
     checkpoint_index,
     copy_generation_config,
+    resolve_dtype,
     save_pretrained,
 )
 from nxd_finetune.models.loading import open_checkpoint_file
@@ -207,8 +208,6 @@ def merge_adapter(
     ``allow_other_base``; a missing fingerprint or another ``base_revision`` is a warning.
     Raises AdapterError / ModelLoadError (see :func:`plan_merge`).
     """
-    from nxd_finetune.models import resolve_dtype
-
     base_dir, out = Path(base_dir), Path(out_dir)
     out_dtype = resolve_dtype(dtype) if dtype is not None else None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
