@@ -6,7 +6,7 @@ its memory per rank.
 - :mod:`.memory`: the per-rank memory estimate (formulas in :func:`.memory.estimate_memory`);
 - :mod:`.report`: :func:`run_checks` runs them all; :func:`print_report` / :func:`report_json`.
 
-Heavy imports (torch, datasets, pyarrow, rich) happen inside the functions.
+Heavy third-party imports (datasets, pyarrow, rich) happen inside the functions.
 """
 
 from nxd_finetune.preflight.data import check_data

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
+
+from nxd_finetune.data.datasets import DataSpec, prepare_datasets
+from nxd_finetune.data.formats import resolve_columns
+from nxd_finetune.data.inputs import load_tokenizer
+from nxd_finetune.data.packing import make_rows
 from nxd_finetune.errors import DataError
+from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.storage.cache import data_cache
 from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
 
@@ -99,8 +106,6 @@ def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5)
     """Read the first rows of every file of ``data.<key>`` and check they fit ``data.format``:
     the mapped columns exist (``data.formats.resolve_columns``) and hold the right kind of value.
     Raises DataError naming the file and row."""
-    from nxd_finetune.data.formats import resolve_columns
-
     fmt = recipe.data.format
     fetch_dir = Path(recipe.data.cache_dir).expanduser() if recipe.data.cache_dir else data_cache()
     for path in _data_sources(key, spec, fetch_dir):
@@ -152,10 +157,6 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     sources = [spec] if isinstance(spec, str) else spec or []
     if spec is None or any("://" in s and not s.startswith(S3_SCHEME) for s in sources):
         return None
-    from nxd_finetune.data.datasets import DataSpec, prepare_datasets
-    from nxd_finetune.data.inputs import load_tokenizer
-    from nxd_finetune.data.packing import make_rows
-
     train, _ = prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
     per_sample = sample_targets(train.labels, train.offsets)
     rows = make_rows(train.lengths.tolist(), recipe.data.max_seq_len, recipe.data.packing)
@@ -163,13 +164,11 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     return sum(per_row[: recipe.training.micro_batch_size])
 
 
-def sample_targets(labels: Any, offsets: Any) -> list[int]:
+def sample_targets(labels: torch.Tensor, offsets: torch.Tensor) -> list[int]:
     """Targets of each sample of a tokenized dataset (flat int32 ``labels``, int64 ``offsets``):
     labels other than -100 after the sample's first position, which is never a target once a
     packed row's labels are shifted."""
     import numpy as np
-
-    from nxd_finetune.loss import IGNORE_INDEX
 
     starts = offsets[:-1].numpy()
     if not len(starts):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nxd_finetune.errors import NxdWarning
+from nxd_finetune.parallel.launch import resolve_device_name
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -41,8 +42,6 @@ def cpu_supports(dtype: str) -> bool:
 def check_cpu_formats(recipe: Recipe) -> list[str]:
     """Warn (one :class:`NxdWarning` line) when the recipe trains on the CPU in a 16-bit format
     this CPU has no instructions for; returns the formats warned about."""
-    from nxd_finetune.parallel.launch import resolve_device_name
-
     if resolve_device_name(recipe.training.device) != "cpu":
         return []
     slow = sorted(d for d in compute_dtypes(recipe) if not cpu_supports(d))

@@ -15,9 +15,12 @@ the ``allocator cache`` part at one process's widths, the tp2 rows went from 7.6
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
 
 if TYPE_CHECKING:
+    from nxd_finetune.models import DecoderConfig
     from nxd_finetune.recipe import Recipe
 
 MiB = 2**20
@@ -38,8 +41,6 @@ def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int, targets: int | Non
     chunk of ``training.loss_chunk_tokens`` of them (also on a pipeline's last stage). Sequence
     parallel takes the logits of every position, and so does a pipeline's last stage without
     chunks (its output layer runs before the loss sees the targets)."""
-    from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
-
     rows = chunk_rows(vocab_local, recipe.training.loss_chunk_tokens)
     if recipe.parallel.sequence_parallel or (rows is None and recipe.parallel.pp > 1):
         return tokens  # every position's logits (unchunked, a pipeline's last stage runs the head on all)
@@ -48,7 +49,7 @@ def _loss_rows(recipe: Recipe, vocab_local: int, tokens: int, targets: int | Non
     return tokens if rows is None else min(tokens, rows)
 
 
-def estimate_memory(recipe: Recipe, config: Any, total: int, trainable: int,
+def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable: int,
                     targets: int | None = None) -> dict[str, float]:
     """Approximate bytes on the busiest rank, by part:
 
@@ -175,23 +176,23 @@ def _widths(recipe: Recipe) -> tuple[int, int]:
     return m, 2 if tr.precision in ("bf16", "bf16-mixed") else 4
 
 
-def _head_dim(config: Any) -> int:
+def _head_dim(config: DecoderConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def model_tensors(recipe: Recipe, config: Any) -> list[float]:
+def model_tensors(recipe: Recipe, config: DecoderConfig) -> list[float]:
     """Bytes per token of each tensor kept outside the decoder layers: the final norm's input and
     the rotary cos/sin tables (in the residual stream's dtype)."""
     m, _ = _widths(recipe)
     return [m * config.hidden_size, m * _head_dim(config), m * _head_dim(config)]
 
 
-def model_bytes_per_token(recipe: Recipe, config: Any) -> float:
+def model_bytes_per_token(recipe: Recipe, config: DecoderConfig) -> float:
     """Bytes per token kept outside the decoder layers (:func:`model_tensors`)."""
     return float(sum(model_tensors(recipe, config)))
 
 
-def activation_bytes_per_token(recipe: Recipe, config: Any) -> tuple[float, float]:
+def activation_bytes_per_token(recipe: Recipe, config: DecoderConfig) -> tuple[float, float]:
     """``(kept, recompute)``: bytes per token one decoder layer keeps for backward on a rank, and
     the bytes per token of the module that activation checkpointing recomputes at a time (0 without
     it). The terms are listed in :func:`estimate_memory`."""
@@ -199,7 +200,7 @@ def activation_bytes_per_token(recipe: Recipe, config: Any) -> tuple[float, floa
     return float(sum(kept)), float(sum(recompute))
 
 
-def layer_tensors(recipe: Recipe, config: Any, unsharded: bool = False) -> tuple[list[float], list[float]]:
+def layer_tensors(recipe: Recipe, config: DecoderConfig, unsharded: bool = False) -> tuple[list[float], list[float]]:
     """The tensors behind :func:`activation_bytes_per_token`, as bytes per token each: those one
     decoder layer keeps for backward, and those of the module checkpointing recomputes at a time.
     ``unsharded``: at the widths of one process (as if ``tp`` were 1, without sequence parallel)."""
@@ -223,7 +224,7 @@ def layer_tensors(recipe: Recipe, config: Any, unsharded: bool = False) -> tuple
     return kept, recompute
 
 
-def _family_tensors(recipe: Recipe, config: Any, m: int, c: int, t: int, sp: int) -> list[float]:
+def _family_tensors(recipe: Recipe, config: DecoderConfig, m: int, c: int, t: int, sp: int) -> list[float]:
     """Per-token tensors a layer keeps beyond Llama's: Gemma's two extra norms (``sandwich_norms``:
     their inputs, ``2*m*h``), per-head q/k norms (``qk_norm``: their inputs, ``c*(q + k)/t``), and
     soft-capped attention (``attn_logit_softcapping``), which no fused kernel runs: the scores, their
@@ -239,7 +240,7 @@ def _family_tensors(recipe: Recipe, config: Any, m: int, c: int, t: int, sp: int
     return out
 
 
-def heap_activation_bytes(recipe: Recipe, config: Any, stage_layers: int) -> float:
+def heap_activation_bytes(recipe: Recipe, config: DecoderConfig, stage_layers: int) -> float:
     """The ``allocator cache`` part: the bytes of one micro-batch's activations held in tensors
     below :data:`HEAP_TENSOR_LIMIT` (a pipeline stage's layers, the recomputed module, the final
     norm's input and the rotary tables), at one process's widths: tensor and sequence parallel do

@@ -5,11 +5,17 @@ counts of a meta-device build with the recipe's LoRA injected."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
+
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError
-from nxd_finetune.lora import LoraConfig
+from nxd_finetune.lora import LoraConfig, inject_lora
+from nxd_finetune.lora.init_from import check_init_from
+from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index
 from nxd_finetune.preflight.data import first_line
+from nxd_finetune.registry.fetch import fetch_adapter
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -17,8 +23,6 @@ if TYPE_CHECKING:
 
 def find_model_dir(recipe: Recipe) -> Path:
     """The model directory, after checking config, weights and tokenizer files are there."""
-    from nxd_finetune.data.inputs import resolve_model_dir
-
     path = recipe.model.path
     if "://" in path:
         raise ModelLoadError(f"model.path {path}: remote models are not supported; give a local directory")
@@ -33,11 +37,9 @@ def find_model_dir(recipe: Recipe) -> Path:
     return model_dir
 
 
-def check_weights(model: Any, config: Any, model_dir: Path) -> None:
+def check_weights(model: torch.nn.Module, config: DecoderConfig, model_dir: Path) -> None:
     """Every model tensor is in the checkpoint with the right shape (safetensors headers only)."""
     from safetensors import safe_open
-
-    from nxd_finetune.models import checkpoint_index
 
     index = checkpoint_index(model_dir)
     expected = dict(model.state_dict())
@@ -62,21 +64,16 @@ def check_weights(model: Any, config: Any, model_dir: Path) -> None:
                 raise ModelLoadError(f"{file.name}: tensor {name} has shape {shape}, the config implies {want}")
 
 
-def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None) -> tuple[int, int, list[str]]:
+def count_parameters(recipe: Recipe, config: DecoderConfig,
+                     model_dir: Path | None = None) -> tuple[int, int, list[str]]:
     """(total, trainable, LoRA-wrapped module names) from a meta-device build of the model with the
     recipe's LoRA injected; checks the checkpoint's tensor names/shapes when ``model_dir`` is given.
     ``inject_lora`` raises AdapterError when ``lora.target_modules`` matches nothing."""
-    import torch
-
-    from nxd_finetune.models import build_model
-
     model = build_model(config)
     if model_dir is not None:
         check_weights(model, config, model_dir)
     targets: list[str] = []
     if recipe.lora is not None:
-        from nxd_finetune.lora import inject_lora
-
         for p in model.parameters():
             p.requires_grad_(False)
         with torch.device("meta"):
@@ -85,15 +82,12 @@ def count_parameters(recipe: Recipe, config: Any, model_dir: Path | None = None)
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), targets
 
 
-def check_init_from_adapter(recipe: Recipe, config: Any, model_dir: Path) -> None:
+def check_init_from_adapter(recipe: Recipe, config: DecoderConfig, model_dir: Path) -> None:
     """``lora.init_from``: the checks ``run`` makes before loading the adapter
     (:func:`nxd_finetune.lora.init_from.check_init_from`: LoRA ``peft_type``, the recipe's LoRA, the
     same base), so ``validate`` refuses what ``run`` refuses with the same line."""
     if recipe.lora is None or not recipe.lora.init_from:
         return
-    from nxd_finetune.lora.init_from import check_init_from
-    from nxd_finetune.registry.fetch import fetch_adapter
-
     source = recipe.lora.init_from
     with fetch_adapter(source, "lora.init_from") as fetched:
         check_init_from(fetched.path, LoraConfig.from_section(recipe.lora), source, config=config,

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from nxd_finetune.models import DecoderConfig
 from nxd_finetune.preflight.data import check_data, micro_batch_targets
 from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
 from nxd_finetune.preflight.model import check_init_from_adapter, count_parameters, find_model_dir
+from nxd_finetune.recipe import check_against_model
 
 if TYPE_CHECKING:
-    from nxd_finetune.models import DecoderConfig
+    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import Recipe
 
 
@@ -39,9 +41,6 @@ def run_checks(recipe: Recipe) -> Preflight:
     (:func:`nxd_finetune.recipe.check_against_model`), the LoRA targets and ``lora.init_from`` (as
     ``run`` checks it: :func:`.model.check_init_from_adapter`). Raises the one-line
     NxdError subclass of the first problem (DataError, ModelLoadError, RecipeError, AdapterError)."""
-    from nxd_finetune.models import DecoderConfig
-    from nxd_finetune.recipe import check_against_model
-
     for key in ("train", "eval"):
         spec = getattr(recipe.data, key)
         if spec is not None:
@@ -57,7 +56,7 @@ def run_checks(recipe: Recipe) -> Preflight:
     return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets)
 
 
-def layout(recipe: Recipe) -> dict[str, Any]:
+def layout(recipe: Recipe) -> dict[str, int | str | bool]:
     """The resolved process layout and batch sizes of ``recipe``."""
     par, tr = recipe.parallel, recipe.training
     return {
@@ -69,7 +68,7 @@ def layout(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def report_json(result: Preflight) -> dict[str, Any]:
+def report_json(result: Preflight) -> JsonDict:
     """``validate --json``: the layout, the model, the parameter counts and the memory estimate per
     rank (busiest rank; each part and the total, in bytes, rounded to whole bytes)."""
     cfg = result.config
