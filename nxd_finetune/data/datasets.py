@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,11 @@ from nxd_finetune.errors import DataError
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
 from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.recipe import DataSection
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -57,7 +62,7 @@ class DataSpec:
     num_proc: int | str = "auto"
 
     @classmethod
-    def of(cls, section: Any) -> DataSpec:
+    def of(cls, section: DataSpec | DataSection | Mapping[str, object]) -> DataSpec:
         """From a DataSpec, a mapping, or any object with these attributes (the pydantic section)."""
         if isinstance(section, cls):
             return section
@@ -66,7 +71,7 @@ class DataSpec:
             unknown = sorted(set(section) - set(names))
             if unknown:
                 raise DataError(f"unknown data setting(s): {', '.join(unknown)}")
-            values = dict(section)
+            values: dict[str, Any] = dict(section)  # checked by the dataclass's fields below
         else:
             values = {n: getattr(section, n) for n in names if hasattr(section, n)}
         spec = cls(**values)
@@ -282,7 +287,8 @@ def _build_entry(
 
 
 def prepare_datasets(
-    data: Any, tokenizer, base_dir: str | Path | None = None, use_cache: bool = True
+    data: DataSpec | DataSection | Mapping[str, object], tokenizer: PreTrainedTokenizerBase,
+    base_dir: str | Path | None = None, use_cache: bool = True
 ) -> tuple[TokenizedDataset, TokenizedDataset | None]:
     """Tokenized (train, eval) for the recipe's ``data`` section, from the cache when possible.
 

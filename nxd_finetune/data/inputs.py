@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.quickstart import resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -17,8 +18,6 @@ if TYPE_CHECKING:
 
 def resolve_model_dir(path: str) -> Path:
     """``builtin:tiny-llama`` -> the locally generated quickstart model; other paths unchanged."""
-    from nxd_finetune.quickstart import resolve_model_path
-
     model_dir = Path(resolve_model_path(path))
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"model.path {path!r}: no config.json in {model_dir}")

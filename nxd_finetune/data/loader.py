@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, prepare_datasets
 from nxd_finetune.data.packing import collate, make_rows, packing_stats
 from nxd_finetune.data.sampler import ResumableSampler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.recipe import DataSection
 
 
 def pad_token_id(tokenizer) -> int:
@@ -115,8 +120,8 @@ class DataLoaders:
 
 
 def build_dataloaders(
-    data: Any,
-    tokenizer,
+    data: DataSpec | DataSection | Mapping[str, object],
+    tokenizer: PreTrainedTokenizerBase,
     *,
     micro_batch_size: int,
     dp_rank: int = 0,
