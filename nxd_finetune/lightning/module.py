@@ -126,8 +126,9 @@ class NxdLightningModule(NxdModuleBase):
         rr = setup_rank(recipe, device=device, layout=layout, host=host)
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
-        if self.trainer.max_epochs == -1:  # what Trainer(max_steps=N) sets: its bar would read "Epoch 0/-2"
-            self.trainer.fit_loop.max_epochs = 1  # the step stream is one endless epoch; max_steps ends it
+        # the step stream is one endless epoch (max_steps ends it), whatever max_epochs Lightning derived:
+        # -1 under Trainer(max_steps=N), whose bar read "Epoch 0/-2", or 1000 by default ("Epoch 0/999")
+        self.trainer.fit_loop.max_epochs = 1
         self._model_dir, self._tokenizer = rr.model_dir, rr.tokenizer
         self.engine = rr.engine
         self.layers = torch.nn.ModuleList(self.engine.modules)
