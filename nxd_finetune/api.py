@@ -56,18 +56,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypedDict, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import ParamsT
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, inject_lora
-from nxd_finetune.parallel.optimizer import ParallelOptimizer
+from nxd_finetune.parallel.optimizer import GradReduction, ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
+    CheckpointSpec,
     ModelHooks,
     ParallelizeSpec,
     RankModel,
@@ -75,7 +77,9 @@ from nxd_finetune.parallel.parallelize import (
     apply_activation_checkpointing,
     parallelize_model,
 )
+from nxd_finetune.parallel.pipeline import LossFn
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.zero1 import Hyperparameter
 
 __all__ = [
     "NxDConfig",
@@ -107,7 +111,37 @@ MODEL_INIT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _merge(what: str, given: dict[str, Any] | None, defaults: dict[str, Any]) -> dict[str, Any]:
+class OptimizerConfig(TypedDict, total=False):
+    """``optimizer_config`` (NxD's keys; absent keys take :data:`OPTIMIZER_DEFAULTS`)."""
+
+    zero_one_enabled: bool
+    grad_clipping: bool
+    max_grad_norm: float
+    grad_reduction: GradReduction
+
+
+class PipelineConfig(TypedDict, total=False):
+    """``pipeline_config`` (absent keys take :data:`PIPELINE_DEFAULTS`, which says what each is)."""
+
+    num_microbatches: int | None
+    schedule: str
+    virtual_stages: int
+    cuts: Sequence[int] | None
+    loss_fn: LossFn | None
+
+
+class ModelInitConfig(TypedDict, total=False):
+    """``model_init_config`` (absent keys take :data:`MODEL_INIT_DEFAULTS`, which says what each is)."""
+
+    sequential_move_factor: int
+    meta_device_init: bool
+    param_init_fn: Callable[[nn.Module], None] | None
+    checkpoint: str | Path | None
+    dtype: torch.dtype
+    tp_plan: dict[str, str] | None
+
+
+def _merge(what: str, given: Mapping[str, object] | None, defaults: dict[str, Any]) -> dict[str, Any]:
     for key in given or {}:
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=1)
@@ -126,11 +160,11 @@ class NxDConfig:
 
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    pipeline_config: dict[str, Any]
-    optimizer_config: dict[str, Any]
-    activation_checkpoint_config: Any
+    pipeline_config: PipelineConfig
+    optimizer_config: OptimizerConfig
+    activation_checkpoint_config: CheckpointSpec
     sequence_parallel: bool
-    model_init_config: dict[str, Any]
+    model_init_config: ModelInitConfig
     lora_config: LoraConfig | None
     state: ParallelState
     device: torch.device
@@ -143,12 +177,12 @@ class NxDConfig:
 def neuronx_distributed_config(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-    pipeline_config: dict[str, Any] | None = None,
-    optimizer_config: dict[str, Any] | None = None,
-    activation_checkpoint_config: Any = None,
+    pipeline_config: PipelineConfig | None = None,
+    optimizer_config: OptimizerConfig | None = None,
+    activation_checkpoint_config: CheckpointSpec = None,
     pad_model: bool = False,
     sequence_parallel: bool = False,
-    model_init_config: dict[str, Any] | None = None,
+    model_init_config: ModelInitConfig | None = None,
     lora_config: LoraConfig | None = None,
 ) -> NxDConfig:
     """Validate the options and build the process groups (``dp = world / (tp * pp)``).
@@ -160,11 +194,11 @@ def neuronx_distributed_config(
     """
     if pad_model:
         raise NxdError("pad_model=True is not supported: choose tp dividing the attention heads")
-    opt = _merge("optimizer_config", optimizer_config, OPTIMIZER_DEFAULTS)
+    opt = cast(OptimizerConfig, _merge("optimizer_config", optimizer_config, OPTIMIZER_DEFAULTS))
     if opt["grad_reduction"] not in ("mean", "sum"):
         raise NxdError(f"optimizer_config grad_reduction must be 'mean' or 'sum', got {opt['grad_reduction']!r}")
-    init = _merge("model_init_config", model_init_config, MODEL_INIT_DEFAULTS)
-    pipeline = _merge("pipeline_config", pipeline_config, PIPELINE_DEFAULTS)
+    init = cast(ModelInitConfig, _merge("model_init_config", model_init_config, MODEL_INIT_DEFAULTS))
+    pipeline = cast(PipelineConfig, _merge("pipeline_config", pipeline_config, PIPELINE_DEFAULTS))
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else 1
     state = ParallelState(ParallelDims.for_world(world, tp=tensor_parallel_size, pp=pipeline_parallel_size))
@@ -192,18 +226,19 @@ class PipelineModel(nn.Module):
         self.stages = nn.ModuleList(rank_model.modules)
         self.runner = rank_model.runner
 
-    def run_train(self, micro_batches: list[dict[str, torch.Tensor]], n_targets: Any = None) -> torch.Tensor:
+    def run_train(self, micro_batches: list[dict[str, torch.Tensor]],
+                  n_targets: torch.Tensor | int | None = None) -> torch.Tensor:
         return self.runner.step(micro_batches, n_targets)
 
     def run_eval(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.runner.eval_step(batch)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
         raise NxdError("a pipeline-parallel model is run with model.run_train(micro_batches) / run_eval(batch)")
 
 
-def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Module], *args: Any,
-                              **kwargs: Any) -> nn.Module:
+def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Module], *args: object,
+                              **kwargs: object) -> nn.Module:
     """Build ``model_fn(*args, **kwargs)`` (under the meta device with ``meta_device_init``) and
     hand it to the one assembly (:func:`~nxd_finetune.parallel.parallelize.parallelize_model`): TP
     plan (tp > 1), LoRA (``lora_config``), pipeline stages, this rank's checkpoint slices or
@@ -237,8 +272,8 @@ def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Modu
     return result
 
 
-def initialize_parallel_optimizer(config: NxDConfig, optimizer_class: type[torch.optim.Optimizer],
-                                  params: Iterable[Any], **defaults: Any) -> ParallelOptimizer:
+def initialize_parallel_optimizer(config: NxDConfig, optimizer_class: Callable[..., torch.optim.Optimizer],
+                                  params: ParamsT, **defaults: Hyperparameter) -> ParallelOptimizer:
     """``optimizer_class(params, **defaults)`` wrapped in a :class:`ParallelOptimizer` (TP sync, dp
     reduction or ZeRO-1, clipping) as ``optimizer_config`` says. Call it after
     :func:`initialize_parallel_model` (it reads the model's sharding)."""

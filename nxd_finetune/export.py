@@ -38,17 +38,28 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from nxd_finetune.checkpoint.writer import failpoint
-from nxd_finetune.lora import LoraConfig, adapter_state_dict, gather_adapter_state_dict, write_adapter_files
+from nxd_finetune.lora import (
+    LoraConfig,
+    adapter_state_dict,
+    gather_adapter_state_dict,
+    save_tokenizer,
+    write_adapter_files,
+)
+from nxd_finetune.lora.identity import base_identity
+from nxd_finetune.lora.merge import merge_adapter
 from nxd_finetune.models import DecoderConfig, copy_generation_config, save_pretrained
 from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.parallelize import RankModel
 from nxd_finetune.storage.atomic import publish_dir, remove_leftovers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SaveMode = Literal["adapter", "base_and_adapter", "merged", "full"]
 SAVE_MODES: tuple[str, ...] = ("adapter", "base_and_adapter", "merged")  # LoRA's; full SFT writes "full"
@@ -68,7 +79,7 @@ class ExportSpec:
     base_name: str
     dtype: torch.dtype = torch.float32
     revision: str | None = None
-    tokenizer: Any = None
+    tokenizer: PreTrainedTokenizerBase | str | Path | None = None
 
 
 def _unite_stages(rank_model: RankModel, pp_group: dist.ProcessGroup | None, local: Tensors) -> Tensors | None:
@@ -101,12 +112,6 @@ def gather_to_writer(rank_model: RankModel, lora: LoraConfig | None,
     return _unite_stages(rank_model, pp_group, local)
 
 
-def _save_tokenizer(tokenizer: Any, out: Path) -> None:
-    from nxd_finetune.lora import save_tokenizer
-
-    save_tokenizer(tokenizer, out)
-
-
 def _copy_base(source: Path, out: Path) -> None:
     """The source checkpoint's model files, byte for byte."""
     out.mkdir(parents=True)
@@ -123,8 +128,6 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
     out_dir = Path(out_dir)
 
     def adapter(out: Path) -> None:
-        from nxd_finetune.lora.identity import base_identity
-
         assert lora is not None and isinstance(tensors, dict)
         write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
                             revision=spec.revision, config_hash=config.config_hash(),
@@ -142,17 +145,15 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
             adapter(tmp)
         elif spec.mode == "base_and_adapter":
             adapter(tmp / "adapter")
-            _save_tokenizer(spec.tokenizer, tmp / "adapter")
+            save_tokenizer(spec.tokenizer, tmp / "adapter")
             _copy_base(spec.source_dir, tmp / "base")
         elif spec.mode == "merged":  # from the files, as `nxd-finetune merge` does
-            from nxd_finetune.lora.merge import merge_adapter
-
             with tempfile.TemporaryDirectory(prefix=".nxd-adapter-", dir=out_dir.parent) as files:
                 adapter(Path(files))
                 merge_adapter(files, spec.source_dir, tmp, dtype=spec.dtype, base_revision=spec.revision)
         else:
             raise ValueError(f"unknown save mode {spec.mode!r}; use one of {', '.join(SAVE_MODES)}")
-        _save_tokenizer(spec.tokenizer, tmp / "base" if lora is not None and spec.mode == "base_and_adapter" else tmp)
+        save_tokenizer(spec.tokenizer, tmp / "base" if lora is not None and spec.mode == "base_and_adapter" else tmp)
     return out_dir
 
 

@@ -27,18 +27,21 @@ and RNG (the dataloader's position is the user's).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import nn
 
-from nxd_finetune import loss as L
+from nxd_finetune.api import initialize_parallel_model, initialize_parallel_optimizer
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.lightning.strategy import NxdStrategy
+from nxd_finetune.loss import LogitScores, shift_labels
 from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
+from nxd_finetune.parallel.zero1 import Hyperparameter
 
 
 class NxdModelModule(NxdModuleBase):
@@ -49,9 +52,9 @@ class NxdModelModule(NxdModuleBase):
 
     def __init__(self, model_fn: Callable[..., nn.Module], opt_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  scheduler_cls: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None, *,
-                 model_args: Sequence[Any] = (), model_kwargs: dict[str, Any] | None = None,
-                 opt_kwargs: dict[str, Any] | None = None,
-                 scheduler_args: Sequence[Any] = (), scheduler_kwargs: dict[str, Any] | None = None,
+                 model_args: Sequence[object] = (), model_kwargs: Mapping[str, object] | None = None,
+                 opt_kwargs: Mapping[str, Hyperparameter] | None = None,
+                 scheduler_args: Sequence[object] = (), scheduler_kwargs: Mapping[str, object] | None = None,
                  seed: int | None = None) -> None:
         super().__init__()
         self.model_fn, self.model_args, self.model_kwargs = model_fn, tuple(model_args), dict(model_kwargs or {})
@@ -70,9 +73,6 @@ class NxdModelModule(NxdModuleBase):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from nxd_finetune.api import initialize_parallel_model, initialize_parallel_optimizer
-        from nxd_finetune.lightning.strategy import NxdStrategy
-
         strategy = self.trainer.strategy
         config = strategy.nxd_config if isinstance(strategy, NxdStrategy) else None
         if config is None:
@@ -88,7 +88,7 @@ class NxdModelModule(NxdModuleBase):
         self._state = config.state
         self._tp_group = config.state.tp_group if config.state.tp_size > 1 else None
 
-    def configure_optimizers(self) -> Any:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         assert self._optimizer is not None, "configure_model builds the optimizer first"
         if self._scheduler is None:
             return self._optimizer
@@ -140,7 +140,7 @@ class NxdModelModule(NxdModuleBase):
         total = torch.zeros(())
         for b in micro_batches:
             target = self.objective.target(b)
-            scores = L.LogitScores(self.forward_logits(b), L.shift_labels(self.objective.labels(target)),
+            scores = LogitScores(self.forward_logits(b), shift_labels(self.objective.labels(target)),
                                    self._tp_group)
             loss = self.objective.loss_sum(scores, target) / n_targets
             (backward or self.manual_backward)(loss)

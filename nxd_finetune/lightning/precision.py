@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -78,5 +78,5 @@ class NxdPrecision(Precision):
         with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
             yield
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {}

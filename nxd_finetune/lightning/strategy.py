@@ -27,22 +27,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import shutil
 from collections.abc import Generator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from nxd_finetune.api import NxDConfig
+from nxd_finetune.api import NxDConfig, neuronx_distributed_config
+from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.errors import NxdError
+from nxd_finetune.lightning import checkpoint as nxd_checkpoint
+from nxd_finetune.lightning.base import NxdModuleBase
 from nxd_finetune.lightning.precision import NxdPrecision
 from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+T = TypeVar("T")
 
 
 class NxdStrategy(DDPStrategy):
@@ -60,7 +70,7 @@ class NxdStrategy(DDPStrategy):
     strategy_name = "nxd"
 
     def __init__(self, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, zero1: bool = False,
-                 nxd_config: Mapping[str, Any] | NxDConfig | None = None, sequence_parallel: bool | None = None,
+                 nxd_config: Mapping[str, object] | NxDConfig | None = None, sequence_parallel: bool | None = None,
                  **kwargs: Any) -> None:
         self._nxd_kwargs = _config_kwargs(nxd_config) if nxd_config is not None else None
         if self._nxd_kwargs is not None:
@@ -108,8 +118,6 @@ class NxdStrategy(DDPStrategy):
             self.set_world_ranks()
         world, tp, pp = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size
         if self._nxd_kwargs is not None:
-            from nxd_finetune.api import neuronx_distributed_config
-
             self.nxd_config = neuronx_distributed_config(**self._nxd_kwargs)
             self.parallel_state = self.nxd_config.state
         else:
@@ -117,7 +125,7 @@ class NxdStrategy(DDPStrategy):
         self.host = HostGroups.for_state(self.parallel_state)
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Plain ``DataLoader`` s are split over the data-parallel ranks (TP ranks see the same data)."""
         st = self.parallel_state
         return {"num_replicas": st.dp_size, "rank": st.dp_rank} if st else {"num_replicas": 1, "rank": 0}
@@ -126,7 +134,7 @@ class NxdStrategy(DDPStrategy):
         if self.world_size > 1:
             torch.distributed.barrier(group=self.host.world)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: T, src: int = 0) -> T:
         if self.world_size == 1:
             return obj
         box = [obj]
@@ -135,7 +143,7 @@ class NxdStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ model and optimizer
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         """No DDP wrapper: the optimizer does the gradient reductions (module docstring)."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -143,8 +151,6 @@ class NxdStrategy(DDPStrategy):
         plugin = self.precision_plugin
         assert isinstance(plugin, NxdPrecision)
         plugin.device_type = self.root_device.type
-        from lightning.pytorch.trainer.states import TrainerFn
-
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -180,56 +186,46 @@ class NxdStrategy(DDPStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restored it already
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def lightning_module_state_dict(self) -> dict[str, torch.Tensor]:
         return {}  # the weights are written from the live modules by save_checkpoint
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         return {}
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, object], strict: bool = True) -> None:
         pass  # done by load_checkpoint
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, object]) -> None:
         pass
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
-                        storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: JsonDict, filepath: str | os.PathLike,
+                        storage_options: object = None) -> None:
         """Write nxd-finetune's checkpoint (collective: every rank calls it, as Lightning does). See
         :func:`nxd_finetune.lightning.checkpoint.save` for where ``filepath`` puts it."""
-        from nxd_finetune.lightning import checkpoint as C
+        nxd_checkpoint.save(self._nxd_module(), checkpoint, filepath, self.parallel_state, self.host.world)
 
-        C.save(self._nxd_module(), checkpoint, filepath, self.parallel_state, self.host.world)
-
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> JsonDict:
         """Load nxd-finetune's checkpoint (one written by this strategy or by ``nxd-finetune run``,
         in any layout) into the live modules and optimizer; returns what Lightning restores next."""
-        from nxd_finetune.lightning import checkpoint as C
-
-        return C.load(self._nxd_module(), checkpoint_path, self.parallel_state, self.host.world)
+        return nxd_checkpoint.load(self._nxd_module(), checkpoint_path, self.parallel_state, self.host.world)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero and Path(filepath).exists():
             shutil.rmtree(filepath) if Path(filepath).is_dir() else os.remove(filepath)
 
-    def _nxd_module(self) -> Any:
-        from nxd_finetune.lightning.base import NxdModuleBase
-
+    def _nxd_module(self) -> NxdModuleBase:
         module = self.lightning_module
         if not isinstance(module, NxdModuleBase):
             raise NxdError(f"NxdStrategy trains an NxdLightningModule or NxdModelModule, not a {type(module).__name__}")
         return module
 
 
-def _config_kwargs(config: Mapping[str, Any] | NxDConfig) -> dict[str, Any]:
+def _config_kwargs(config: Mapping[str, object] | NxDConfig) -> dict[str, Any]:
     """``neuronx_distributed_config``'s keyword arguments from a dict of them or from an
     :class:`NxDConfig` built before the processes existed (its groups are rebuilt)."""
     if isinstance(config, NxDConfig):
         built = {"state", "device", "model"}
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in built}
-    import inspect
-
-    from nxd_finetune.api import neuronx_distributed_config
-
     known = set(inspect.signature(neuronx_distributed_config).parameters)
     unknown = sorted(set(config) - known)
     if unknown:
