@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -37,16 +37,25 @@ def device_peak_mb(device: torch.device) -> float | None:
     return None
 
 
-def rank_memory(rank: int, device: torch.device, train_peak_mb: float) -> dict[str, Any]:
+class RankMemory(TypedDict):
+    """One rank's memory record in the run summary (MiB; ``peak_device_mb`` None off CUDA)."""
+
+    rank: int
+    peak_host_mb_training: float
+    peak_host_mb: float
+    peak_device_mb: float | None
+
+
+def rank_memory(rank: int, device: torch.device, train_peak_mb: float) -> RankMemory:
     """This rank's record: the host peak up to the end of training and over the whole run."""
     return {"rank": rank, "peak_host_mb_training": train_peak_mb, "peak_host_mb": host_peak_mb(),
             "peak_device_mb": device_peak_mb(device)}
 
 
-def gather_peak_memory(mine: dict[str, Any], group: dist.ProcessGroup | None) -> list[dict[str, Any]]:
+def gather_peak_memory(mine: RankMemory, group: dist.ProcessGroup | None) -> list[RankMemory]:
     """Every rank's record (collective over ``group``; just ``[mine]`` without a process group)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [mine]
-    out: list[Any] = [None] * dist.get_world_size(group)
+    out: list[RankMemory | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)
-    return sorted(out, key=lambda r: r["rank"])
+    return sorted((r for r in out if r is not None), key=lambda r: r["rank"])  # every slot filled

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
+    from nxd_finetune.sft.memory import RankMemory
 
 
-def save_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+def save_summary(out_dir: Path, summary: JsonDict) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
@@ -31,16 +35,16 @@ def _loss(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
-def _peak(ranks: list[dict[str, Any]]) -> str:
+def _peak(ranks: list[RankMemory]) -> str:
     top = max(ranks, key=lambda r: r["peak_host_mb"])
     text = f"{top['peak_host_mb'] / 1024:,.2f} GiB"
     if len(ranks) > 1:
         text += f" (rank {top['rank']}, the highest of {len(ranks)})"
-    device = [r["peak_device_mb"] for r in ranks if r.get("peak_device_mb") is not None]
+    device = [mb for r in ranks if (mb := r.get("peak_device_mb")) is not None]
     return text + (f"; device {max(device) / 1024:,.2f} GiB" if device else "")
 
 
-def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+def summary_rows(summary: JsonDict) -> list[tuple[str, str]]:
     """The printed table's rows (label, value), numbers formatted for people."""
     p = summary["parallel"]
     rows = [
@@ -70,7 +74,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: JsonDict) -> None:
     from rich.console import Console
     from rich.table import Table
 
