@@ -7,7 +7,8 @@ worker processes) -> :class:`TokenizedDataset`
 
 The cache key hashes the tokenizer (``backend_tokenizer.to_str()``, special tokens, chat template),
 the data settings that change tokens (paths, format, fields, chat template, max_seq_len,
-train_on_prompt, eval_fraction, max_samples) and each data file's path, size and mtime (``save_to_disk``
+train_on_prompt, eval_fraction, max_samples; for ``preference`` also max_prompt_length and
+truncation_mode) and each data file's path, size and mtime (``save_to_disk``
 directories: every file in them). ``packing`` and ``shuffle`` act later, on the cached samples, so
 changing them reuses the cache. Entries are written to a temporary directory and renamed into place:
 several ranks may call :func:`prepare_datasets` at once safely (have local rank 0 go first and the
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nxd_finetune.data import formats
+from nxd_finetune.data.preference import TRUNCATION_MODES
 from nxd_finetune.data.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.errors import DataError
 from nxd_finetune.storage.atomic import publish_dir
@@ -60,6 +62,9 @@ class DataSpec:
     shuffle: bool = True
     max_samples: int | None = None
     num_proc: int | str = "auto"
+    # format preference (TRL's names; the recipe's ``preference`` section sets them, see from_recipe)
+    max_prompt_length: int | None = None
+    truncation_mode: str = "keep_start"
 
     @classmethod
     def of(cls, section: DataSpec | DataSection | Mapping[str, object]) -> DataSpec:
@@ -80,7 +85,22 @@ class DataSpec:
             raise DataError(f"unknown data.format {spec.format!r}; use one of {', '.join(formats.FORMATS)}")
         if spec.max_seq_len < 2:
             raise DataError(f"data.max_seq_len must be at least 2, got {spec.max_seq_len}")
+        if spec.truncation_mode not in TRUNCATION_MODES:
+            raise DataError(f"truncation_mode {spec.truncation_mode!r}: use one of {', '.join(TRUNCATION_MODES)}")
+        if spec.max_prompt_length is not None and spec.max_prompt_length < 1:
+            raise DataError(f"max_prompt_length must be at least 1, got {spec.max_prompt_length}")
         return spec
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> DataSpec:
+        """The recipe's ``data`` section, with ``max_prompt_length`` / ``truncation_mode`` from its
+        ``preference`` section when it has one (they change how pairs are tokenized)."""
+        values = dataclasses.asdict(cls.of(recipe.data))
+        section = getattr(recipe, "preference", None)
+        for name in ("max_prompt_length", "truncation_mode"):
+            if section is not None and getattr(section, name, None) is not None:
+                values[name] = getattr(section, name)
+        return cls.of(values)
 
 
 def _as_list(spec: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[str]:
@@ -241,6 +261,8 @@ def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], cha
             for k in ("eval_fraction", "format", "fields", "max_seq_len", "train_on_prompt", "max_samples")
         },
     }
+    if spec.format == "preference":  # SFT keys stay as they were
+        payload |= {"max_prompt_length": spec.max_prompt_length, "truncation_mode": spec.truncation_mode}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -274,9 +296,9 @@ def _build_entry(
         train_rows, eval_rows = _split_eval(train_rows, spec.eval_fraction)
     if spec.max_samples is not None:
         train_rows = train_rows.select(range(min(spec.max_samples, len(train_rows))))
-    out = {"train": tokenize_rows(train_rows, spec, tokenizer, chat_template)}
+    out = {"train": tokenize_rows(train_rows, spec, tokenizer, chat_template, "data.train")}
     if eval_rows is not None:
-        out["eval"] = tokenize_rows(eval_rows, spec, tokenizer, chat_template)
+        out["eval"] = tokenize_rows(eval_rows, spec, tokenizer, chat_template, "data.eval")
     if len(out["train"]) == 0:
         s = out["train"].stats
         raise DataError(
@@ -297,14 +319,8 @@ def prepare_datasets(
     caps the training rows (taken from the start, after the eval split).
     """
     spec = DataSpec.of(data)
-    if spec.train is None:
-        raise DataError("data.train is not set")
-    if spec.eval is not None and spec.eval_fraction > 0:
-        raise DataError("set either data.eval or data.eval_fraction, not both")
-    root = default_cache_dir(spec)
-    train, eval_ = resolve_sources(spec.train, base_dir, root), resolve_sources(spec.eval, base_dir, root)
-    chat_template = formats.load_chat_template(spec.chat_template, base_dir)
-    entry = root / cache_key(spec, tokenizer, train, eval_, chat_template)
+    entry, train, eval_, chat_template = _locate(spec, tokenizer, base_dir)
+    root = entry.parent
     if use_cache and (entry / "meta.json").is_file():
         loaded_eval = entry / "eval.safetensors"
         return (
@@ -315,6 +331,24 @@ def prepare_datasets(
     if use_cache:
         _write_entry(entry, built)
     return built["train"], built.get("eval")
+
+
+def cache_entry(data: Any, tokenizer, base_dir: str | Path | None = None) -> Path:
+    """The cache directory of the tokenized data of ``data`` (what :func:`prepare_datasets` reads or
+    writes); what is stored with the data (a preference set's reference log-probs) goes in it."""
+    return _locate(DataSpec.of(data), tokenizer, base_dir)[0]
+
+
+def _locate(spec: DataSpec, tokenizer, base_dir: str | Path | None) -> tuple[Path, list[str], list[str], str | None]:
+    """The cache entry of ``spec``, its train and eval sources resolved, its chat template."""
+    if spec.train is None:
+        raise DataError("data.train is not set")
+    if spec.eval is not None and spec.eval_fraction > 0:
+        raise DataError("set either data.eval or data.eval_fraction, not both")
+    root = default_cache_dir(spec)
+    train, eval_ = resolve_sources(spec.train, base_dir, root), resolve_sources(spec.eval, base_dir, root)
+    chat_template = formats.load_chat_template(spec.chat_template, base_dir)
+    return root / cache_key(spec, tokenizer, train, eval_, chat_template), train, eval_, chat_template
 
 
 def _write_entry(entry: Path, built: dict[str, TokenizedDataset]) -> None:

@@ -28,6 +28,9 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
 - ``prompt_completion``: ``prompt`` + ``completion`` concatenated as is (put any separator in the
   data); the completion is trained.
 - ``text``: plain language modelling, every token trained.
+- ``preference``: ``prompt``, ``chosen``, ``rejected`` pairs for DPO / ORPO (``prompt`` optional:
+  TRL's implicit-prompt form); tokenized as TRL's ``DPOTrainer`` does, by :mod:`.preference`, not
+  through :func:`render_row`.
 
 BOS: the non-chat formats prepend the tokenizer's BOS when the tokenizer itself adds one to plain
 text (as Llama's do); chat templates write their own. EOS: appended (and trained with the answer) to
@@ -48,14 +51,17 @@ from typing import Any
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 
-FORMATS = ("messages", "alpaca", "prompt_completion", "text")
+FORMATS = ("messages", "alpaca", "prompt_completion", "text", "preference")
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
+    "preference": ("chosen", "rejected"),
 }
-OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {"alpaca": ("input",), "messages": ("role", "content")}
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "alpaca": ("input",), "messages": ("role", "content"), "preference": ("prompt", "role", "content"),
+}
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 
 ALPACA_PROMPT = (
@@ -136,10 +142,15 @@ def resolve_columns(column_names: Sequence[str], fmt: str, fields: Mapping[str, 
         )
     if fmt == "alpaca" and columns["input"] not in column_names:
         columns.pop("input")
+    if fmt == "preference" and columns["prompt"] not in column_names:
+        if "prompt" in fields:
+            raise DataError(f"data.fields.prompt names column {fields['prompt']!r}; the dataset has: "
+                            f"{', '.join(column_names)}")
+        columns.pop("prompt")  # TRL's implicit prompt: the turns chosen and rejected share
     return columns
 
 
-def _normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, str]]:
+def normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, str]]:
     role_key, content_key = columns["role"], columns["content"]
     if not isinstance(raw, Sequence) or isinstance(raw, str):
         raise DataError(f"messages must be a list of {{{role_key}, {content_key}}} dicts, got {type(raw).__name__}")
@@ -185,7 +196,7 @@ def _without_closing_eos(rendered: str, eos: str | None, specials: tuple[str, ..
 def _render_messages(
     row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
 ) -> Rendered:
-    messages = _normalize_messages(row[columns["messages"]], columns)
+    messages = normalize_messages(row[columns["messages"]], columns)
     text = render_chat(tokenizer, messages, chat_template)
     specials = special_tokens(tokenizer)
     spans = []

@@ -16,16 +16,19 @@ Each batch holds ``input_ids``, ``labels``, ``position_ids``, ``segment_ids`` (p
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, prepare_datasets
+from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, prepare_datasets
 from nxd_finetune.data.packing import collate, make_rows, packing_stats
-from nxd_finetune.data.sampler import ResumableSampler
+from nxd_finetune.data.pairs import PairBatches, PreferencePairs, load_ref_logps, save_ref_logps
+from nxd_finetune.data.sampler import ResumableSampler, one_pass
+from nxd_finetune.errors import DataError
+
+Batch = dict[str, torch.Tensor]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,19 +44,23 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-class TrainLoader:
-    """Endless, resumable micro-batches of the training rows for one dp rank (see sampler.py)."""
+class RowBatches:
+    """Micro-batches of packed (or one-sample) rows: ``__call__(row indices)``; -1 is an
+    all-padding row."""
 
-    def __init__(
-        self,
-        dataset: TokenizedDataset,
-        rows: list[list[int]],
-        sampler: ResumableSampler,
-        pad_id: int,
-        seq_len: int | None,
-    ):
-        self.dataset, self.rows, self.sampler = dataset, rows, sampler
-        self.pad_id, self.seq_len = pad_id, seq_len
+    def __init__(self, dataset: TokenizedDataset, rows: list[list[int]], pad_id: int, seq_len: int | None):
+        self.dataset, self.rows, self.pad_id, self.seq_len = dataset, rows, pad_id, seq_len
+
+    def __call__(self, indices: Sequence[int]) -> Batch:
+        return collate(self.dataset, [self.rows[i] if i >= 0 else [] for i in indices], self.pad_id, self.seq_len)
+
+
+class TrainLoader:
+    """Endless, resumable micro-batches of the training items (rows, or preference pairs) for one
+    dp rank (see sampler.py); ``batch_of`` makes a micro-batch of item indices."""
+
+    def __init__(self, sampler: ResumableSampler, batch_of: Callable[[Sequence[int]], Batch]):
+        self.sampler, self.batch_of = sampler, batch_of
 
     @property
     def batches_per_epoch(self) -> int:
@@ -65,8 +72,8 @@ class TrainLoader:
         return self.sampler.state_dict()["epoch"]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch_rows in self.sampler:
-            yield collate(self.dataset, [self.rows[i] for i in batch_rows], self.pad_id, self.seq_len)
+        for items in self.sampler:
+            yield self.batch_of(items)
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -76,47 +83,66 @@ class TrainLoader:
 
 
 class EvalLoader:
-    """One ordered pass over the eval rows; rank ``r`` takes rows ``r, r + w, ...``.
-
-    Every rank yields the same number of micro-batches (ranks short of a row get an all-padding row,
-    which holds no target), so collective ops in the eval loop stay in step. The last micro-batch
-    may have fewer rows unless ``fixed_shape``.
+    """One ordered pass over the eval items (rows, or preference pairs; ``sampler.one_pass``): rank
+    ``r`` takes items ``r, r + w, ...``. Every rank yields the same number of micro-batches (ranks
+    short of an item get an all-padding one, which holds no target), so collective ops in the eval
+    loop stay in step. The last micro-batch may have fewer rows unless ``fixed_shape``.
     """
 
-    def __init__(
-        self,
-        dataset: TokenizedDataset,
-        rows: list[list[int]],
-        micro_batch_size: int,
-        dp_rank: int,
-        dp_world: int,
-        pad_id: int,
-        seq_len: int | None,
-        fixed_shape: bool,
-    ):
-        per_rank = math.ceil(len(rows) / dp_world)
-        mine = [rows[j] if j < len(rows) else [] for j in range(dp_rank, per_rank * dp_world, dp_world)]
-        self.batches = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-        if fixed_shape and self.batches:
-            self.batches[-1] += [[]] * (micro_batch_size - len(self.batches[-1]))
-        self.dataset, self.pad_id, self.seq_len = dataset, pad_id, seq_len
+    def __init__(self, batches: list[list[int]], batch_of: Callable[[Sequence[int]], Batch]):
+        self.batches, self.batch_of = batches, batch_of
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch_rows in self.batches:
-            yield collate(self.dataset, batch_rows, self.pad_id, self.seq_len)
+    def __iter__(self) -> Iterator[Batch]:
+        for items in self.batches:
+            yield self.batch_of(items)
 
 
 @dataclasses.dataclass
 class DataLoaders:
     """``train`` and ``eval`` (None without eval data); ``stats[split]``: samples, truncated, dropped,
-    tokens, trainable_tokens, rows, fill."""
+    tokens, trainable_tokens, rows, fill (and pairs for ``preference``, whose truncated / dropped
+    count pairs and samples sequences). ``pairs[split]``: a preference split's batching (empty for
+    other formats); ``cache_entry``: where the tokenized data is cached (None without the cache)."""
 
     train: TrainLoader
     eval: EvalLoader | None
     stats: dict[str, dict[str, Any]]
+    pairs: dict[str, PairBatches] = dataclasses.field(default_factory=dict)
+    cache_entry: Path | None = None
+
+    def attach_ref_logps(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Per-split reference log-probs (sample order, see pairs.py): every later micro-batch of
+        the split carries its rows' ``ref_logps``."""
+        for split, v in values.items():
+            if split not in self.pairs:
+                raise DataError(f"reference log-probs for {split!r}: no such preference split")
+            self.pairs[split].pairs.set_ref_logps(v)
+
+    def load_ref_logps(self, key: str) -> bool:
+        """Attach the reference log-probs stored under ``key`` (``pairs.ref_logps_key``) with the
+        cached data; False when there are none (compute them, then :meth:`save_ref_logps`)."""
+        if self.cache_entry is None:
+            return False
+        sizes = {split: 2 * len(b.pairs) for split, b in self.pairs.items()}
+        stored = load_ref_logps(self.cache_entry, key, sizes)
+        if stored is None:
+            return False
+        self.attach_ref_logps({split: stored[split] for split in sizes})
+        return True
+
+    def save_ref_logps(self, key: str, values: Mapping[str, torch.Tensor],
+                       reference: Mapping[str, Any] | None = None) -> None:
+        """Attach ``values`` and store them with the cached data under ``key`` (without the cache
+        they are only attached). Every split of :attr:`pairs` needs its values."""
+        missing = sorted(set(self.pairs) - set(values))
+        if missing:
+            raise DataError(f"reference log-probs: no values for {', '.join(missing)}")
+        self.attach_ref_logps(values)
+        if self.cache_entry is not None:
+            save_ref_logps(self.cache_entry, key, values, reference)
 
 
 def build_dataloaders(
@@ -135,11 +161,16 @@ def build_dataloaders(
 
     ``seed`` drives the per-epoch shuffle (``data.shuffle``); ``base_dir`` resolves relative paths;
     ``fixed_shape`` pads every batch to ``max_seq_len`` rows (static shapes, as XLA wants; packed
-    batches always are). Raises DataError for unreadable data or too little of it.
+    batches always are). Raises DataError for unreadable data or too little of it. ``preference``
+    data gives micro-batches of ``micro_batch_size`` pairs (pairs.py), never packed.
     """
     spec = DataSpec.of(data)
     train_ds, eval_ds = prepare_datasets(spec, tokenizer, base_dir=base_dir, use_cache=use_cache)
     pad_id = pad_token_id(tokenizer)
+    if spec.format == "preference":
+        entry = cache_entry(spec, tokenizer, base_dir) if use_cache else None
+        shape = Shape(micro_batch_size, dp_rank, dp_world, spec.max_seq_len if fixed_shape else None)
+        return _pair_loaders(spec, train_ds, eval_ds, pad_id, shape, seed, entry)
     seq_len = spec.max_seq_len if (spec.packing or fixed_shape) else None
     stats = {}
 
@@ -153,10 +184,40 @@ def build_dataloaders(
     sampler = ResumableSampler(
         len(train_rows), micro_batch_size, seed=seed, shuffle=spec.shuffle, dp_rank=dp_rank, dp_world=dp_world
     )
-    train = TrainLoader(train_ds, train_rows, sampler, pad_id, seq_len)
+    train = TrainLoader(sampler, RowBatches(train_ds, train_rows, pad_id, seq_len))
     evaluator = None
     if eval_ds is not None and len(eval_ds):
-        evaluator = EvalLoader(
-            eval_ds, rows_of(eval_ds, "eval"), micro_batch_size, dp_rank, dp_world, pad_id, seq_len, fixed_shape
-        )
+        eval_rows = rows_of(eval_ds, "eval")
+        evaluator = EvalLoader(one_pass(len(eval_rows), micro_batch_size, dp_rank, dp_world, fixed_shape),
+                               RowBatches(eval_ds, eval_rows, pad_id, seq_len))
     return DataLoaders(train, evaluator, stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """How a rank cuts its micro-batches: pairs per micro-batch, its dp rank and world, and the
+    fixed sequence length (None: the longest row of the micro-batch)."""
+
+    micro_batch_size: int
+    dp_rank: int
+    dp_world: int
+    seq_len: int | None
+
+
+def _pair_loaders(spec: DataSpec, train_ds: TokenizedDataset, eval_ds: TokenizedDataset | None, pad_id: int,
+                  shape: Shape, seed: int, entry: Path | None) -> DataLoaders:
+    """Loaders of a preference set: the sampler shuffles pairs; a micro-batch is pairs.py's."""
+    stats: dict[str, dict[str, Any]] = {}
+    pairs: dict[str, PairBatches] = {}
+    for split, ds in (("train", train_ds), ("eval", eval_ds)):
+        if ds is not None and len(ds):
+            pairs[split] = PairBatches(PreferencePairs(ds), shape.micro_batch_size, pad_id, shape.seq_len,
+                                       shape.dp_rank, shape.dp_world)
+            lengths = ds.lengths.tolist()
+            stats[split] = {**ds.stats, **packing_stats(lengths, [[i] for i in range(len(lengths))],
+                                                         spec.max_seq_len)}
+    sampler = ResumableSampler(len(pairs["train"].pairs), shape.micro_batch_size, seed=seed, shuffle=spec.shuffle,
+                               dp_rank=shape.dp_rank, dp_world=shape.dp_world)
+    train = TrainLoader(sampler, pairs["train"])
+    evaluator = EvalLoader(pairs["eval"].one_pass(), pairs["eval"]) if "eval" in pairs else None
+    return DataLoaders(train, evaluator, stats, pairs, entry)

@@ -108,3 +108,17 @@ class ResumableSampler:
                 f"cannot resume: {seen} rows seen this epoch is not a multiple of micro_batch_size x dp_world = {g}"
             )
         self.epoch, self.position = int(state["epoch"]), seen // g
+
+
+def one_pass(n: int, micro_batch_size: int, dp_rank: int = 0, dp_world: int = 1,
+             fixed_shape: bool = False) -> list[list[int]]:
+    """Rank ``dp_rank``'s micro-batches of one ordered pass over ``n`` items (eval, the reference
+    pass): items ``r, r + w, ...``, padded with -1 so that every rank has the same number of
+    micro-batches (collectives stay in step); the last one filled up to ``micro_batch_size`` with
+    -1 when ``fixed_shape``."""
+    per_rank = -(-n // dp_world)
+    mine = [j if j < n else -1 for j in range(dp_rank, per_rank * dp_world, dp_world)]
+    batches = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    if fixed_shape and batches:
+        batches[-1] += [-1] * (micro_batch_size - len(batches[-1]))
+    return batches

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from nxd_finetune.data import formats
+from nxd_finetune.data import formats, preference
 from nxd_finetune.errors import NxdWarning
 from nxd_finetune.loss import IGNORE_INDEX
 
@@ -30,6 +30,8 @@ class TokenizeSpec(Protocol):
     max_seq_len: int
     train_on_prompt: bool
     num_proc: int | str
+    max_prompt_length: int | None
+    truncation_mode: str
 
 _CHUNK = 1000
 
@@ -88,8 +90,13 @@ class TokenizedDataset:
         return cls(t["input_ids"], t["labels"], t["offsets"], stats)
 
 
-def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None = None) -> TokenizedDataset:
+def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None = None,
+                  split: str = "data") -> TokenizedDataset:
     """Tokenize a ``datasets.Dataset`` (or list of dict rows) in ``spec.format``.
+
+    ``preference`` rows (:mod:`.preference`) give two samples each, the chosen then the rejected
+    sequence of the pair, and ``stats["pairs"]``; their ``truncated`` / ``dropped`` count pairs.
+    ``split`` names the rows in errors (``data.train row 7: ...``).
 
     Samples longer than ``max_seq_len`` are truncated (keeping the start) and counted in
     ``stats["truncated"]``; samples with no trainable token left are dropped and counted in
@@ -106,7 +113,7 @@ def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None
     columns = formats.resolve_columns(column_names, spec.format, spec.fields)
     procs = worker_count(spec.num_proc, len(rows))
     with tempfile.TemporaryDirectory(prefix="nxd-tokenize-") as spill:
-        job = _TokenizeJob(rows, spec, tokenizer, chat_template, columns, spill)
+        job = _TokenizeJob(rows, spec, tokenizer, chat_template, columns, spill, split)
         if procs == 1:
             parts = [job.run(0, len(rows))]
         else:
@@ -128,7 +135,10 @@ def tokenize_rows(rows, spec: TokenizeSpec, tokenizer, chat_template: str | None
                     pool.join()
             finally:
                 _JOB = None
-        return _join(parts)
+        out = _join(parts)
+    if spec.format == "preference":
+        out.stats["pairs"] = len(out) // 2
+    return out
 
 
 def _default_signals() -> None:
@@ -186,6 +196,7 @@ class _TokenizeJob:
     chat_template: str | None
     columns: dict[str, str]
     spill_dir: str
+    split: str = "data"
 
     def run(self, begin: int, end: int) -> _Part:
         """Rows ``[begin, end)``, ``_CHUNK`` at a time, each chunk's int32 tokens appended to this
@@ -193,7 +204,7 @@ class _TokenizeJob:
         import numpy as np
 
         spec = self.spec
-        adds_bos = formats.adds_bos(self.tokenizer) if spec.format != "messages" else False
+        adds_bos = formats.adds_bos(self.tokenizer) if spec.format not in ("messages", "preference") else False
         length_parts: list[int] = []
         truncated = dropped = tokens = trainable = 0
         ids_path = os.path.join(self.spill_dir, f"{begin}.ids")
@@ -215,31 +226,44 @@ class _TokenizeJob:
                lengths: list[int]) -> tuple[list[int], list[int], int, int, int]:
         """Rows ``[start, stop)``: their kept tokens and labels, flat (lengths appended to
         ``lengths``), the truncated and dropped counts, and the number of samples kept."""
-        spec = self.spec
-        truncated = dropped = kept = 0
         kept_ids: list[int] = []
         kept_labels: list[int] = []
-        if start < stop:
-            chunk = self.rows[start:stop]
-            if isinstance(chunk, Mapping):  # datasets slices are column-major
-                chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
-            rendered = [
-                formats.render_row(row, spec.format, self.columns, self.tokenizer, self.chat_template,
-                                   spec.train_on_prompt, adds_bos)
-                for row in chunk
-            ]
-            for ids, labels in formats.tokenize_rendered(self.tokenizer, rendered):
-                if len(ids) > spec.max_seq_len:
-                    truncated += 1
-                    ids, labels = ids[: spec.max_seq_len], labels[: spec.max_seq_len]
-                if all(t == IGNORE_INDEX for t in labels[1:]):
-                    dropped += 1
-                    continue
-                kept_ids.extend(ids)
-                kept_labels.extend(labels)
-                lengths.append(len(ids))
-                kept += 1
-        return kept_ids, kept_labels, truncated, dropped, kept
+        if start >= stop:
+            return kept_ids, kept_labels, 0, 0, 0
+        chunk = self.rows[start:stop]
+        if isinstance(chunk, Mapping):  # datasets slices are column-major
+            chunk = [dict(zip(chunk, values, strict=True)) for values in zip(*chunk.values(), strict=True)]
+        if self.spec.format == "preference":
+            samples, truncated, dropped = preference.tokenize_chunk(
+                chunk, start, self.columns, self.tokenizer, self.chat_template, self.spec, self.split)
+        else:
+            samples, truncated, dropped = self._samples(chunk, adds_bos)
+        for ids, labels in samples:
+            kept_ids.extend(ids)
+            kept_labels.extend(labels)
+            lengths.append(len(ids))
+        return kept_ids, kept_labels, truncated, dropped, len(samples)
+
+    def _samples(self, chunk: Sequence[Mapping], adds_bos: bool) -> tuple[list[preference.Sample], int, int]:
+        """SFT rows: rendered, tokenized, truncated to ``max_seq_len``; rows left with nothing to
+        train dropped. The kept samples and the truncated and dropped counts."""
+        spec = self.spec
+        truncated = dropped = 0
+        samples = []
+        rendered = [
+            formats.render_row(row, spec.format, self.columns, self.tokenizer, self.chat_template,
+                               spec.train_on_prompt, adds_bos)
+            for row in chunk
+        ]
+        for ids, labels in formats.tokenize_rendered(self.tokenizer, rendered):
+            if len(ids) > spec.max_seq_len:
+                truncated += 1
+                ids, labels = ids[: spec.max_seq_len], labels[: spec.max_seq_len]
+            if all(t == IGNORE_INDEX for t in labels[1:]):
+                dropped += 1
+                continue
+            samples.append((ids, labels))
+        return samples, truncated, dropped
 
 
 _JOB: _TokenizeJob | None = None  # the job forked workers inherit (not pickled: the rows stay shared)

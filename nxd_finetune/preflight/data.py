@@ -14,6 +14,7 @@ from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.data.formats import resolve_columns
 from nxd_finetune.data.inputs import load_tokenizer
 from nxd_finetune.data.packing import make_rows
+from nxd_finetune.data.preference import row_problem as pair_problem
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.storage.cache import data_cache
@@ -133,6 +134,8 @@ def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5)
 
 
 def _row_problem(row: dict, fmt: str, columns: dict[str, str]) -> str | None:
+    if fmt == "preference":
+        return pair_problem(row, columns)
     if fmt != "messages":
         for name, column in columns.items():
             if not isinstance(row[column], str):
@@ -152,16 +155,18 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     (packed as ``run`` packs them, or one sample each) with the most targets, from the tokenized
     training data (tokenized here into the cache ``run`` reads, or read from it). None when a
     source is on the Hub (not read by ``validate``; ``s3://`` ones are fetched). The loss's logits
-    are that many rows, not one per position: in SFT, prompts and padding are not targets."""
+    are that many rows, not one per position: in SFT, prompts and padding are not targets. A
+    preference micro-batch holds ``micro_batch_size`` pairs: twice as many unpacked sequences."""
     spec = recipe.data.train
     sources = [spec] if isinstance(spec, str) else spec or []
     if spec is None or any("://" in s and not s.startswith(S3_SCHEME) for s in sources):
         return None
-    train, _ = prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
+    train, _ = prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
     per_sample = sample_targets(train.labels, train.offsets)
-    rows = make_rows(train.lengths.tolist(), recipe.data.max_seq_len, recipe.data.packing)
+    pairs = recipe.data.format == "preference"
+    rows = make_rows(train.lengths.tolist(), recipe.data.max_seq_len, recipe.data.packing and not pairs)
     per_row = sorted((sum(per_sample[i] for i in row) for row in rows), reverse=True)
-    return sum(per_row[: recipe.training.micro_batch_size])
+    return sum(per_row[: recipe.training.micro_batch_size * (2 if pairs else 1)])
 
 
 def sample_targets(labels: torch.Tensor, offsets: torch.Tensor) -> list[int]:
