@@ -15,12 +15,17 @@ An objective defines:
   that total, so the step's gradient is the mean over the global batch however it is split;
 - ``loss_sum(scores, target)``: the micro-batch's loss, summed over its units;
 - ``eval_stats(scores, target)``: a fixed-length vector summed over eval batches and dp ranks, and
-  ``eval_record(stats)``: the logged eval record from that sum.
+  ``eval_record(stats)``: the logged eval record from that sum;
+- ``take_train_stats()``: the metric sums (``[train_width]``) ``loss_sum`` accumulated over the
+  training micro-batches since the last call (None when the objective logs no metrics of its own),
+  ``put_train_stats(stats)`` to replace them (the pipeline hands the last stage's to every rank),
+  and ``train_record(stats)``: the step's metrics from their sum over dp ranks, logged beside
+  ``train_loss``.
 
 :class:`CrossEntropy` (supervised fine-tuning: token-mean cross entropy of the target tokens) is
-the first objective. A second one (preference tuning, with its own batch fields and metrics) is
-another class with these methods; the loop, the pipeline schedule, the checkpoint and the
-exporter stay as they are.
+the first objective; the preference objectives (:mod:`nxd_finetune.preference`: DPO, IPO, hinge,
+SimPO, ORPO, with their own batch fields and metrics) are other classes with these methods; the
+loop, the pipeline schedule, the checkpoint and the exporter stay as they are.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ class Objective(Protocol):
     """What the step computes on a micro-batch (see the module docstring)."""
 
     name: str
-    eval_width: int  # length of the eval_stats vector
+
+    @property
+    def eval_width(self) -> int:
+        """Length of the ``eval_stats`` vector."""
+        ...
 
     def target(self, batch: TokenBatch) -> torch.Tensor: ...
 
@@ -56,8 +65,32 @@ class Objective(Protocol):
 
     def eval_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
+    @property
+    def train_width(self) -> int: ...
 
-class CrossEntropy:
+    def take_train_stats(self) -> torch.Tensor | None: ...
+
+    def put_train_stats(self, stats: torch.Tensor | None) -> None: ...
+
+    def train_record(self, stats: Sequence[float]) -> dict[str, float]: ...
+
+
+class NoTrainStats:
+    """An objective whose one training metric is the step loss (the loop's ``train_loss``)."""
+
+    train_width = 0
+
+    def take_train_stats(self) -> torch.Tensor | None:
+        return None
+
+    def put_train_stats(self, stats: torch.Tensor | None) -> None:
+        pass
+
+    def train_record(self, stats: Sequence[float]) -> dict[str, float]:
+        return {}
+
+
+class CrossEntropy(NoTrainStats):
     """Supervised fine-tuning: cross entropy of the target tokens, token-mean over the step."""
 
     name = "sft"
@@ -85,6 +118,7 @@ class CrossEntropy:
             return {}
         loss = loss_sum / n
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_accuracy": correct / n}
+
 
 
 SFT = CrossEntropy()

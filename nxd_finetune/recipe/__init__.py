@@ -23,6 +23,7 @@ keyword and a ``data.chat_template`` holding ``{{`` or ``{%`` is an inline templ
 
 from nxd_finetune.recipe.checks import ModelShape, check_against_model
 from nxd_finetune.recipe.loading import PATH_KEYS, is_uri, load_recipe, recipe_from_dict, resolve_path
+from nxd_finetune.recipe.preference import PreferenceSection, reference_of
 from nxd_finetune.recipe.sections import (
     FORMAT_FIELDS,
     CheckpointSection,
@@ -52,6 +53,7 @@ __all__ = [
     "NeuronSection",
     "OutputSection",
     "ParallelSection",
+    "PreferenceSection",
     "Recipe",
     "RecipeDict",
     "TrainingSection",
@@ -59,5 +61,6 @@ __all__ = [
     "is_uri",
     "load_recipe",
     "recipe_from_dict",
+    "reference_of",
     "resolve_path",
 ]

@@ -15,6 +15,7 @@ from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.neuron import resolve_preset
 from nxd_finetune.recipe.messages import suggest
+from nxd_finetune.recipe.preference import Objective, PreferenceSection, check_objective
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -50,7 +51,7 @@ class DataSection(_Section):
     train: str | StrList
     eval: str | StrList | None = None
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
-    format: Literal["messages", "alpaca", "prompt_completion", "text"] = "messages"
+    format: Literal["messages", "alpaca", "prompt_completion", "text", "preference"] = "messages"
     fields: dict[str, str] = {}
     chat_template: str | None = None
     max_seq_len: int = Field(default=512, ge=2)
@@ -289,10 +290,13 @@ class NeuronSection(_Section):
 
 
 class Recipe(_Section):
-    """A validated recipe. ``lora`` None means full SFT."""
+    """A validated recipe. ``lora`` None means full fine-tuning. ``objective``: ``sft`` (default),
+    or preference tuning (``dpo``, ``orpo``) with its ``preference`` section."""
 
     model: ModelSection
     data: DataSection
+    objective: Objective = "sft"
+    preference: PreferenceSection | None = None
     lora: LoraSection | None = None
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
@@ -319,6 +323,10 @@ class Recipe(_Section):
         if self.eval.every_n_steps and self.data.eval is None and self.data.eval_fraction == 0:
             raise ValueError(f"eval.every_n_steps={self.eval.every_n_steps} but there is no eval data; "
                              "set data.eval or data.eval_fraction")
+        wrong = check_objective(self.objective, self.preference, self.data.format,
+                                self.lora.init_from if self.lora else None, full=self.lora is None)
+        if wrong:
+            raise ValueError(wrong)
         return self
 
     @property

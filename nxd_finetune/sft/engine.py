@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nxd_finetune import loss as L
 from nxd_finetune.errors import NxdError
-from nxd_finetune.lora import LoraConfig
-from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, resolve_dtype
+from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
+from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
+from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.host import HostGroups
@@ -51,6 +51,7 @@ from nxd_finetune.parallel.parallelize import (
 )
 from nxd_finetune.parallel.pipeline import PipelineRunner
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.sft.init_from import init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ Batch = TokenBatch
 Head = Callable[[torch.Tensor], torch.Tensor]  # the output layer as a loss runs it: DecoderForCausalLM.head
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
     """bf16 autocast for ``bf16`` / ``bf16-mixed``; nothing for fp32."""
     if precision in ("bf16", "bf16-mixed"):
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -145,20 +146,30 @@ class Engine:
         model = self.modules[0]
         if self.full_logits:
             logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
-            return logits, L.shift_labels(batch["labels"])
-        index, targets = L.target_index(batch["labels"])
+            return logits, shift_labels(batch["labels"])
+        index, targets = target_index(batch["labels"])
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), logits_index=index)
         return logits, targets
 
-    def scores(self, batch: Batch) -> L.Scores:
+    def scores(self, batch: Batch) -> Scores:
         """A micro-batch's model output on the whole model as the objective reads it: logits at the
         target positions (or every position with :attr:`full_logits`), or with
         :attr:`loss_chunk_rows` the final hidden states there, the output layer running a chunk
         of positions at a time (:class:`loss.ChunkedScores`: no ``[targets, vocab]`` logits)."""
         if self.full_logits or self.loss_chunk_rows is None:
-            return L.LogitScores(*self.logits_and_targets(batch), self.tp_group)
+            logits, targets = self.logits_and_targets(batch)
+            rows = None if self.full_logits else self._target_batch_rows(batch)
+            return LogitScores(logits, targets, self.tp_group, rows)
         hidden, head, targets = self._hidden_and_targets(batch)
-        return L.ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+        return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group,
+                               self._target_batch_rows(batch))
+
+    @staticmethod
+    def _target_batch_rows(batch: Batch) -> torch.Tensor:
+        """The micro-batch row of each target position :func:`loss.target_index` gathers (``[N]``):
+        what per-sequence scores (preference objectives) sum by."""
+        labels = batch["labels"]
+        return target_index(labels)[0] // labels.shape[1]
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The objective's summed loss of a micro-batch on the whole model."""
@@ -169,7 +180,7 @@ class Engine:
         """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
         model = self.modules[0]
         assert isinstance(model, DecoderForCausalLM) and model.lm_head is not None  # pp == 1: the whole decoder
-        index, targets = L.target_index(batch["labels"])
+        index, targets = target_index(batch["labels"])
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
         return hidden, model.head, targets  # lm_head and the final soft-cap (Gemma 2)
 
@@ -227,8 +238,6 @@ def checkpoint_spec(parallel: ParallelSection) -> CheckpointSpec:
         return None
     if mode == "full":
         return "full"
-    from nxd_finetune.models import llama
-
     classes: list[type[nn.Module]] = []
     for name in parallel.checkpoint_modules or ["MLP"]:
         cls = getattr(llama, name, None)
@@ -243,8 +252,6 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
                 lineage: list[str | None], model_dir: Path, warn: bool) -> ModelHooks:
     """Freeze the base and inject LoRA (its names -> ``targets``); after the weights: the adapter's
     master dtype (fp32 unless pure bf16) and ``lora.init_from`` (its lineage -> ``lineage[0]``)."""
-    from nxd_finetune.lora import base_param_name, cast_adapter_params, inject_lora
-
     def inject(model: nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -255,8 +262,6 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
             cast_adapter_params(m, torch.bfloat16 if recipe.training.precision == "bf16" else torch.float32)
         assert recipe.lora is not None
         if recipe.lora.init_from:
-            from nxd_finetune.sft.init_from import init_lora_from
-
             # the whole (partly unmaterialised) model: the adapter file names every layer; this
             # rank's stages share their modules with it, so they receive their factors
             lineage[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
@@ -313,7 +318,7 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     if recipe.lora is not None:
         lora_cfg = LoraConfig.from_section(recipe.lora)
         hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
-    rows = L.chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
+    rows = chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
                            activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows,

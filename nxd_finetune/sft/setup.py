@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.data.datasets import DataSpec
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
@@ -27,6 +28,7 @@ from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.preference import preference_objective
 from nxd_finetune.sft.engine import Engine, build_engine
 from nxd_finetune.xla import StepRuntime, make_runtime
 
@@ -92,9 +94,22 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     return max(1, math.ceil((t.epochs or 1.0) * batches_per_epoch / recipe.grad_accum_steps))
 
 
+def objective_of(recipe: Recipe) -> Objective:
+    """The recipe's objective: supervised cross entropy, or the preference objective of
+    ``objective: dpo | orpo`` with its ``preference`` settings."""
+    if recipe.objective == "sft":
+        return SFT
+    p = recipe.preference
+    if p is None:
+        return preference_objective(recipe.objective)
+    return preference_objective(recipe.objective, p.beta, p.loss_type, p.label_smoothing, p.simpo_gamma)
+
+
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
-               host: HostGroups | None = None, objective: Objective = SFT, write_recipe: bool = True) -> RankRun:
-    """This process's :class:`RankRun`. Without ``device`` / ``layout`` / ``host`` the Neuron
+               host: HostGroups | None = None, objective: Objective | None = None,
+               write_recipe: bool = True) -> RankRun:
+    """This process's :class:`RankRun`. ``objective``: the recipe's (:func:`objective_of`) unless
+    given. Without ``device`` / ``layout`` / ``host`` the Neuron
     environment is applied, the device picked (``training.device``) and the process group
     initialised from the launcher's environment (world size 1 included). ``write_recipe``: rank 0
     writes ``<output.dir>/recipe.yaml``. Collective."""
@@ -120,11 +135,12 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
     with rank0_first(layout.rank, host.world):
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
-        data = build_dataloaders(recipe.data, tokenizer, micro_batch_size=tcfg.micro_batch_size, dp_rank=layout.dp_rank,
-                                 dp_world=par.dp, seed=tcfg.seed,
+        data = build_dataloaders(DataSpec.from_recipe(recipe), tokenizer, micro_batch_size=tcfg.micro_batch_size,
+                                 dp_rank=layout.dp_rank, dp_world=par.dp, seed=tcfg.seed,
                                  fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
     total_steps = total_steps_of(recipe, data.train.batches_per_epoch)
-    engine = build_engine(recipe, model_dir, device, total_steps, layout, host, objective)
+    engine = build_engine(recipe, model_dir, device, total_steps, layout, host,
+                          objective if objective is not None else objective_of(recipe))
     runtime.prepare(engine)
     return RankRun(recipe, device, layout, host, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
                    total_steps, engine)

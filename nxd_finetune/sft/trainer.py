@@ -30,14 +30,16 @@ from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.errors import NxdError, NxdWarning
 from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.metrics import MetricsWriter, Progress
+from nxd_finetune.recipe import reference_of
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
+from nxd_finetune.sft.reference import ReferenceTable
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 
 if TYPE_CHECKING:
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
-    from nxd_finetune.data.loader import TrainLoader
+    from nxd_finetune.data.loader import DataLoaders, TrainLoader
     from nxd_finetune.export import ExportSpec
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
@@ -119,6 +121,8 @@ def train(
                "tokens": state.tokens, "peak_host_mb": host_peak_mb()}
         if v["grad_norm"] is not None:
             rec["grad_norm"] = v["grad_norm"]
+        if v.get("objective") is not None:  # the objective's own metrics (preference: rewards/...)
+            rec.update(engine.objective.train_record(v["objective"]))
         window["start"], window["tokens"] = time.perf_counter(), 0
         metrics.log(step, rec)
         history.append({"step": step, **rec})
@@ -134,6 +138,9 @@ def train(
             values: dict[str, Any] = {"counts": result.counts}
             if state.step % log_every == 0 or state.step == total_steps:
                 values.update(loss=engine.dp_sum(result.loss), grad_norm=result.grad_norm)
+                # summed since the last logging step: the record's metrics cover the whole window
+                extra = engine.objective.take_train_stats()
+                values["objective"] = None if extra is None else engine.dp_sum(extra)
             runtime.on_host(functools.partial(on_values, state.step, float(engine.scheduler.get_last_lr()[0])), values)
             runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
@@ -159,7 +166,8 @@ def step_batches(
         step, n_tokens = [], 0
         for _ in range(grad_accum):
             batch = next(it)
-            n_tokens += int((batch["segment_ids"] > 0).sum())
+            # preference pairs are unpacked and carry no segment ids: every position counts
+            n_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
             if not packing:
                 batch = {k: v for k, v in batch.items() if k != "segment_ids"}
             step.append(batch)
@@ -257,7 +265,7 @@ def prepare_shared(recipe: Recipe) -> None:
     from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(recipe.model.path)
-    prepare_datasets(DataSpec.of(recipe.data), load_tokenizer(recipe, model_dir))
+    prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
 
 
 def run_rank(recipe: Recipe) -> dict[str, Any] | None:
@@ -278,14 +286,20 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     def eval_fn() -> dict[str, float]:
         if samples is not None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
-        return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
+        if data.eval is None:
+            return {}
+        batches = iter(data.eval) if table is None else table.attach_all(data.eval)
+        return evaluate(engine, batches, recipe.eval.max_batches, runtime)
+
+    table = reference_pass(recipe, engine, data, total_steps)  # preference tuning with a reference model
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
 
     # lazy: nothing is drawn before a resume restores the data position through it
-    steps = runtime.batches(step_batches(data.train, grad_accum, recipe.data.packing),
+    stream = step_batches(data.train, grad_accum, recipe.data.packing)
+    steps = runtime.batches(stream if table is None else table.steps(stream),
                             snapshot=data.train.state_dict, restore=data.train.load_state_dict)
     state = TrainState()
     # checkpoints record the position of the batches handed out, not of those prefetched
@@ -354,6 +368,23 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
+
+
+def reference_pass(recipe: Recipe, engine: Engine, data: DataLoaders, total_steps: int) -> ReferenceTable | None:
+    """The reference log-probs of every micro-batch the run trains on (from step 0, so a resumed
+    run finds them too) and of the eval batches, computed before the first step and before a
+    resume loads trained weights (:mod:`nxd_finetune.sft.reference`); None without a reference."""
+    reference = reference_of(recipe.objective, recipe.preference, recipe.lora.init_from if recipe.lora else None)
+    if reference is None:
+        return None
+    table = ReferenceTable(reference)
+    position = data.train.state_dict()
+    stream = step_batches(data.train, recipe.grad_accum_steps, recipe.data.packing)
+    table.compute(engine, (b for _ in range(total_steps) for b in next(stream)[0]))
+    data.train.load_state_dict(position)
+    if data.eval is not None:
+        table.compute(engine, iter(data.eval))
+    return table
 
 
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:

@@ -1,0 +1,229 @@
+"""Preference objectives: DPO (``sigmoid``, ``ipo``, ``hinge``), SimPO and ORPO, as TRL computes them.
+
+They plug into the objective seam (:mod:`nxd_finetune.objective`): the loop, the pipeline schedule,
+the checkpoint and the exporter stay as they are.
+
+The batch contract. A preference micro-batch of ``P`` pairs is a dict with
+
+- ``input_ids`` ``[2P, T]`` long and ``labels`` ``[2P, T]`` long (-100 on prompt tokens and
+  padding; completion tokens keep their ids, HF-style aligned with ``input_ids`` and shifted by the
+  loss as usual). Rows ``0..P-1`` are the chosen sequences, rows ``P..2P-1`` the rejected ones of
+  the same pairs in the same order (TRL's ``concatenated_forward`` order); right-padded, one
+  sequence per row (no ``segment_ids``);
+- ``ref_logps`` float32 ``[2P]``: the reference model's summed completion log-prob of each row,
+  present once the reference log-probs were computed (:mod:`nxd_finetune.sft.reference`); the
+  objectives without a reference (SimPO, ORPO) do not read it.
+
+``training.micro_batch_size`` counts pairs. :meth:`count` is the number of pairs, so a step's loss
+is the mean over the global batch's pairs (TRL's ``per_sequence_loss.mean()``); ``loss_sum`` sums
+over the micro-batch's pairs. A sequence's log-prob is the sum of its completion tokens' log-probs,
+read from :meth:`~nxd_finetune.loss.Scores.token_nll` (vocab-parallel and chunked: never a
+``[tokens, vocab]`` tensor). The target that travels to a pipeline's last stage packs the labels
+and ``ref_logps`` into one float64 ``[2P, T + 1]`` tensor (token ids are exact in float64).
+
+Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
+``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ORPO adds ``nll_loss``,
+``log_odds_ratio``, ``log_odds_chosen``): sums over pairs, accumulated by ``loss_sum`` during a
+training step (:meth:`take_train_stats`) and by :meth:`eval_stats`, divided by the pairs in the
+records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
+from nxd_finetune.objective import TokenBatch
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
+_PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+_ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x <= 0``, stable near 0 and far below it (Maechler's branch at
+    ``-log 2``: ``log(-expm1(x))`` above, ``log1p(-exp(x))`` below). ``x`` is clamped just below 0
+    so a log-prob that rounds to 0 gives a finite value and gradient."""
+    x = x.clamp(max=-1e-7)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def pack_target(labels: torch.Tensor, ref_logps: torch.Tensor | None) -> torch.Tensor:
+    """``labels`` ``[B, T]`` and ``ref_logps`` ``[B]`` (zeros when None) as one float64 ``[B, T+1]``."""
+    ref = torch.zeros(labels.shape[0], dtype=torch.float64, device=labels.device) if ref_logps is None \
+        else ref_logps.to(torch.float64)
+    return torch.cat([labels.to(torch.float64), ref.unsqueeze(1)], dim=1)
+
+
+def sequence_logps(scores: Scores, n_rows: int) -> torch.Tensor:
+    """Summed log-prob of each row's targets (``[n_rows]``, fp32) from a micro-batch's scores."""
+    nll, rows = scores.token_nll()
+    return -torch.zeros(n_rows, dtype=nll.dtype, device=nll.device).index_add(0, rows, nll)
+
+
+def completion_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Targets (completion tokens) of each row, ``[B]`` float32."""
+    return (shift_labels(labels) != IGNORE_INDEX).sum(1).to(torch.float32)
+
+
+@dataclasses.dataclass
+class _PairObjective:
+    """The parts DPO and ORPO share: the batch contract, the pair count and the metric plumbing."""
+
+    beta: float = 0.1
+    name: str = "dpo"
+    _train: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return _PAIR_STATS
+
+    @property
+    def eval_width(self) -> int:
+        return 1 + len(self.stat_names)
+
+    train_width = eval_width
+
+    def target(self, batch: TokenBatch) -> torch.Tensor:
+        return pack_target(batch["labels"], batch.get("ref_logps"))
+
+    def labels(self, target: torch.Tensor) -> torch.Tensor:
+        return target[:, :-1].to(torch.long)
+
+    def count(self, batch: TokenBatch) -> torch.Tensor:
+        return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.int64, device=batch["input_ids"].device)
+
+    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+        loss, stats = self._pairs(scores, target)
+        if torch.is_grad_enabled():  # a training step: its metrics, read by the loop after the step
+            self._train = stats if self._train is None else self._train + stats
+        return loss
+
+    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+        return self._pairs(scores, target)[1]
+
+    def take_train_stats(self) -> torch.Tensor | None:
+        """The metric sums of the training micro-batches since the last call (``[train_width]``:
+        pairs, then :attr:`stat_names`), and reset; sum it over dp ranks, then :meth:`train_record`."""
+        out, self._train = self._train, None
+        return out
+
+    def put_train_stats(self, stats: torch.Tensor | None) -> None:
+        """Replace the accumulated metric sums (the pipeline hands the last stage's to every rank)."""
+        self._train = stats
+
+    def train_record(self, stats: Sequence[float]) -> dict[str, float]:
+        return self._record(stats, "")
+
+    def eval_record(self, stats: Sequence[float]) -> dict[str, float]:
+        return self._record(stats, "eval_")
+
+    def _record(self, stats: Sequence[float], prefix: str) -> dict[str, float]:
+        pairs, *sums = stats
+        if pairs == 0:
+            return {}
+        rec = {name: s / pairs for name, s in zip(self.stat_names, sums, strict=True)}
+        rec["rewards/margins"] = rec["rewards/chosen"] - rec["rewards/rejected"]
+        if prefix == "":  # the loop logs the step loss itself as train_loss
+            rec.pop("loss")
+        return {f"{prefix}{k}": v for k, v in rec.items()}
+
+    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _stats(loss_sum: torch.Tensor, rewards_c: torch.Tensor, rewards_r: torch.Tensor,
+               logps_c: torch.Tensor, logps_r: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        pairs = torch.tensor(float(rewards_c.shape[0]), device=rewards_c.device)
+        parts = [pairs, loss_sum.detach(), rewards_c.sum(), rewards_r.sum(), (rewards_c > rewards_r).float().sum(),
+                 logps_c.sum(), logps_r.sum(), *more]
+        return torch.stack([p.detach().float() for p in parts])
+
+
+@dataclasses.dataclass
+class DirectPreference(_PairObjective):
+    """DPO with TRL's ``loss_type`` ``sigmoid`` (``label_smoothing``: the conservative cDPO form),
+    ``ipo`` (length-normalised log-ratios, as TRL), ``hinge``; and ``simpo`` (no reference:
+    length-normalised log-probs, target margin ``simpo_gamma``; TRL's CPO trainer with
+    ``loss_type="simpo"``, ``cpo_alpha=0``)."""
+
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss_type != "simpo"
+
+    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = self.labels(target)
+        n = labels.shape[0]
+        p = n // 2
+        logps = sequence_logps(scores, n)
+        beta, eps = self.beta, self.label_smoothing
+        if self.loss_type == "simpo":
+            logps = logps / completion_tokens(labels).clamp(min=1.0)
+            logits = logps[:p] - logps[p:] - self.simpo_gamma / beta
+            losses = -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps
+            rewards = beta * logps.detach()
+        else:
+            ratios = logps - target[:, -1].to(logps.dtype)
+            delta = ratios[:p] - ratios[p:]
+            if self.loss_type == "sigmoid":
+                losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
+            elif self.loss_type == "hinge":
+                losses = torch.relu(1 - beta * delta)
+            elif self.loss_type == "ipo":
+                avg = ratios / completion_tokens(labels).clamp(min=1.0)
+                losses = (avg[:p] - avg[p:] - 1 / (2 * beta)) ** 2
+            else:
+                raise ValueError(f"unknown preference loss_type {self.loss_type!r} (one of {', '.join(LOSS_TYPES)})")
+            rewards = beta * ratios.detach()
+        loss = losses.sum()
+        return loss, self._stats(loss, rewards[:p], rewards[p:], logps[:p], logps[p:])
+
+
+@dataclasses.dataclass
+class OddsRatioPreference(_PairObjective):
+    """ORPO: the chosen completions' token-mean NLL (over the micro-batch's chosen tokens) minus
+    ``beta`` times the mean log-sigmoid of the log odds ratio of the length-normalised log-probs,
+    with a stable ``log(1 - exp(x))`` (:func:`log1mexp`). No reference model."""
+
+    name: str = "orpo"
+    needs_reference = False
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return _PAIR_STATS + _ORPO_STATS
+
+    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = self.labels(target)
+        n = labels.shape[0]
+        p = n // 2
+        summed = sequence_logps(scores, n)
+        tokens = completion_tokens(labels)
+        logps = summed / tokens.clamp(min=1.0)
+        nll = -summed[:p].sum() / tokens[:p].sum().clamp(min=1.0)  # token mean over the chosen rows
+        c, r = logps[:p], logps[p:]
+        log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
+        ratio = F.logsigmoid(log_odds)
+        loss = p * nll - self.beta * ratio.sum()
+        rewards = self.beta * logps.detach()
+        stats = self._stats(loss, rewards[:p], rewards[p:], c, r, p * nll, ratio.sum(), log_odds.sum())
+        return loss, stats
+
+
+def preference_objective(objective: str, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                         simpo_gamma: float = 0.5) -> DirectPreference | OddsRatioPreference:
+    """The objective of ``objective: dpo`` (with its ``loss_type``) or ``orpo``."""
+    if objective == "orpo":
+        return OddsRatioPreference(beta=beta)
+    if objective == "dpo":
+        return DirectPreference(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                                simpo_gamma=simpo_gamma)
+    raise ValueError(f"{objective!r} is not a preference objective (dpo, orpo)")

@@ -1,0 +1,308 @@
+"""Preference objectives against TRL: the same tiny Llama (fp32, random init), LoRA adapter, data,
+batches (TRL's own collated batches, in order) and hyper-parameters; our engine's step loss and
+reward metrics equal TRL's per optimizer step within 1e-5, and the adapter we write loads in peft.
+Also the recipe rules, the stable ORPO term and the scores' per-token NLL on every output form."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import peft
+import pytest
+import torch
+from datasets import Dataset
+from torch.utils.data import SequentialSampler
+from transformers import AutoModelForCausalLM
+
+from nxd_finetune.errors import RecipeError
+from nxd_finetune.export import ExportSpec, export_model
+from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
+from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, pack_target, sequence_logps
+from nxd_finetune.recipe import recipe_from_dict, reference_of
+from nxd_finetune.sft.engine import build_engine
+from nxd_finetune.sft.reference import ReferenceTable
+from nxd_finetune.sft.setup import objective_of
+from nxd_finetune.sft.step import train_step
+
+trl = pytest.importorskip("trl")
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(100)]
+STEPS, PAIRS_PER_STEP, LR, BETA = 10, 2, 5e-3, 0.1
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+
+
+def word_tokenizer():
+    """One token per word (WordLevel) inside the tiny model's 128-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]")
+
+
+def pairs(n: int, seed: int = 0, prompt: bool = True) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    return [{"prompt": (text(2, 6) + " ") if prompt else "", "chosen": text(1, 7), "rejected": text(1, 7)}
+            for _ in range(n)]
+
+
+def start_adapter(model_dir: Path, out: Path):
+    """A peft LoRA on the tiny model with random non-zero factors (policy != base at step 0), saved."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    pm.save_pretrained(out)
+    return pm
+
+
+class Recorder:
+    """A transformers callback keeping every training log record."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def __getattr__(self, name: str) -> Any:  # the other TrainerCallback hooks: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if logs and "loss" in logs:
+            self.logs.append(dict(logs))
+
+
+def run_trl(kind: str, model_dir: Path, adapter: Path, data: list[dict[str, str]], out: Path, **cfg: Any):
+    """TRL's trainer of ``kind`` (dpo, cpo, orpo) over ``data`` in order: (logs, its batches, trainer)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, adapter, is_trainable=True)
+    common = dict(output_dir=str(out), per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1,
+                  learning_rate=LR, max_steps=STEPS, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+                  report_to=[], use_cpu=True, save_strategy="no", bf16=False, fp16=False, seed=0,
+                  max_grad_norm=1.0, weight_decay=0.0, beta=BETA, dataloader_num_workers=0, max_length=None)
+    base: type[Any]
+    if kind == "dpo":
+        base, args = DPOTrainer, DPOConfig(**common, gradient_checkpointing=False, disable_dropout=True, **cfg)
+    elif kind == "cpo":
+        base, args = CPOTrainer, CPOConfig(**common, **cfg)
+    else:
+        base, args = ORPOTrainer, ORPOConfig(**common, **cfg)
+
+    class InOrder(base):  # type: ignore[misc, valid-type]
+        def _get_train_sampler(self, train_dataset: Any = None) -> SequentialSampler:
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    rec = Recorder()
+    trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(data),
+                      processing_class=word_tokenizer(), callbacks=[rec])
+    batches = list(trainer.get_train_dataloader())[:STEPS]
+    trainer.train()
+    return rec.logs, batches, trainer
+
+
+def our_batch(kind: str, b: dict[str, torch.Tensor], pad: int) -> dict[str, torch.Tensor]:
+    """TRL's collated batch as our contract: [chosen; rejected] rows, labels -100 off the completions."""
+    if kind == "dpo":
+        ids = b["input_ids"]
+        return {"input_ids": ids, "labels": ids.masked_fill(b["completion_mask"] == 0, -100)}
+    c_ids, r_ids = b["chosen_input_ids"], b["rejected_input_ids"]
+    t = max(c_ids.shape[1], r_ids.shape[1])
+
+    def padded(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, t - x.shape[1]), value=fill)
+
+    return {"input_ids": torch.cat([padded(c_ids, pad), padded(r_ids, pad)]),
+            "labels": torch.cat([padded(b["chosen_labels"], -100), padded(b["rejected_labels"], -100)])}
+
+
+def our_recipe(model_dir: Path, adapter: Path, out: Path, objective: str, **preference: Any):
+    return recipe_from_dict({
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(out / "unused.jsonl"), "format": "preference", "packing": False},
+        "objective": objective, **({"preference": preference} if preference else {}),
+        "lora": {"rank": LORA["r"], "alpha": LORA["lora_alpha"], "target_modules": LORA["target_modules"],
+                 "init_from": str(adapter)},
+        "training": {"micro_batch_size": PAIRS_PER_STEP, "max_steps": STEPS, "lr": LR, "scheduler": "constant",
+                     "warmup_steps": 0, "grad_clip": 1.0, "weight_decay": 0.0, "device": "cpu"},
+        "output": {"dir": str(out / "ours")},
+    })
+
+
+def run_ours(recipe, model_dir: Path, batches: list[dict[str, torch.Tensor]], reference: str | None):
+    engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS, objective=objective_of(recipe))
+    if reference is not None:
+        table = ReferenceTable(reference)
+        table.compute(engine, batches)
+        batches = [table.attach(b) for b in batches]
+    records = []
+    engine.train(True)
+    for b in batches:
+        result = train_step(engine, [b], int(b["input_ids"].numel()))
+        stats = engine.objective.take_train_stats()
+        assert stats is not None
+        records.append({"loss": float(result.loss), **engine.objective.train_record(stats.tolist())})
+    return records, engine
+
+
+def assert_same_curves(ours: list[dict[str, float]], theirs: list[dict[str, float]], keys: tuple[str, ...]) -> None:
+    assert len(ours) == len(theirs) == STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], abs=1e-5), (step, k, a[k], b[k])
+    assert ours[0]["loss"] != pytest.approx(ours[-1]["loss"], abs=1e-3)  # it trained
+
+
+REWARDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_equals_trl_per_step(loss_type, make_tiny_hf, tmp_path):
+    _, model_dir = make_tiny_hf("llama")
+    adapter = tmp_path / "start"
+    start_adapter(model_dir, adapter)
+    data = pairs(STEPS * PAIRS_PER_STEP)
+    logs, batches, trainer = run_trl("dpo", model_dir, adapter, data, tmp_path / "trl", loss_type=[loss_type])
+    pad = trainer.processing_class.pad_token_id
+    # TRL's reference for a PEFT model that starts from an adapter is that adapter (a frozen "ref"
+    # copy); ours too, by default with lora.init_from
+    recipe = our_recipe(model_dir, adapter, tmp_path, "dpo", beta=BETA, loss_type=loss_type)
+    assert reference_of(recipe.objective, recipe.preference, recipe.lora.init_from) == "init_from"
+    ours, engine = run_ours(recipe, model_dir, [our_batch("dpo", b, pad) for b in batches], "init_from")
+    assert_same_curves(ours, logs, REWARDS)
+    if loss_type == "sigmoid":  # the adapter we write loads in peft and equals TRL's trained one
+        spec = ExportSpec(mode="adapter", source_dir=model_dir, base_name=str(model_dir), dtype=torch.float32,
+                          revision=None, tokenizer=None)
+        export_model(engine.rank_model, tmp_path / "final", spec, config=engine.config, lora=engine.lora_config,
+                     lora_targets=engine.lora_targets)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+        loaded = peft.PeftModel.from_pretrained(hf, tmp_path / "final").eval()
+        trained = trainer.model.eval()
+        ids = batches[0]["input_ids"]
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_simpo_equals_trl_cpo_per_step(make_tiny_hf, tmp_path):
+    _, model_dir = make_tiny_hf("llama")
+    adapter = tmp_path / "start"
+    start_adapter(model_dir, adapter)
+    data = pairs(STEPS * PAIRS_PER_STEP, seed=1)
+    logs, batches, trainer = run_trl("cpo", model_dir, adapter, data, tmp_path / "trl", loss_type="simpo",
+                                     cpo_alpha=0.0, simpo_gamma=0.3, label_smoothing=0.1)
+    pad = trainer.processing_class.pad_token_id
+    recipe = our_recipe(model_dir, adapter, tmp_path, "dpo", beta=BETA, loss_type="simpo", simpo_gamma=0.3,
+                        label_smoothing=0.1)
+    ours, _ = run_ours(recipe, model_dir, [our_batch("cpo", b, pad) for b in batches], None)
+    assert_same_curves(ours, logs, REWARDS)
+
+
+def test_orpo_equals_trl_per_step(make_tiny_hf, tmp_path):
+    """TRL's ORPO NLL covers the chosen prompt tokens too; ours (the paper's) the completion only:
+    with empty prompts (only TRL's bos) the two are the same quantity."""
+    _, model_dir = make_tiny_hf("llama")
+    adapter = tmp_path / "start"
+    start_adapter(model_dir, adapter)
+    data = pairs(STEPS * PAIRS_PER_STEP, seed=2, prompt=False)
+    logs, batches, trainer = run_trl("orpo", model_dir, adapter, data, tmp_path / "trl")
+    pad = trainer.processing_class.pad_token_id
+    recipe = our_recipe(model_dir, adapter, tmp_path, "orpo", beta=BETA)
+    ours, _ = run_ours(recipe, model_dir, [our_batch("orpo", b, pad) for b in batches], None)
+    assert_same_curves(ours, logs, (*REWARDS, "nll_loss", "log_odds_ratio", "log_odds_chosen"))
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_token_nll_is_the_same_from_every_scores_form():
+    """Full logits, target-position logits and chunked hidden states give the same per-row log-probs,
+    equal to transformers-style per-token cross entropy summed over each row."""
+    torch.manual_seed(0)
+    b, t, h, v = 4, 9, 8, 13
+    hidden = torch.randn(b, t, h)
+    head = torch.nn.Linear(h, v, bias=False)
+    labels = torch.randint(0, v, (b, t))
+    labels[:, :3] = -100
+    labels[1, 6:] = -100
+    expected = -causal_lm_loss(head(hidden), labels, reduction="none").sum(1)
+    full = LogitScores(head(hidden), shift_labels(labels))
+    flat_t = shift_labels(labels).reshape(-1)
+    index = (flat_t != -100).nonzero().squeeze(1)
+    gathered = LogitScores(head(hidden.reshape(-1, h)[index]), flat_t[index], rows=index // t)
+    chunked = ChunkedScores(hidden.reshape(-1, h)[index], head, flat_t[index], 3, batch_rows=index // t)
+    for scores in (full, gathered, chunked):
+        torch.testing.assert_close(sequence_logps(scores, b), expected)
+
+
+def test_orpo_log1mexp_is_finite_near_zero_and_far_below():
+    x = torch.tensor([-1e-12, -1e-6, -0.5, -0.7, -5.0, -80.0, -1e4], dtype=torch.float32, requires_grad=True)
+    y = log1mexp(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    ref = torch.log1p(-torch.exp(x.detach().double()))
+    mid = slice(1, 7)
+    torch.testing.assert_close(y[mid].double(), ref[mid], rtol=1e-5, atol=1e-6)
+    # the whole ORPO loss at log-probs that round to 0 and far below it: finite loss and gradients
+    logits = torch.zeros(4, 3, 5)
+    logits[..., 0] = torch.tensor([60.0, 1e-3, -30.0]).view(1, 3).expand(4, 3)
+    logits.requires_grad_(True)
+    labels = torch.zeros(4, 3, dtype=torch.long)
+    labels[:, 0] = -100
+    target = pack_target(labels, None)
+    loss = OddsRatioPreference().loss_sum(LogitScores(logits, shift_labels(labels)), target)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+
+
+def test_dpo_without_reference_logps_reads_zeros_and_label_smoothing_is_cdpo():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    labels[:, :2] = -100
+    ref = torch.tensor([-3.0, -4.0])
+    scores = LogitScores(logits, shift_labels(labels))
+    logps = sequence_logps(scores, 2)
+    delta = (logps[0] - ref[0]) - (logps[1] - ref[1])
+    got = DirectPreference(beta=0.2, label_smoothing=0.1).loss_sum(scores, pack_target(labels, ref))
+    want = -0.9 * torch.nn.functional.logsigmoid(0.2 * delta) - 0.1 * torch.nn.functional.logsigmoid(-0.2 * delta)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"objective": "dpo"}, "objective=dpo needs data.format=preference (got messages)"),
+    ({"data.format": "preference"}, "data.format=preference needs objective: dpo or orpo (objective=sft)"),
+    ({"preference": {"beta": 0.2}}, "preference is set but objective=sft"),
+    ({"objective": "orpo", "data.format": "preference", "preference": {"reference": "base"}},
+     "preference.reference=base but objective=orpo uses no reference model"),
+    ({"objective": "dpo", "data.format": "preference", "preference": {"reference": "init_from"}},
+     "preference.reference=init_from needs lora.init_from"),
+    ({"objective": "dpo", "data.format": "preference", "preference": {"loss_type": "hinge", "label_smoothing": 0.1}},
+     "preference.label_smoothing=0.1 has no effect with loss_type=hinge"),
+    ({"objective": "dpo", "data.format": "preference", "preference": {"precompute_ref_log_probs": False}},
+     "preference.precompute_ref_log_probs=false is not supported"),
+])
+def test_recipe_rules_are_one_line(overrides, message, tmp_path):
+    data: dict[str, Any] = {"model": {"path": "builtin:tiny-llama"}, "data": {"train": str(tmp_path / "x.jsonl")},
+                            "lora": {}}
+    for key, value in overrides.items():
+        if key == "data.format":
+            data["data"]["format"] = value
+        else:
+            data[key] = value
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict(data)
+    assert message in str(e.value) and "\n" not in str(e.value)
