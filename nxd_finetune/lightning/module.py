@@ -29,22 +29,37 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 
 from nxd_finetune.checkpoint.run_state import JsonDict, RunState
 from nxd_finetune.errors import NxdError
+from nxd_finetune.export import export_model
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
+from nxd_finetune.lightning.strategy import NxdStrategy
 from nxd_finetune.metrics import METRICS_FILE
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
+from nxd_finetune.recipe import Recipe, load_recipe, recipe_from_dict
 from nxd_finetune.sft.setup import setup_rank
+from nxd_finetune.sft.trainer import export_spec, step_batches
 
 if TYPE_CHECKING:
-    from nxd_finetune.data.loader import TrainLoader
-    from nxd_finetune.recipe import Recipe
+    from transformers import PreTrainedTokenizerBase
+
+    from nxd_finetune.data.loader import EvalLoader, TrainLoader
     from nxd_finetune.sft.engine import Engine
+
+
+class StepBatch(TypedDict):
+    """One item of :class:`StepStream`: an optimizer step's micro-batches, their input tokens,
+    and the data position after them."""
+
+    micro_batches: list[dict[str, torch.Tensor]]
+    n_input: int
+    position: dict[str, int]
 
 
 class StepStream:
@@ -56,9 +71,7 @@ class StepStream:
     def __init__(self, loader: TrainLoader, grad_accum: int, packing: bool) -> None:
         self.loader, self.grad_accum, self.packing = loader, grad_accum, packing
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        from nxd_finetune.sft.trainer import step_batches
-
+    def __iter__(self) -> Iterator[StepBatch]:
         for micro_batches, n_input in step_batches(self.loader, self.grad_accum, self.packing):
             yield {"micro_batches": micro_batches, "n_input": n_input, "position": self.loader.state_dict()}
 
@@ -76,24 +89,20 @@ class NxdLightningModule(NxdModuleBase):
 
     def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
         super().__init__()
-        from nxd_finetune.recipe import Recipe, load_recipe
-
         self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
         self.engine: Engine | None = None
         self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
         self._stream: StepStream | None = None
-        self._position: dict[str, Any] | None = None
-        self._eval: Any = None  # the recipe's eval loader (None: no eval data)
+        self._position: dict[str, int] | None = None
+        self._eval: EvalLoader | None = None  # the recipe's eval loader (None: no eval data)
         self._eval_stats: torch.Tensor | None = None
         self._model_dir: Path | None = None
-        self._tokenizer: Any = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
 
     # ------------------------------------------------------------------ building
 
-    def _recipe_for(self, strategy: Any, device: torch.device) -> Recipe:
+    def _recipe_for(self, strategy: NxdStrategy, device: torch.device) -> Recipe:
         """The recipe with the strategy's layout, the plugin's precision, the trainer's max_steps."""
-        from nxd_finetune.recipe import recipe_from_dict
-
         data = self.recipe.to_dict()
         data["parallel"].update(nproc=strategy.world_size, tp=strategy.tensor_parallel_size,
                                 pp=strategy.pipeline_parallel_size, zero1=strategy.zero1)
@@ -108,8 +117,6 @@ class NxdLightningModule(NxdModuleBase):
         """Build this rank's engine and data (collective; once)."""
         if self.engine is not None:
             return
-        from nxd_finetune.lightning.strategy import NxdStrategy
-
         strategy = self.trainer.strategy
         if not isinstance(strategy, NxdStrategy):
             raise NxdError(f"NxdLightningModule trains under Trainer(strategy=NxdStrategy(...)), "
@@ -135,7 +142,7 @@ class NxdLightningModule(NxdModuleBase):
         self._stream = StepStream(rr.data.train, rr.grad_accum, recipe.data.packing)
         self._eval = rr.data.eval
 
-    def configure_optimizers(self) -> Any:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         """The engine's :class:`ParallelOptimizer` and its LR schedule (stepped every step)."""
         assert self.engine is not None, "configure_model builds the engine first"
         return {"optimizer": self.engine.optimizer,
@@ -167,7 +174,7 @@ class NxdLightningModule(NxdModuleBase):
         assert self.engine is not None
         return self.engine.state
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
         """One optimizer step (module docstring): ``run``'s step on the engine; returns the step's
         token-mean loss over the global batch (detached; the same on every rank)."""
         assert self.engine is not None
@@ -177,7 +184,7 @@ class NxdLightningModule(NxdModuleBase):
 
     # ------------------------------------------------------------------ eval (Trainer's val_check_interval)
 
-    def val_dataloader(self) -> Any:
+    def val_dataloader(self) -> EvalLoader | list[Batch]:
         """The recipe's eval set, each rank its share (an empty list without ``data.eval``)."""
         return self._eval if self._eval is not None else []
 
@@ -205,9 +212,6 @@ class NxdLightningModule(NxdModuleBase):
     def on_train_end(self) -> None:
         """The run's artefact (``<output.dir>/final``, the recipe's save mode) by the one exporter
         (collective)."""
-        from nxd_finetune.export import export_model
-        from nxd_finetune.sft.trainer import export_spec
-
         e = self.engine
         assert e is not None and self._model_dir is not None
         export_model(e.rank_model, Path(self.recipe.output.dir) / "final",
