@@ -26,24 +26,38 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nxd_finetune.checkpoint.run_state import TrainState
-from nxd_finetune.errors import NxdError, NxdWarning
+from nxd_finetune.checkpoint.run_state import JsonDict, TrainState
+from nxd_finetune.checkpoint.training import TrainingCheckpoints
+from nxd_finetune.data.datasets import DataSpec, prepare_datasets
+from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
+from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
+from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.metrics import MetricsWriter, Progress
-from nxd_finetune.recipe import reference_of
+from nxd_finetune.models import DecoderConfig, resolve_dtype
+from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
+from nxd_finetune.parallel.launch import in_launched_env, launch
+from nxd_finetune.parallel.layers import ShardSpec
+from nxd_finetune.preflight.hardware import check_cpu_formats
+from nxd_finetune.recipe import check_against_model, recipe_from_dict, reference_of
+from nxd_finetune.registry.publish import check_publish_target, publish_run
+from nxd_finetune.serve.samples import EvalSamples
+from nxd_finetune.sft.curve import write_loss_curve
+from nxd_finetune.sft.engine import autocast
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import ReferenceTable
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
+from nxd_finetune.trackers import check_trackers, open_trackers
+from nxd_finetune.xla import StepRuntime
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.training import TrainingCheckpoints
+    from transformers import PreTrainedTokenizerBase
+
     from nxd_finetune.data.loader import DataLoaders, TrainLoader
-    from nxd_finetune.export import ExportSpec
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
-    from nxd_finetune.xla import StepRuntime
 
 
 def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets: torch.Tensor,
@@ -51,8 +65,6 @@ def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets
     """Forward + backward of one micro-batch on a whole (unsharded) model with full logits;
     returns its summed loss / ``n_targets`` (detached). The reference the parallel paths are
     tested against (the engine computes the same loss, at target positions only)."""
-    from nxd_finetune.sft.engine import autocast
-
     with autocast(device, precision):
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
     loss = causal_lm_loss(logits, batch["labels"], reduction="sum") / n_targets
@@ -89,8 +101,8 @@ def train(
     show_progress: bool,
     runtime: StepRuntime | None = None,
     ckpt: TrainingCheckpoints | None = None,
-    history: list[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
+    history: list[JsonDict] | None = None,
+) -> list[JsonDict]:
     """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
     their number of non-padding tokens (counted on the host). Returns the logged records (the same
     on every rank). Device values (token counts; loss and grad norm on logging steps) reach the
@@ -99,8 +111,6 @@ def train(
     ``mark_step``. ``history``: a resumed run's records, appended to. ``ckpt``
     (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's logging and
     eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT."""
-    from nxd_finetune.xla import StepRuntime
-
     runtime = runtime or StepRuntime(engine.device)
     log_every = recipe.logging.every_n_steps
     progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
@@ -177,7 +187,7 @@ def step_batches(
 # ---------------------------------------------------------------------- processes
 
 
-def run(recipe: Recipe) -> dict[str, Any] | None:
+def run(recipe: Recipe) -> JsonDict | None:
     """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``).
 
     ``parallel.nproc > 1`` outside a launched environment: the model and the tokenized data are
@@ -186,8 +196,6 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     process is one worker: the world size must equal ``parallel.nproc`` (or nproc is left at 1,
     and then taken from the world). A worker's failure is one NxdError line naming the rank.
     """
-    from nxd_finetune.parallel.launch import in_launched_env, launch
-
     restarts = recipe.parallel.max_restarts
     if in_launched_env():
         if restarts and os.environ.get("RANK") == "0":
@@ -205,14 +213,11 @@ def run(recipe: Recipe) -> dict[str, Any] | None:
     return results[0]
 
 
-def export_spec(recipe: Recipe, model_dir: Path, tokenizer: Any) -> ExportSpec:
+def export_spec(recipe: Recipe, model_dir: Path, tokenizer: PreTrainedTokenizerBase | None) -> ExportSpec:
     """What the run's final artefact is (:mod:`nxd_finetune.export`): the recipe's save mode (full
     SFT: ``full``), the tensors of merged / full-SFT outputs in the training dtype, and as the
     adapter's base the model path, or for a ``builtin:`` model the local directory it is
     materialised in (which peft and vLLM can load)."""
-    from nxd_finetune.export import ExportSpec
-    from nxd_finetune.models import resolve_dtype
-
     path = recipe.model.path
     dtype = torch.bfloat16 if recipe.training.precision == "bf16" else resolve_dtype(recipe.model.dtype)
     return ExportSpec(mode="full" if recipe.lora is None else recipe.checkpoint.save_mode, source_dir=model_dir,
@@ -220,10 +225,7 @@ def export_spec(recipe: Recipe, model_dir: Path, tokenizer: Any) -> ExportSpec:
                       revision=recipe.model.revision, tokenizer=tokenizer)
 
 
-def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
-    from nxd_finetune.errors import show_warnings_as_lines
-    from nxd_finetune.recipe import recipe_from_dict
-
+def _worker(recipe_dict: JsonDict) -> JsonDict | None:
     show_warnings_as_lines()  # a worker's warnings as one line too
     return run_rank(recipe_from_dict(recipe_dict))
 
@@ -233,7 +235,6 @@ def _recipe_for_world(recipe: Recipe, world: int) -> Recipe:
         return recipe
     if recipe.parallel.nproc != 1:
         raise NxdError(f"parallel.nproc={recipe.parallel.nproc} but the launcher started {world} processes")
-    from nxd_finetune.recipe import recipe_from_dict
 
     data = recipe.to_dict()
     data["parallel"]["nproc"] = world
@@ -242,33 +243,22 @@ def _recipe_for_world(recipe: Recipe, world: int) -> Recipe:
 
 def _preflight(recipe: Recipe) -> None:
     """Checks that need no model, before any worker starts."""
-    from nxd_finetune.trackers import check_trackers
-
     check_trackers(recipe)  # a missing mlflow / wandb package: one line naming the extra
-    from nxd_finetune.data.inputs import resolve_model_dir
-    from nxd_finetune.models import DecoderConfig
-    from nxd_finetune.recipe import check_against_model
 
     check_against_model(recipe, DecoderConfig.from_hf(resolve_model_dir(recipe.model.path)))
-    from nxd_finetune.preflight.hardware import check_cpu_formats
 
     check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
     if recipe.output.registry:
-        from nxd_finetune.registry.publish import check_publish_target
-
         check_publish_target(recipe.output.registry, None if recipe.lora is None else recipe.checkpoint.save_mode)
 
 
 def prepare_shared(recipe: Recipe) -> None:
     """Build what workers would race to create: the builtin model and the tokenized-data cache."""
-    from nxd_finetune.data.datasets import DataSpec, prepare_datasets
-    from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
-
     model_dir = resolve_model_dir(recipe.model.path)
     prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
 
 
-def run_rank(recipe: Recipe) -> dict[str, Any] | None:
+def run_rank(recipe: Recipe) -> JsonDict | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
     t0 = time.perf_counter()
     par = recipe.parallel
@@ -279,7 +269,6 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     out_dir = Path(recipe.output.dir)
 
     # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
-    from nxd_finetune.serve.samples import EvalSamples
 
     samples = EvalSamples.for_run(recipe, engine, model_dir, tokenizer)
 
@@ -295,7 +284,6 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
-    from nxd_finetune.checkpoint.training import TrainingCheckpoints
 
     # lazy: nothing is drawn before a resume restores the data position through it
     stream = step_batches(data.train, grad_accum, recipe.data.packing)
@@ -305,7 +293,6 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
     # checkpoints record the position of the batches handed out, not of those prefetched
     ckpt = TrainingCheckpoints(recipe, engine, out_dir, steps, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
-    from nxd_finetune.trackers import open_trackers
 
     trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
     metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger, trackers=trackers)
@@ -328,13 +315,10 @@ def run_rank(recipe: Recipe) -> dict[str, Any] | None:
         metrics.log(state.step, after)
     metrics.close()
     if engine.is_logger:
-        from nxd_finetune.sft.curve import write_loss_curve
-
         write_loss_curve(metrics.path, out_dir / "loss_curve.svg", f"{recipe.model.path}: loss")
     train_time = time.perf_counter() - t0 - t_first
     train_peak = host_peak_mb()
     final_dir = out_dir / "final"
-    from nxd_finetune.export import export_model
 
     runtime.wait()
     export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer), config=engine.config,
@@ -390,9 +374,7 @@ def reference_pass(recipe: Recipe, engine: Engine, data: DataLoaders, total_step
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     """Elements of the unsharded model among ``params`` (shards counted at their full size, once
     per pipeline stage). Collective over tp and pp (the engine's host groups: a CPU tensor)."""
-    from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
-
-    specs: dict[int, Any] = {}
+    specs: dict[int, ShardSpec] = {}
     for m in engine.modules:
         specs.update(shard_spec_map(m))
     st = engine.state
@@ -406,9 +388,7 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     return int(total)
 
 
-def _publish(recipe: Recipe, registry: str, engine: Engine, final_dir: Path, summary: dict[str, Any]) -> int:
-    from nxd_finetune.registry.publish import publish_run
-
+def _publish(recipe: Recipe, registry: str, engine: Engine, final_dir: Path, summary: JsonDict) -> int:
     keys = ("steps", "loss_tokens", "first_loss", "final_loss", "eval_after")
     version = publish_run(final_dir, registry, recipe_dict=recipe.to_dict(),
                           metrics={k: summary[k] for k in keys}, parallel=summary["parallel"],
