@@ -72,7 +72,8 @@ class ExportSpec:
     """What to write. ``source_dir``: the HF checkpoint the run started from; ``base_name``: the
     adapter's ``base_model_name_or_path`` (a directory or hub id peft / vLLM can resolve);
     ``dtype``: of merged / full-SFT tensors; ``tokenizer``: an object with ``save_pretrained`` or a
-    directory of tokenizer files (None: none written)."""
+    directory of tokenizer files (None: none written). ``metadata``: more string entries for the
+    adapter's safetensors metadata (e.g. the preference objective and its reference model)."""
 
     mode: SaveMode
     source_dir: Path
@@ -80,6 +81,7 @@ class ExportSpec:
     dtype: torch.dtype = torch.float32
     revision: str | None = None
     tokenizer: PreTrainedTokenizerBase | str | Path | None = None
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _unite_stages(rank_model: RankModel, pp_group: dist.ProcessGroup | None, local: Tensors) -> Tensors | None:
@@ -131,7 +133,7 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
         assert lora is not None and isinstance(tensors, dict)
         write_adapter_files(out, lora, tensors, list(lora_targets or []), spec.base_name,
                             revision=spec.revision, config_hash=config.config_hash(),
-                            identity=base_identity(config, spec.source_dir))
+                            identity={**base_identity(config, spec.source_dir), **spec.metadata})
 
     # a previous run's artefact here is swapped for the new one in one step (never removed first);
     # what a killed writer of this directory left beside it goes first

@@ -47,9 +47,6 @@ class PreferenceSection(BaseModel):
                              f"loss_type={self.loss_type} (only sigmoid and simpo use it)")
         if self.loss_type == "simpo" and self.reference is not None:
             raise ValueError(f"preference.reference={self.reference} but loss_type=simpo uses no reference model")
-        if "simpo_gamma" in self.model_fields_set and self.loss_type != "simpo":
-            raise ValueError(f"preference.simpo_gamma is set but preference.loss_type={self.loss_type} "
-                             "(only simpo uses it)")
         return self
 
 
@@ -69,7 +66,7 @@ def check_objective(objective: str, preference: PreferenceSection | None, data_f
     if objective == "orpo":
         if p.reference is not None:
             return f"preference.reference={p.reference} but objective=orpo uses no reference model"
-        if "loss_type" in p.model_fields_set:
+        if p.loss_type != "sigmoid":  # the default: a recipe written back out keeps it
             return f"preference.loss_type={p.loss_type} is a DPO setting; objective=orpo has its own loss"
         if p.label_smoothing:
             return f"preference.label_smoothing={p.label_smoothing} is a DPO setting; objective=orpo has no use for it"

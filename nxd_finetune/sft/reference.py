@@ -1,10 +1,13 @@
 """Reference log-probs for preference tuning, computed in one pass before training.
 
 DPO compares the policy's log-probs with a frozen reference model's. No second model is held:
-before the first step, every micro-batch the run will train on (and every eval batch) goes through
-the engine once in eval mode with the reference weights, and each row's summed completion log-prob
-is kept in a :class:`ReferenceTable` keyed by the row's tokens. The step stream then hands each
-micro-batch its ``ref_logps`` (the batch contract of :mod:`nxd_finetune.preference`).
+before the first step, every pair of the train and eval splits goes through the engine once in
+eval mode with the reference weights (:func:`row_logps`; each data-parallel rank its share, then
+gathered), and each sequence's summed completion log-prob is stored with the tokenized data (the
+data layer's ``ref-<key>/``, keyed by :func:`reference_identity`: base weights, starting adapter,
+dtypes), so a resumed run or a rerun reads them back instead of recomputing with trained weights.
+Every later micro-batch carries its rows' ``ref_logps`` (the batch contract of
+:mod:`nxd_finetune.preference`).
 
 The reference weights (:func:`nxd_finetune.recipe.reference_of`): ``base`` is the model with the
 LoRA adapter path off (or, for full fine-tuning, the initial model); ``init_from`` is the adapter
@@ -18,16 +21,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from nxd_finetune.loss import IGNORE_INDEX, Scores
+from nxd_finetune.data.loader import DataLoaders
+from nxd_finetune.data.pairs import assemble_ref_logps, ref_logps_key
+from nxd_finetune.lora.identity import weights_fingerprint
+from nxd_finetune.loss import Scores
 from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
 from nxd_finetune.preference import sequence_logps
+from nxd_finetune.recipe import reference_of
 from nxd_finetune.sft.engine import Engine
 
-StepBatches = tuple[list[dict[str, torch.Tensor]], int]
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
 
 
 @contextlib.contextmanager
@@ -79,65 +90,67 @@ class RowLogps(NoTrainStats):
         return {}
 
 
-def row_key(input_ids: torch.Tensor, labels: torch.Tensor) -> bytes:
-    """One row's identity: its tokens up to its last target, and which of them are targets (the
-    right padding after it, which differs from batch to batch, is left out)."""
-    targets = (labels != IGNORE_INDEX).nonzero()
-    end = int(targets[-1]) + 1 if targets.numel() else 0
-    ids = input_ids[:end].to(torch.int64).cpu()
-    mask = (labels[:end] != IGNORE_INDEX).cpu()
-    return ids.numpy().tobytes() + b"|" + mask.numpy().tobytes()
+@torch.no_grad()
+def row_logps(engine: Engine, batches: Iterable[TokenBatch], reference: str) -> Iterator[torch.Tensor]:
+    """Each batch's per-row summed completion log-prob (``[rows]`` float32, on the CPU) under the
+    ``reference`` weights, in eval mode. Collective like :meth:`Engine.eval_stats` (every rank of
+    a tp / pp group passes the same batches)."""
+    inner, runner = engine.objective, engine.runner
+    was_training = engine.modules[0].training
+    engine.train(False)
+    off = adapter_off(engine.modules) if reference == "base" else contextlib.nullcontext()
+    try:
+        with off:
+            for batch in batches:
+                moved = {k: v.to(engine.device) for k, v in batch.items()}
+                engine.objective = RowLogps(moved["input_ids"].shape[0], inner)
+                if runner is not None:
+                    runner.objective = engine.objective
+                yield engine.eval_stats(moved).cpu()
+    finally:
+        engine.objective = inner
+        if runner is not None:
+            runner.objective = inner
+        engine.train(was_training)
 
 
-class ReferenceTable:
-    """Reference log-prob of every row seen by :meth:`compute`, by :func:`row_key`."""
+def reference_identity(recipe: Recipe, reference: str, model_dir: Path, lineage: str | None) -> dict[str, object]:
+    """What decides the reference log-probs beyond the tokenized data (the data layer's cache key
+    hashes it): the base weights, the starting adapter, the dtypes and the reference kind."""
+    ident: dict[str, object] = {"reference": reference, "base": weights_fingerprint(model_dir),
+                                "dtype": recipe.model.dtype, "precision": recipe.training.precision}
+    if reference == "init_from" and recipe.lora is not None and recipe.lora.init_from:
+        start = Path(recipe.lora.init_from) / "adapter_model.safetensors"
+        stamp = [start.stat().st_size, start.stat().st_mtime_ns] if start.is_file() else None
+        ident["init_from"] = {"source": recipe.lora.init_from, "lineage": lineage, "file": stamp}
+    return ident
 
-    def __init__(self, reference: str) -> None:
-        self.reference = reference
-        self.logps: dict[bytes, float] = {}
 
-    def __len__(self) -> int:
-        return len(self.logps)
-
-    @torch.no_grad()
-    def compute(self, engine: Engine, batches: Iterable[TokenBatch]) -> None:
-        """One eval-mode pass over ``batches`` with the reference weights. Collective like
-        :meth:`Engine.eval_stats` (every rank of a tp / pp group passes the same batches)."""
-        inner, runner = engine.objective, engine.runner
-        was_training = engine.modules[0].training
-        engine.train(False)
-        off = adapter_off(engine.modules) if self.reference == "base" else contextlib.nullcontext()
-        try:
-            with off:
-                for batch in batches:
-                    moved = {k: v.to(engine.device) for k, v in batch.items()}
-                    engine.objective = RowLogps(moved["input_ids"].shape[0], inner)
-                    if runner is not None:
-                        runner.objective = engine.objective
-                    logps = engine.eval_stats(moved).cpu()
-                    for i in range(logps.shape[0]):
-                        self.logps[row_key(batch["input_ids"][i], batch["labels"][i])] = float(logps[i])
-        finally:
-            engine.objective = inner
-            if runner is not None:
-                runner.objective = inner
-            engine.train(was_training)
-
-    def attach(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``batch`` with ``ref_logps`` (float32 ``[rows]``) from the table."""
-        values = []
-        for i in range(batch["input_ids"].shape[0]):
-            key = row_key(batch["input_ids"][i], batch["labels"][i])
-            if key not in self.logps:
-                raise KeyError("a preference row has no reference log-prob (it was not in the reference pass)")
-            values.append(self.logps[key])
-        return {**batch, "ref_logps": torch.tensor(values, dtype=torch.float32)}
-
-    def attach_all(self, batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in batches:
-            yield self.attach(batch)
-
-    def steps(self, steps: Iterator[StepBatches]) -> Iterator[StepBatches]:
-        """The step stream with every micro-batch's ``ref_logps`` attached."""
-        for micro_batches, n_input in steps:
-            yield [self.attach(b) for b in micro_batches], n_input
+def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_dir: Path) -> str | None:
+    """Give every preference batch of the run its ``ref_logps``: the ones stored with the tokenized
+    data under this reference's key, or one pass over every pair (each dp rank its share, gathered
+    over dp) before the first step, then stored. Returns the reference used (None: the objective
+    has none). Collective."""
+    reference = reference_of(recipe.objective, recipe.preference, recipe.lora.init_from if recipe.lora else None)
+    if reference is None:
+        return None
+    ident = reference_identity(recipe, reference, model_dir, engine.lineage)
+    key = ref_logps_key(ident)
+    if data.load_ref_logps(key):
+        return reference
+    values = {}
+    for split, batches in data.pairs.items():
+        ids, logps = [], []
+        pairs_and_batches = list(batches.reference_batches())
+        for pair_ids, got in zip((i for i, _ in pairs_and_batches),
+                                 row_logps(engine, (b for _, b in pairs_and_batches), reference), strict=True):
+            ids.append(pair_ids)
+            logps.append(got)
+        if engine.state.dp_size > 1:
+            gathered: list[object] = [None] * engine.state.dp_size
+            dist.all_gather_object(gathered, (ids, logps), group=engine.host.dp)
+            ids = [t for part in gathered for t in part[0]]  # type: ignore[index]
+            logps = [t for part in gathered for t in part[1]]  # type: ignore[index]
+        values[split] = assemble_ref_logps(len(batches.pairs), ids, logps)
+    data.save_ref_logps(key, values, ident if engine.is_logger else None)
+    return reference

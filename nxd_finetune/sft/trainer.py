@@ -45,7 +45,7 @@ from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.engine import autocast
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
-from nxd_finetune.sft.reference import ReferenceTable
+from nxd_finetune.sft.reference import attach_reference
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
@@ -55,7 +55,7 @@ from nxd_finetune.xla import StepRuntime
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.data.loader import DataLoaders, TrainLoader
+    from nxd_finetune.data.loader import TrainLoader
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
 
@@ -222,7 +222,24 @@ def export_spec(recipe: Recipe, model_dir: Path, tokenizer: PreTrainedTokenizerB
     dtype = torch.bfloat16 if recipe.training.precision == "bf16" else resolve_dtype(recipe.model.dtype)
     return ExportSpec(mode="full" if recipe.lora is None else recipe.checkpoint.save_mode, source_dir=model_dir,
                       base_name=str(model_dir) if path.startswith("builtin:") else path, dtype=dtype,
-                      revision=recipe.model.revision, tokenizer=tokenizer)
+                      revision=recipe.model.revision, tokenizer=tokenizer, metadata=objective_metadata(recipe))
+
+
+def objective_metadata(recipe: Recipe) -> dict[str, str]:
+    """What a preference-tuned adapter records of its training (safetensors metadata, where PEFT
+    does not look): the objective, its loss type and which reference model it was measured against
+    (``nxd_reference``: ``base``, ``init_from:<source>`` or ``none``). Empty for SFT."""
+    if recipe.objective == "sft":
+        return {}
+    init_from = recipe.lora.init_from if recipe.lora else None
+    reference = reference_of(recipe.objective, recipe.preference, init_from)
+    p = recipe.preference
+    meta = {"nxd_objective": recipe.objective,
+            "nxd_reference": "none" if reference is None else
+            f"init_from:{init_from}" if reference == "init_from" else reference}
+    if recipe.objective == "dpo":
+        meta["nxd_loss_type"] = p.loss_type if p is not None else "sigmoid"
+    return meta
 
 
 def _worker(recipe_dict: JsonDict) -> JsonDict | None:
@@ -275,19 +292,16 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     def eval_fn() -> dict[str, float]:
         if samples is not None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
-        if data.eval is None:
-            return {}
-        batches = iter(data.eval) if table is None else table.attach_all(data.eval)
-        return evaluate(engine, batches, recipe.eval.max_batches, runtime)
+        return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
-    table = reference_pass(recipe, engine, data, total_steps)  # preference tuning with a reference model
+    # preference tuning with a reference model: every pair's reference log-probs, before any step
+    reference = attach_reference(recipe, engine, data, model_dir)
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
 
     # lazy: nothing is drawn before a resume restores the data position through it
-    stream = step_batches(data.train, grad_accum, recipe.data.packing)
-    steps = runtime.batches(stream if table is None else table.steps(stream),
+    steps = runtime.batches(step_batches(data.train, grad_accum, recipe.data.packing),
                             snapshot=data.train.state_dict, restore=data.train.load_state_dict)
     state = TrainState()
     # checkpoints record the position of the batches handed out, not of those prefetched
@@ -338,7 +352,7 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
                                if state.input_tokens > tokens_before else None),
         "first_loss_step": history_steps[0] if history_steps else None,
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
-        "lora_targets": engine.lora_targets,
+        "lora_targets": engine.lora_targets, "objective": recipe.objective, "reference": reference,
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
@@ -352,23 +366,6 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     metrics.finish(summary)  # trackers: the final artefact / registry ref, run ended
     print_summary(summary)
     return summary
-
-
-def reference_pass(recipe: Recipe, engine: Engine, data: DataLoaders, total_steps: int) -> ReferenceTable | None:
-    """The reference log-probs of every micro-batch the run trains on (from step 0, so a resumed
-    run finds them too) and of the eval batches, computed before the first step and before a
-    resume loads trained weights (:mod:`nxd_finetune.sft.reference`); None without a reference."""
-    reference = reference_of(recipe.objective, recipe.preference, recipe.lora.init_from if recipe.lora else None)
-    if reference is None:
-        return None
-    table = ReferenceTable(reference)
-    position = data.train.state_dict()
-    stream = step_batches(data.train, recipe.grad_accum_steps, recipe.data.packing)
-    table.compute(engine, (b for _ in range(total_steps) for b in next(stream)[0]))
-    data.train.load_state_dict(position)
-    if data.eval is not None:
-        table.compute(engine, iter(data.eval))
-    return table
 
 
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
