@@ -40,8 +40,8 @@ from typing import Any, Generic, TypedDict, TypeVar
 import torch
 import torch.distributed as dist
 
+from nxd_finetune import neuron  # neuron.neuron_available looked up at call time (tests patch it)
 from nxd_finetune.errors import NxdError
-from nxd_finetune.neuron import neuron_available
 from nxd_finetune.xla import refuse_unformable_world, xla_device
 
 R = TypeVar("R")
@@ -71,7 +71,7 @@ def resolve_device_name(name: str = "auto") -> str:
     pick xla: ask for ``xla`` explicitly there."""
     if name != "auto":
         return name
-    if neuron_available():
+    if neuron.neuron_available():
         return "xla"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
