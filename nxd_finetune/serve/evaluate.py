@@ -26,15 +26,32 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
+from nxd_finetune.data.datasets import DataSpec, _split_eval, load_rows
+from nxd_finetune.data.formats import load_chat_template, resolve_columns
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import DataError, NxdError
+from nxd_finetune.lora import LoraConfig
+from nxd_finetune.parallel.launch import in_launched_env, launch
+from nxd_finetune.recipe import RecipeDict, recipe_from_dict
+from nxd_finetune.registry.fetch import fetch_adapter
+from nxd_finetune.serve import generate as gen
 from nxd_finetune.serve.generate import ADAPTER_CONFIG
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.trainer import evaluate, prepare_shared
 
 if TYPE_CHECKING:
+    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import Recipe
+
+
+class ExactMatch(TypedDict):
+    """``--generate``'s scores: the share of exact answers, how many were generated, a few examples."""
+
+    exact_match: float
+    generated: int
+    examples: list[dict[str, str]]
 
 
 @contextlib.contextmanager
@@ -46,30 +63,24 @@ def _artefact(target: str) -> Iterator[tuple[str, Path, str]]:
         return
     if "://" not in target and (local / "adapter" / ADAPTER_CONFIG).is_file():
         target = str(local / "adapter")
-    from nxd_finetune.registry.fetch import fetch_adapter
-
     with fetch_adapter(target, "--adapter") as fetched:
         yield "adapter", fetched.path, fetched.lineage or target
 
 
 def _recipe_for(recipe: Recipe, kind: str, path: Path) -> Recipe:
     """The recipe that scores ``path``: see the module docstring."""
-    from nxd_finetune.recipe import recipe_from_dict
-
     data = recipe.to_dict()
     if kind == "model":
         data["model"]["path"] = str(path)
         data["lora"] = None
     else:
-        from nxd_finetune.lora import LoraConfig
-
         cfg = LoraConfig.from_peft_dict(json.loads((path / ADAPTER_CONFIG).read_text()))
         data["lora"] = cfg.to_section(dropout=0.0, init_lora_weights="default", init_from=str(path))
     return recipe_from_dict(data, "eval recipe")
 
 
 def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: bool = False, max_new_tokens: int = 64,
-                    out: Path | None = None) -> dict[str, Any]:
+                    out: Path | None = None) -> JsonDict:
     """Score ``adapter`` (default ``<output.dir>/final``) on ``recipe``'s eval set; returns the
     scores (also written as JSON to ``out``, default ``<output.dir>/eval.json``)."""
     if recipe.data.eval is None and recipe.data.eval_fraction == 0:
@@ -80,7 +91,7 @@ def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: 
     t0 = time.perf_counter()
     with _artefact(target) as (kind, path, description):
         scoring = _recipe_for(recipe, kind, path)
-        scores: dict[str, Any] = {"scored": description, "model": recipe.model.path if kind == "adapter" else str(path),
+        scores: JsonDict = {"scored": description, "model": recipe.model.path if kind == "adapter" else str(path),
                                   **_score(scoring)}
         if exact_match and _is_main():
             scores.update(generated_exact_match(scoring, target if kind == "model" else str(path), max_new_tokens))
@@ -98,9 +109,7 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _score(recipe: Recipe) -> dict[str, Any]:
-    from nxd_finetune.parallel.launch import in_launched_env, launch
-
+def _score(recipe: Recipe) -> dict[str, float | int | None]:
     if in_launched_env():
         return eval_rank(recipe) or {}
     if recipe.parallel.nproc == 1:
@@ -109,13 +118,11 @@ def _score(recipe: Recipe) -> dict[str, Any]:
     return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0] or {}
 
 
-def _worker(recipe_dict: dict[str, Any]) -> dict[str, Any] | None:
-    from nxd_finetune.recipe import recipe_from_dict
-
+def _worker(recipe_dict: RecipeDict) -> dict[str, float | int | None] | None:
     return eval_rank(recipe_from_dict(recipe_dict))
 
 
-def eval_rank(recipe: Recipe) -> dict[str, Any] | None:
+def eval_rank(recipe: Recipe) -> dict[str, float | int | None] | None:
     """One process of the scoring (world size 1 included): the trainer's rank setup
     (:func:`~nxd_finetune.sft.setup.setup_rank`), then its eval. Collective; returns the scores on
     global rank 0."""
@@ -134,9 +141,6 @@ def eval_rank(recipe: Recipe) -> dict[str, Any] | None:
 def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
     """``(prompt messages, reference answer)`` of every eval conversation that ends with an
     assistant message, in the eval set's order."""
-    from nxd_finetune.data.datasets import DataSpec, _split_eval, load_rows
-    from nxd_finetune.data.formats import resolve_columns
-
     spec = DataSpec.of(recipe.data)
     if spec.format != "messages":
         raise DataError(f"--generate scores conversations: it needs data.format messages, not {spec.format}")
@@ -152,13 +156,9 @@ def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
     return pairs
 
 
-def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16) -> dict[str, Any]:
+def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16) -> ExactMatch:
     """Greedy generations for the eval conversations against their reference answers (whitespace
     stripped): ``exact_match`` and a few examples."""
-    from nxd_finetune.data.formats import load_chat_template
-    from nxd_finetune.data.inputs import resolve_model_dir
-    from nxd_finetune.serve import generate as gen
-
     pairs = _reference_rows(recipe)
     if not pairs:
         raise DataError("no eval conversation ends with an assistant answer to compare against")
@@ -176,7 +176,7 @@ def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batc
     return {"exact_match": sum(hits) / len(hits), "generated": len(hits), "examples": examples}
 
 
-def print_scores(scores: dict[str, Any]) -> None:
+def print_scores(scores: JsonDict) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -25,11 +25,20 @@ import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+import torch
+
+from nxd_finetune.data.formats import load_chat_template, render_chat
+from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError, NxdError
 from nxd_finetune.lora.io import check_adapter_files
-from nxd_finetune.models import check_checkpoint_files
+from nxd_finetune.models import check_checkpoint_files, resolve_dtype
+from nxd_finetune.registry.fetch import fetch_adapter
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 ADAPTER_CONFIG = "adapter_config.json"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -53,7 +62,7 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise NxdError(f"--top-p must be in (0, 1], got {self.top_p}")
 
-    def generate_kwargs(self) -> dict[str, Any]:
+    def generate_kwargs(self) -> dict[str, bool | float | None]:
         if self.temperature == 0:
             return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": None}
@@ -64,18 +73,16 @@ class LoadedModel:
     """``model``: a ``PreTrainedModel`` or a ``PeftModel`` (eval mode); ``description``: what was
     loaded, for messages (the pinned registry REF of a pulled adapter)."""
 
-    model: Any
-    tokenizer: Any
-    device: Any
+    model: Any  # a PreTrainedModel or a PeftModel around one (whose generate mypy cannot see: nn.Module.__getattr__)
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
     description: str
     adapter_dir: Path | None = None
     base_dir: Path | None = None
 
 
-def resolve_device(name: str) -> Any:
+def resolve_device(name: str) -> torch.device:
     """``auto`` -> cuda when available, else cpu; ``cpu``, ``cuda``, ``cuda:N`` as given."""
-    import torch
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -104,15 +111,13 @@ def _base_from_adapter(adapter_dir: Path, source: str) -> str:
 
 
 def _resolve_base(base: str, what: str) -> Path:
-    from nxd_finetune.data.inputs import resolve_model_dir
-
     try:
         return resolve_model_dir(base)
     except ModelLoadError:
         raise ModelLoadError(f"{what} {base!r} is not a model directory (no config.json); pass --base DIR") from None
 
 
-def _load_tokenizer(*dirs: Path) -> Any:
+def _load_tokenizer(*dirs: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     source = next((d for d in dirs if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
@@ -124,7 +129,7 @@ def _load_tokenizer(*dirs: Path) -> Any:
     return tokenizer
 
 
-def _load_hf(model_dir: Path, dtype: Any, device: Any) -> Any:
+def _load_hf(model_dir: Path, dtype: torch.dtype | str, device: torch.device) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     check_checkpoint_files(model_dir)  # what merge and the trainer refuse, refused here with the same line
@@ -133,7 +138,7 @@ def _load_hf(model_dir: Path, dtype: Any, device: Any) -> Any:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {model_dir}: {str(e).splitlines()[0]}") from None
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of .to
 
 
 @contextlib.contextmanager
@@ -157,8 +162,6 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
     """The model ``adapter`` / ``base`` name (see the module docstring), ready to generate; a pulled
     adapter's temporary copy lives until the ``with`` block ends. ``dtype``: fp32 | bf16 | fp16
     (default: the checkpoint's own). Raises NxdError subclasses with one line."""
-    from nxd_finetune.models import resolve_dtype
-
     torch_dtype = resolve_dtype(dtype) if dtype else "auto"
     dev = resolve_device(device)
     if adapter is None:
@@ -178,8 +181,6 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
         adapter = str(local / "adapter")
         if base is None and (local / "base" / "config.json").is_file():
             base = str(local / "base")
-    from nxd_finetune.registry.fetch import fetch_adapter
-
     with fetch_adapter(adapter, "--adapter") as fetched:
         check_adapter_files(fetched.path)  # as merge and lora.init_from check it, before PEFT reads it
         base_name = base if base is not None else _base_from_adapter(fetched.path, adapter)
@@ -189,7 +190,7 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
                           adapter_dir=fetched.path, base_dir=base_dir)
 
 
-def _attach_adapter(model: Any, adapter_dir: Path) -> Any:
+def _attach_adapter(model: PreTrainedModel, adapter_dir: Path) -> PeftModel:
     try:
         from peft import PeftModel
     except ImportError:
@@ -209,7 +210,7 @@ def _attach_adapter(model: Any, adapter_dir: Path) -> Any:
 # ---------------------------------------------------------------- prompts
 
 
-def prompt_ids(tokenizer: Any, messages: Sequence[Message] | None = None, text: str | None = None,
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message] | None = None, text: str | None = None,
                chat_template: str | None = None) -> list[int]:
     """Token ids to generate from: ``messages`` rendered with the chat template and the generation
     prompt (the template writes any BOS itself), or plain ``text`` tokenized as the model's
@@ -221,8 +222,6 @@ def prompt_ids(tokenizer: Any, messages: Sequence[Message] | None = None, text: 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise NxdError("the tokenizer has no chat template: pass --chat-template (a Jinja file or string), "
                        "or --raw with --prompt")
-    from nxd_finetune.data.formats import render_chat
-
     rendered = render_chat(tokenizer, list(messages or []), chat_template, add_generation_prompt=True)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
@@ -246,29 +245,23 @@ def load_template(chat_template: str | None) -> str | None:
     """``--chat-template``: a Jinja file, an inline template, or None (the tokenizer's)."""
     if chat_template is None:
         return None
-    from nxd_finetune.data.formats import load_chat_template
-
     return load_chat_template(chat_template, None)
 
 
 # ---------------------------------------------------------------- generation
 
 
-def _inputs(loaded: LoadedModel, ids: Sequence[int]) -> dict[str, Any]:
-    import torch
-
+def _inputs(loaded: LoadedModel, ids: Sequence[int]) -> dict[str, torch.Tensor]:
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=loaded.device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
-def _special_ids(tokenizer: Any) -> dict[str, Any]:
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | list[int] | None]:
     return {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
 
 
 def generate_ids(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) -> list[int]:
     """The new token ids ``model.generate`` produces after ``ids`` (EOS included when reached)."""
-    import torch
-
     if config.seed is not None:
         torch.manual_seed(config.seed)
     with torch.no_grad():
@@ -281,8 +274,6 @@ def generate_batch(loaded: LoadedModel, prompts: Sequence[Sequence[int]], config
                    batch_size: int = 16) -> list[list[int]]:
     """:func:`generate_ids` for many prompts, ``batch_size`` at a time (left-padded, with the
     attention mask); each result stops after its first EOS."""
-    import torch
-
     if config.seed is not None:
         torch.manual_seed(config.seed)
     pad = loaded.tokenizer.pad_token_id
@@ -305,14 +296,13 @@ def generate_batch(loaded: LoadedModel, prompts: Sequence[Sequence[int]], config
     return results
 
 
-def decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True)
+def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    return cast(str, tokenizer.decode(list(ids), skip_special_tokens=True))  # one sequence: one string
 
 
 def stream(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) -> Iterator[str]:
     """Text pieces of the completion as ``generate`` produces them (a ``TextIteratorStreamer`` fed
     from a generation thread); the thread's error, if any, is raised after the last piece."""
-    import torch
     from transformers import TextIteratorStreamer
 
     if config.seed is not None:

@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nxd_finetune.data.formats import load_chat_template
+from nxd_finetune.export import gather_to_writer
 from nxd_finetune.lora.io import write_adapter_files
 from nxd_finetune.metrics import SAMPLES, MetricsWriter
+from nxd_finetune.models import resolve_dtype
+from nxd_finetune.serve.generate import GenerationConfig, LoadedModel, decode, generate_ids, prompt_ids
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
 
@@ -29,18 +35,17 @@ if TYPE_CHECKING:
 class EvalSamples:
     """Build with :meth:`for_run`; :meth:`log` is collective (every rank calls it at each eval)."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, model_dir: Path, tokenizer: Any) -> None:
+    def __init__(self, recipe: Recipe, engine: Engine, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         self.recipe, self.engine, self.model_dir, self.tokenizer = recipe, engine, model_dir, tokenizer
-        self._model: Any = None
+        self._model: Any = None  # the HF model (a PeftModel under LoRA), built on first use
         self._last_step: int | None = None
 
     @classmethod
-    def for_run(cls, recipe: Recipe, engine: Engine, model_dir: Path, tokenizer: Any) -> EvalSamples | None:
+    def for_run(cls, recipe: Recipe, engine: Engine, model_dir: Path,
+                tokenizer: PreTrainedTokenizerBase) -> EvalSamples | None:
         return cls(recipe, engine, model_dir, tokenizer) if recipe.eval.prompts else None
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
-        from nxd_finetune.export import gather_to_writer
-
         engine = self.engine
         tensors = gather_to_writer(engine.rank_model, engine.lora_config, engine.host.pp)
         return None if tensors is None else {k: v.detach().to("cpu") for k, v in tensors.items()}
@@ -53,8 +58,6 @@ class EvalSamples:
         from transformers import AutoModelForCausalLM
 
         if self._model is None:
-            from nxd_finetune.models import resolve_dtype
-
             dtype = resolve_dtype(self.recipe.model.dtype)
             base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
             base = base.to(self._device())  # type: ignore[arg-type]  # transformers' stub of .to
@@ -81,9 +84,6 @@ class EvalSamples:
 
     def generate(self) -> list[dict[str, str]] | None:
         """``[{"prompt", "completion"}]`` on global rank 0, None elsewhere. Collective."""
-        from nxd_finetune.data.formats import load_chat_template
-        from nxd_finetune.serve.generate import GenerationConfig, LoadedModel, decode, generate_ids, prompt_ids
-
         tensors = self._weights()
         if not self.engine.is_logger or tensors is None:
             return None

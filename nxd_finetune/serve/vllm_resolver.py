@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Protocol, TypeVar
 
 import msgspec
 from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMError, VLLMNotFoundError
@@ -62,6 +62,13 @@ logger = init_logger("vllm.plugins.nxd_finetune")
 
 _vllm_load_adapter = getattr(WorkerLoRAManager, "_load_adapter", None)
 _load_cache: AdapterCache | None = None  # the cache whose copies every load checks (this process's)
+ResolvedT = TypeVar("ResolvedT")  # what vLLM's resolve_lora answers: a LoRARequest or an error response
+
+
+class ServingModels(Protocol):
+    """What :func:`_one_slot_per_copy` reads of vLLM's ``OpenAIServingModels``."""
+
+    lora_requests: dict[str, LoRARequest]
 
 
 class RegistryLoRAResolver(LoRAResolver):
@@ -132,14 +139,16 @@ def _checked_load_adapter(self: WorkerLoRAManager, lora_request: LoRARequest) ->
     return _vllm_load_adapter(self, lora_request)
 
 
-def _one_slot_per_copy(resolve_lora: Callable[[Any, str], Awaitable[Any]]) -> Callable[[Any, str], Awaitable[Any]]:
+def _one_slot_per_copy(
+    resolve_lora: Callable[[ServingModels, str], Awaitable[ResolvedT]],
+) -> Callable[[ServingModels, str], Awaitable[ResolvedT]]:
     """Wrap vLLM's ``OpenAIServingModels.resolve_lora``: a name this resolver answered with a copy
     that another loaded name already uses takes that name's adapter id (vLLM gives every name a new
     one after the resolver answers), so that ``NAME``, ``NAME@TAG`` and ``NAME:VERSION`` of one
     version take one LoRA slot. vLLM has by then loaded the copy once under the new id; that entry
     of its CPU cache is never asked for again and ages out."""
 
-    async def resolve(models: Any, lora_name: str) -> Any:
+    async def resolve(models: ServingModels, lora_name: str) -> ResolvedT:
         found = await resolve_lora(models, lora_name)
         if isinstance(found, LoRARequest) and _load_cache is not None and _load_cache.holds(found.lora_path):
             same = next((r for n, r in models.lora_requests.items() if n != lora_name and r.lora_path == found.lora_path
