@@ -6,7 +6,6 @@ Also the recipe rules, the stable ORPO term and the scores' per-token NLL on eve
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -28,49 +27,14 @@ from nxd_finetune.sft.engine import build_engine
 from nxd_finetune.sft.reference import row_logps
 from nxd_finetune.sft.setup import objective_of
 from nxd_finetune.sft.step import train_step
+from tests.preference_helpers import LORA, dpo_recipe, dpo_setup, pairs, start_adapter, word_tokenizer
 
 trl = pytest.importorskip("trl")
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
-WORDS = [f"w{i}" for i in range(100)]
 STEPS, PAIRS_PER_STEP, LR, BETA = 10, 2, 5e-3, 0.1
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
-
-
-def word_tokenizer():
-    """One token per word (WordLevel) inside the tiny model's 128-token vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[UNK]", "<pad>", "<s>", "</s>"]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="[UNK]")
-
-
-def pairs(n: int, seed: int = 0, prompt: bool = True) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    return [{"prompt": (text(2, 6) + " ") if prompt else "", "chosen": text(1, 7), "rejected": text(1, 7)}
-            for _ in range(n)]
-
-
-def start_adapter(model_dir: Path, out: Path):
-    """A peft LoRA on the tiny model with random non-zero factors (policy != base at step 0), saved."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    pm.save_pretrained(out)
-    return pm
 
 
 class Recorder:
@@ -317,24 +281,13 @@ def test_run_equals_trl_and_records_the_reference(make_tiny_hf, tmp_path):
     """``nxd-finetune run``'s loop on a preference jsonl (our tokenization, loader, reference pass
     and metrics.jsonl) reproduces TRL's DPOTrainer curve on the same pairs in order; the adapter
     records its objective and reference; a second run reads the stored reference log-probs."""
-    _, model_dir = make_tiny_hf("llama")
-    adapter = tmp_path / "start"
-    start_adapter(model_dir, adapter)
-    data = pairs(STEPS * PAIRS_PER_STEP, seed=3)
-    logs, _, _ = run_trl("dpo", model_dir, adapter, data, tmp_path / "trl", loss_type=["sigmoid"])
-    tok_dir = tmp_path / "tok"
-    word_tokenizer().save_pretrained(tok_dir)
-    train = tmp_path / "pairs.jsonl"
-    train.write_text("".join(json.dumps(d) + "\n" for d in data))
+    setup = dpo_setup(make_tiny_hf, tmp_path, STEPS * PAIRS_PER_STEP, seed=3)
+    model_dir, adapter = setup["model_dir"], setup["adapter"]
+    logs, _, _ = run_trl("dpo", model_dir, adapter, setup["data"], tmp_path / "trl", loss_type=["sigmoid"])
 
     def run(out: Path) -> dict[str, Any]:
-        rec = our_recipe(model_dir, adapter, tmp_path, "dpo", beta=BETA).to_dict()
-        rec["model"]["tokenizer"] = str(tok_dir)
-        rec["data"].update(train=str(train), shuffle=False, max_seq_len=256, cache_dir=str(tmp_path / "cache"))
-        rec["output"]["dir"] = str(out)
-        rec["logging"] = {"progress": False}
-        rec["eval"] = {"before": False}
-        summary = trainer.run(recipe_from_dict(rec))
+        training = {"micro_batch_size": PAIRS_PER_STEP, "max_steps": STEPS, "lr": LR}
+        summary = trainer.run(recipe_from_dict(dpo_recipe(setup, out, BETA, training)))
         assert summary is not None
         return summary
 

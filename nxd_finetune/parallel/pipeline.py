@@ -184,8 +184,12 @@ def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, t
     fill = {"labels": IGNORE_INDEX, "segment_ids": -1}
     out = {}
     for key, t in batch.items():
-        padded = t.new_full((rows, cols), fill.get(key, 0))
-        padded[: t.shape[0], : t.shape[1]] = t
+        if t.dim() == 1:  # a per-row field the objective reads (preference: ref_logps): 0 on padding rows
+            padded = t.new_zeros((rows,))
+            padded[: t.shape[0]] = t
+        else:
+            padded = t.new_full((rows, cols), fill.get(key, 0))
+            padded[: t.shape[0], : t.shape[1]] = t
         out[key] = padded
     return out
 
@@ -229,6 +233,7 @@ class PipelineRunner:
         self.num_stages = state.pp_size * chunks
         self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
         self.objective = objective
+        self._mb_stats: dict[int, torch.Tensor] = {}  # this step's objective metrics by micro-batch target
         self.stats_fn = stats_fn
         self._tp_group = state.tp_group if state.tp_size > 1 else None
         self._head: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -262,7 +267,13 @@ class PipelineRunner:
     def _objective_loss(self, output: torch.Tensor, target: torch.Tensor,
                         n_targets: torch.Tensor | int) -> torch.Tensor:
         obj = self.objective
-        return obj.loss_sum(self._scores(output, obj.labels(target)), target) / n_targets
+        earlier = obj.take_train_stats()
+        loss = obj.loss_sum(self._scores(output, obj.labels(target)), target) / n_targets
+        mine = obj.take_train_stats()
+        if mine is not None:  # by micro-batch: a schedule's shape inference runs one twice
+            self._mb_stats[target.data_ptr()] = mine
+        obj.put_train_stats(earlier)
+        return loss
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
@@ -313,9 +324,9 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _uniform(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """The model inputs of ``micro_batches``, padded to one shape."""
-        fields = ("input_ids", "labels", *SIDE_INPUTS)
-        mbs = [{k: b[k] for k in fields if k in b} for b in micro_batches]
+        """The micro-batches' fields (model inputs and what the objective reads, e.g. preference
+        ``ref_logps``), padded to one shape."""
+        mbs = [dict(b) for b in micro_batches]
         if any(m.keys() != mbs[0].keys() for m in mbs):
             raise NxdError("pipeline micro-batches of one step must all carry the same fields")
         rows = max(m["input_ids"].shape[0] for m in mbs)
@@ -364,6 +375,15 @@ class PipelineRunner:
                           loss_kwargs={"n_targets": n_targets}, **kwargs)
         self._stepped.add(schedule)
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
+        width = self.objective.train_width
+        if width:  # the objective's step metrics, computed on the last stage, for every rank
+            stats = None
+            if last:
+                stats = torch.stack(list(self._mb_stats.values())).sum(0)
+                earlier = self.objective.take_train_stats()
+                stats = stats if earlier is None else earlier + stats
+            self.objective.put_train_stats(self._from_last(stats, (width,)))
+        self._mb_stats.clear()
         self.sync_tied_grads()
         return loss
 

@@ -1,0 +1,80 @@
+"""Shared pieces of the preference tests: a one-token-per-word tokenizer inside the tiny model's
+vocabulary, random preference pairs, and a peft LoRA adapter with random non-zero factors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+WORDS = [f"w{i}" for i in range(100)]
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+
+
+def word_tokenizer():
+    """One token per word (WordLevel) inside the tiny model's 128-token vocabulary."""
+    specials = ["[UNK]", "<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]")
+
+
+def pairs(n: int, seed: int = 0, prompt: bool = True) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    return [{"prompt": (text(2, 6) + " ") if prompt else "", "chosen": text(1, 7), "rejected": text(1, 7)}
+            for _ in range(n)]
+
+
+def start_adapter(model_dir: Path, out: Path):
+    """A peft LoRA on the tiny model with random non-zero factors (policy != base at step 0), saved."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in sorted((n, p) for n, p in pm.named_parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    pm.save_pretrained(out)
+    return pm
+
+
+
+
+def dpo_setup(make_tiny_hf: Any, root: Path, n_pairs: int, seed: int = 3) -> dict[str, Any]:
+    """A tiny Llama, its starting adapter, the word tokenizer and ``n_pairs`` pairs as jsonl under
+    ``root``: ``{"model_dir", "adapter", "tokenizer", "train", "data"}``."""
+    _, model_dir = make_tiny_hf("llama")
+    adapter, tok_dir, train = root / "start", root / "tok", root / "pairs.jsonl"
+    start_adapter(model_dir, adapter)
+    word_tokenizer().save_pretrained(tok_dir)
+    data = pairs(n_pairs, seed=seed)
+    train.write_text("".join(json.dumps(d) + "\n" for d in data))
+    return {"model_dir": model_dir, "adapter": adapter, "tokenizer": tok_dir, "train": train, "data": data}
+
+
+def dpo_recipe(setup: dict[str, Any], out: Path, beta: float, training: dict[str, Any],
+               **more: Any) -> dict[str, Any]:
+    """A DPO run recipe (dict) over ``setup`` (:func:`dpo_setup`), pairs in file order, LoRA from
+    its starting adapter (the reference by default), no eval."""
+    return {
+        "model": {"path": str(setup["model_dir"]), "tokenizer": str(setup["tokenizer"])},
+        "data": {"train": str(setup["train"]), "format": "preference", "packing": False, "shuffle": False,
+                 "max_seq_len": 64, "cache_dir": str(out.parent / "cache")},
+        "objective": "dpo", "preference": {"beta": beta},
+        "lora": {"rank": LORA["r"], "alpha": LORA["lora_alpha"], "target_modules": LORA["target_modules"],
+                 "init_from": str(setup["adapter"])},
+        "training": {"scheduler": "constant", "warmup_steps": 0, "grad_clip": 1.0, "weight_decay": 0.0,
+                     "device": "cpu", **training},
+        "output": {"dir": str(out)}, "logging": {"progress": False}, "eval": {"before": False},
+        "checkpoint": {"every_n_steps": None}, **more,
+    }
