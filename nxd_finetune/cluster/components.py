@@ -38,6 +38,7 @@ from nxd_finetune.cluster.spec import (
     torchrun_command,
 )
 from nxd_finetune.errors import NxdError
+from nxd_finetune.recipe import load_recipe
 
 
 def finetune(
@@ -126,8 +127,6 @@ def _recipe_env(path: str, overrides: list[str], layout: NodeLayout, accelerator
     """Check the layout against the recipe and return its environment, where the recipe is readable here."""
     if not Path(path).is_file():
         return job_env(None, accelerator, efa)
-    from nxd_finetune.recipe import load_recipe
-
     # as under torchrun (nxd_finetune.cli): the world is parallel.nproc unless an override sets it
     given = any(o.startswith("parallel.nproc=") for o in overrides)
     recipe = load_recipe(path, [*([] if given else [f"parallel.nproc={layout.world_size}"]), *overrides])

@@ -48,6 +48,8 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # the default of --image: a registry path to replace (uppercase: no registry accepts it as is)
 IMAGE_PLACEHOLDER = "REGISTRY/nxd-finetune:neuron"
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
+# a Kubernetes object (or a part of one) as plain data: what to_yaml writes for kubectl
+K8sObject = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,7 @@ def pod_env(env: dict[str, str], pod: PodSettings) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in {**env, **dict(pod.env)}.items()]
 
 
-def pod_mounts(pod: PodSettings) -> list[dict[str, Any]]:
+def pod_mounts(pod: PodSettings) -> list[dict[str, str]]:
     """A memory-backed ``/dev/shm`` (dataloader workers, the elastic agent), and the shared volume."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if pod.pvc:
@@ -123,17 +125,17 @@ def pod_mounts(pod: PodSettings) -> list[dict[str, Any]]:
     return mounts
 
 
-def pod_volumes(pod: PodSettings) -> list[dict[str, Any]]:
+def pod_volumes(pod: PodSettings) -> list[K8sObject]:
     """The volumes :func:`pod_mounts` mounts."""
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volumes: list[K8sObject] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if pod.pvc:
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": pod.pvc}})
     return volumes
 
 
 def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int, env: dict[str, str],
-               ports: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    container: dict[str, Any] = {
+               ports: list[K8sObject] | None = None) -> K8sObject:
+    container: K8sObject = {
         "name": name,
         "image": check_image(pod),
         "imagePullPolicy": "IfNotPresent",
@@ -148,8 +150,8 @@ def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int
     return container
 
 
-def _pod_spec(container: dict[str, Any], pod: PodSettings, restart_policy: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"restartPolicy": restart_policy, "containers": [container], "volumes": pod_volumes(pod)}
+def _pod_spec(container: K8sObject, pod: PodSettings, restart_policy: str) -> K8sObject:
+    spec: K8sObject = {"restartPolicy": restart_policy, "containers": [container], "volumes": pod_volumes(pod)}
     if pod.instance_type:
         spec["nodeSelector"] = {INSTANCE_TYPE_LABEL: pod.instance_type}
     if pod.service_account:
@@ -174,15 +176,15 @@ def for_pods(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
 
 
 def _pytorchjob_doc(name: str, pod: PodSettings, cmd: list[str], layout: NodeLayout, env: dict[str, str],
-                    container_name: str = "pytorch") -> dict[str, Any]:
+                    container_name: str = "pytorch") -> K8sObject:
     """A ``PyTorchJob`` of ``layout.nnodes`` pods (one Master, the rest Workers) running ``cmd``."""
     ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]
 
-    def template() -> dict[str, Any]:  # one per replica type (no YAML anchors)
+    def template() -> K8sObject:  # one per replica type (no YAML anchors)
         container = _container(container_name, pod, cmd, layout.nproc_per_node, env, ports)
         return {"spec": _pod_spec(container, pod, "Never")}
 
-    replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template()}}
+    replicas: K8sObject = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template()}}
     if layout.nnodes > 1:
         replicas["Worker"] = {"replicas": layout.nnodes - 1, "restartPolicy": "Never", "template": template()}
     return {
@@ -202,7 +204,7 @@ def _master_torchrun(layout: NodeLayout, recipe_path: str, overrides: Sequence[s
 
 
 def pytorchjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
-               name: str, max_restarts: int = 0, min_nodes: int | None = None) -> dict[str, Any]:
+               name: str, max_restarts: int = 0, min_nodes: int | None = None) -> K8sObject:
     """The ``PyTorchJob`` training ``recipe`` (its path inside the pods: ``recipe_path``, then
     ``overrides``) on ``nodes`` pods of ``parallel.nproc / nodes`` processes. Raises NxdError when
     the layout does not split over the nodes or the name is not a Kubernetes name. ``min_nodes`` <
@@ -216,7 +218,7 @@ def pytorchjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: 
 
 
 def _elastic(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, min_nodes: int,
-             max_nodes: int, name: str, max_restarts: int) -> dict[str, Any]:
+             max_nodes: int, name: str, max_restarts: int) -> K8sObject:
     """An elastic ``PyTorchJob`` (the operator's ``elasticPolicy``): ``max_nodes`` Worker pods, the
     job going on while ``min_nodes`` remain, torch elastic re-forming the world (and the run resuming
     from its newest checkpoint at the new dp) when nodes come and go; ``parallel.nproc`` is the
@@ -243,7 +245,7 @@ def _elastic(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: Po
 
 
 def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
-                   name: str, steps: int = 5) -> dict[str, Any]:
+                   name: str, steps: int = 5) -> K8sObject:
     """The job that fills the compile cache with the graphs of :func:`pytorchjob`'s ranks (same
     recipe, overrides and ``nodes``): the training layout exactly (tp, pp, dp, ZeRO-1 shards,
     micro-batches per step), for ``steps`` steps. One node: a ``Job`` running ``nxd-finetune
@@ -270,7 +272,7 @@ def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], p
     }
 
 
-def to_yaml(*docs: dict[str, Any]) -> str:
+def to_yaml(*docs: K8sObject) -> str:
     """The manifests as one multi-document YAML text (``kubectl apply -f``)."""
     import yaml
 

@@ -13,7 +13,9 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from nxd_finetune.errors import NxdError
+from nxd_finetune.errors import NxdError, RecipeError
+from nxd_finetune.neuron import neuron_env
+from nxd_finetune.parallel.launch import SHARE_STORE_ENV
 from nxd_finetune.recipe import Recipe
 
 Accelerator = Literal["neuron", "gpu", "cpu"]
@@ -70,8 +72,6 @@ def elastic_layout(recipe: Recipe, min_nodes: int, max_nodes: int, overrides: Se
     layout (tp x pp dividing it, ``global_batch_size`` dividing by ``micro_batch_size x dp``), and the
     recipe must set ``training.global_batch_size``: a run resumed on another node count keeps its
     global batch (grad_accum follows dp). NxdError (one line) otherwise."""
-    from nxd_finetune.errors import RecipeError
-
     if any(o.startswith("parallel.nproc=") for o in overrides):
         raise NxdError("with an elastic node range the world is the launcher's: drop the parallel.nproc override")
     layout = node_layout(recipe, max_nodes)
@@ -117,9 +117,6 @@ def job_env(recipe: Recipe | None, accelerator: str, efa: int = 0) -> dict[str, 
     group restarted by torch elastic hangs in gloo's ``connectFullMesh`` (see
     :mod:`nxd_finetune.parallel.launch`). Without a recipe (not readable here) no Neuron
     variables: the workers set them themselves at start."""
-    from nxd_finetune.neuron import neuron_env
-    from nxd_finetune.parallel.launch import SHARE_STORE_ENV  # torch: imported only when a job is made
-
     env: dict[str, str] = {SHARE_STORE_ENV: "1"}
     if accelerator == "neuron" and recipe is not None:
         env.update(neuron_env(recipe, environ={}))

@@ -15,9 +15,9 @@ The shared volume, compile cache and image are handled as for the PyTorchJob (:m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from nxd_finetune.cluster.k8s import (
+    K8sObject,
     PodSettings,
     check_image,
     check_name,
@@ -37,7 +37,7 @@ NODE = "node"  # the replicated job and container the Trainer's torch plugin con
 PATCH_MANAGER = "nxd-finetune"
 
 
-def cluster_training_runtime(image: str, name: str = RUNTIME) -> dict[str, Any]:
+def cluster_training_runtime(image: str, name: str = RUNTIME) -> K8sObject:
     """The ``ClusterTrainingRuntime`` for torch that :func:`trainjob` refers to (apply once per
     cluster); ``image`` is its default, which every TrainJob sets anyway."""
     return {
@@ -59,7 +59,7 @@ def cluster_training_runtime(image: str, name: str = RUNTIME) -> dict[str, Any]:
 
 
 def trainjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
-             name: str, max_restarts: int = 0, runtime: str = RUNTIME) -> dict[str, Any]:
+             name: str, max_restarts: int = 0, runtime: str = RUNTIME) -> K8sObject:
     """The ``TrainJob`` training ``recipe`` (its path inside the pods: ``recipe_path``, then
     ``overrides``) on ``nodes`` nodes of ``parallel.nproc / nodes`` processes through ``runtime``."""
     layout = node_layout(recipe, nodes)
@@ -69,7 +69,7 @@ def trainjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: Po
     recipe, overrides = for_pods(recipe, overrides, pod, precompile=False)
     command = ["torchrun", "--nnodes", str(layout.nnodes), "--nproc-per-node", str(layout.nproc_per_node),
                "--max-restarts", str(max_restarts), "-m", "nxd_finetune", "run", recipe_path, *overrides]
-    pod_spec: dict[str, Any] = {"volumes": pod_volumes(pod),
+    pod_spec: K8sObject = {"volumes": pod_volumes(pod),
                                 "containers": [{"name": NODE, "volumeMounts": pod_mounts(pod)}]}
     if pod.instance_type:
         pod_spec["nodeSelector"] = {INSTANCE_TYPE_LABEL: pod.instance_type}

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from nxd_finetune.storage.cache import staging_dir, sweep_staging
 from nxd_finetune.storage.errors import StorageError
 
 Progress = Callable[[int], None]
@@ -122,8 +123,6 @@ class Storage(ABC):
         killed writers are found and removed by the next staging on this machine, never left in the
         system temp directory. A local backend stages beside ``key`` itself (no copy).
         """
-        from nxd_finetune.storage.cache import staging_dir, sweep_staging
-
         directory = staging_dir()
         sweep_staging(directory)
         path = directory / f"{os.getpid()}-{uuid.uuid4().hex}-{key.rsplit('/', 1)[-1]}"
