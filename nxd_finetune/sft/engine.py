@@ -157,9 +157,19 @@ class Engine:
         :attr:`loss_chunk_rows` the final hidden states there, the output layer running a chunk
         of positions at a time (:class:`loss.ChunkedScores`: no ``[targets, vocab]`` logits)."""
         if self.full_logits or self.loss_chunk_rows is None:
-            return LogitScores(*self.logits_and_targets(batch), self.tp_group)
+            logits, targets = self.logits_and_targets(batch)
+            rows = None if self.full_logits else self._target_batch_rows(batch)
+            return LogitScores(logits, targets, self.tp_group, rows)
         hidden, head, targets = self._hidden_and_targets(batch)
-        return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group)
+        return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group,
+                             self._target_batch_rows(batch))
+
+    @staticmethod
+    def _target_batch_rows(batch: Batch) -> torch.Tensor:
+        """The micro-batch row of each target position :func:`loss.target_index` gathers (``[N]``):
+        what per-sequence scores (preference objectives) sum by."""
+        labels = batch["labels"]
+        return target_index(labels)[0] // labels.shape[1]
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The objective's summed loss of a micro-batch on the whole model."""
