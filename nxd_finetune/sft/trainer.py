@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
-from nxd_finetune.xla import StepRuntime
+from nxd_finetune.xla import HostValues, StepRuntime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -117,9 +117,11 @@ def train(
     history = [] if history is None else history
     window = {"start": time.perf_counter(), "tokens": 0}
 
-    def on_values(step: int, lr: float, v: dict[str, Any]) -> None:
+    def on_values(step: int, lr: float, v: HostValues) -> None:
         """Token accounting and, on logging steps, the record; ``v`` holds host values."""
-        n_targets_all, n_input_all = (int(c) for c in v["counts"])
+        counts, loss, grad_norm, objective = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
+        assert isinstance(counts, list)  # [targets, inputs]
+        n_targets_all, n_input_all = (int(c) for c in counts)
         state.input_tokens += n_input_all
         state.tokens += n_targets_all
         window["tokens"] += n_input_all
@@ -127,12 +129,14 @@ def train(
             progress.update(step)
             return
         elapsed = time.perf_counter() - window["start"]
-        rec = {"train_loss": v["loss"], "lr": lr, "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
+        assert isinstance(loss, float)
+        rec: dict[str, float] = {"train_loss": loss, "lr": lr, "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
                "tokens": state.tokens, "peak_host_mb": host_peak_mb()}
-        if v["grad_norm"] is not None:
-            rec["grad_norm"] = v["grad_norm"]
-        if v.get("objective") is not None:  # the objective's own metrics (preference: rewards/...)
-            rec.update(engine.objective.train_record(v["objective"]))
+        if grad_norm is not None:
+            assert isinstance(grad_norm, float)
+            rec["grad_norm"] = grad_norm
+        if objective is not None:  # the objective's own metrics (preference: rewards/...)
+            rec.update(engine.objective.train_record([objective] if isinstance(objective, float) else objective))
         window["start"], window["tokens"] = time.perf_counter(), 0
         metrics.log(step, rec)
         history.append({"step": step, **rec})
@@ -145,7 +149,7 @@ def train(
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             result = train_step(engine, micro_batches, n_input)
             state.step += 1
-            values: dict[str, Any] = {"counts": result.counts}
+            values: dict[str, torch.Tensor | float | None] = {"counts": result.counts}
             if state.step % log_every == 0 or state.step == total_steps:
                 values.update(loss=engine.dp_sum(result.loss), grad_norm=result.grad_norm)
                 # summed since the last logging step: the record's metrics cover the whole window
