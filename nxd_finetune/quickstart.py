@@ -1,22 +1,30 @@
-"""The quickstart's tiny local model (``model.path: builtin:tiny-llama``) and its accuracy metric.
+"""The quickstart's tiny local models (``model.path: builtin:tiny-llama`` or ``builtin:tiny-qwen3``)
+and its accuracy metric.
 
-``ensure_tiny_model()`` builds, once per machine, an HF-format directory holding
+``ensure_tiny_model(name=...)`` builds, once per machine, an HF-format directory holding
 
 - a byte-level BPE tokenizer (``tokenizers``) trained on ``nxd_finetune/assets/quickstart/corpus.txt``
-  (package data, so an installed package builds it too), with ``<|bos|>``, ``<|eos|>``, ``<|pad|>``
-  and a chat template using ``<|system|>``, ``<|user|>`` and ``<|assistant|>`` markers; digits are
-  split one per token so number tasks stay learnable;
-- a randomly initialised (fixed seed) ``LlamaForCausalLM`` of ~4M parameters saved as safetensors.
+  (package data, so an installed package builds it too); digits are split one per token so number
+  tasks stay learnable;
+- a randomly initialised (fixed seed) model of ~4M parameters saved as safetensors.
+
+``builtin:tiny-llama``: ``LlamaForCausalLM``; ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` and a chat template
+using ``<|system|>``, ``<|user|>`` and ``<|assistant|>`` markers. ``builtin:tiny-qwen3``:
+``Qwen3ForCausalLM`` (q/k norms, head_dim set apart from hidden / heads) with Qwen3's tokens
+(``<|im_start|>``, ``<|im_end|>`` as eos, ``<|endoftext|>`` as pad, ``<think>`` / ``</think>``, no bos)
+and Qwen3's released chat template (``nxd_finetune/assets/qwen3_chat_template.jinja``: ChatML, an
+empty ``<think>`` block in the last assistant turn, ``enable_thinking``).
 
 Nothing is downloaded. The directory lives under ``$NXD_FINETUNE_CACHE`` (default
-``~/.cache/nxd-finetune``) in ``models/tiny-llama-<hash>``, the hash covering everything that
-defines the model (this module's recipe version, the config, the corpus), so a change rebuilds it.
-It is written to a temporary directory and renamed into place, so concurrent callers (several
-ranks) never see a half-written model.
+``~/.cache/nxd-finetune``) in ``models/tiny-<family>-<hash>``, the hash covering everything that
+defines the model (this module's recipe version, the config, the tokens, the template, the corpus),
+so a change rebuilds it. It is written to a temporary directory and renamed into place, so
+concurrent callers (several ranks) never see a half-written model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune.assets import BUILTIN_PREFIX, QUICKSTART_CORPUS
+from nxd_finetune.assets import BUILTIN_PREFIX, QUICKSTART_CORPUS, QWEN3_CHAT_TEMPLATE
 from nxd_finetune.data.formats import render_chat
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.storage.atomic import publish_dir
@@ -36,11 +44,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TINY_LLAMA = "builtin:tiny-llama"
+TINY_QWEN3 = "builtin:tiny-qwen3"
 CORPUS = QUICKSTART_CORPUS  # package data: found in an installed package too
 
 _VERSION = 1  # bump when the build below changes in a way the hash would not see
 SEED = 0
-VOCAB_SIZE = 2048
+VOCAB_SIZE = 2048  # BPE merges; tokens added after training (Qwen3's <think>, </think>) come on top
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
 MODEL_CONFIG: dict[str, Any] = {  # LlamaConfig keyword arguments
     "hidden_size": 256,
@@ -69,7 +78,45 @@ CHAT_TEMPLATE = (
 )
 
 
-def _build_key() -> str:
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    """What defines one built-in model: its transformers config class and keyword arguments, its
+    tokens (``special``: atomic, skipped when decoding; ``added``: atomic, kept), its chat template,
+    and whether plain tokenizer calls prepend ``bos`` (as Llama tokenizers do)."""
+
+    family: str
+    config_class: str
+    config: Mapping[str, Any]
+    special: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    chat_template: str
+    added: tuple[str, ...] = ()
+    bos_in_plain_calls: bool = False
+
+    def spec(self) -> dict[str, object]:
+        return {**dataclasses.asdict(self), "config": dict(self.config)}
+
+
+TINY_MODELS: dict[str, TinyModel] = {
+    TINY_LLAMA: TinyModel("llama", "LlamaConfig", MODEL_CONFIG, SPECIAL_TOKENS, "<|bos|>", "<|eos|>", "<|pad|>",
+                          CHAT_TEMPLATE, bos_in_plain_calls=True),
+    # Qwen3-8B's shape, shrunk: untied head, q/k norms, head_dim 32 (hidden / heads would also be 32:
+    # it is set explicitly as Qwen3 configs do); bos_token_id is <|endoftext|> as in Qwen3's config
+    TINY_QWEN3: TinyModel("qwen3", "Qwen3Config", {**MODEL_CONFIG, "head_dim": 32, "rms_norm_eps": 1e-6},
+                          ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+                          QWEN3_CHAT_TEMPLATE.read_text(encoding="utf-8"), added=("<think>", "</think>")),
+}
+
+
+def _tiny_model(name: str) -> TinyModel:
+    if name not in TINY_MODELS:
+        raise ModelLoadError(f"unknown built-in model {name!r}; known: {', '.join(TINY_MODELS)}")
+    return TINY_MODELS[name]
+
+
+def _build_key(model: TinyModel) -> str:
     if not CORPUS.is_file():
         raise ModelLoadError(f"quickstart corpus not found: {CORPUS} (reinstall nxd-finetune, or run "
                              "recipes/quickstart/make_data.py in a checkout)")
@@ -77,24 +124,24 @@ def _build_key() -> str:
         "version": _VERSION,
         "seed": SEED,
         "vocab_size": VOCAB_SIZE,
-        "special_tokens": SPECIAL_TOKENS,
-        "config": MODEL_CONFIG,
+        "model": model.spec(),
         "lm_head_scale": LM_HEAD_SCALE,
-        "chat_template": CHAT_TEMPLATE,
         "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_tokenizer(corpus: Path = CORPUS) -> PreTrainedTokenizerFast:
-    """Train the quickstart tokenizer on ``corpus``; returns a ``PreTrainedTokenizerFast``.
+def build_tokenizer(corpus: Path = CORPUS, name: str = TINY_LLAMA) -> PreTrainedTokenizerFast:
+    """Train the tokenizer of built-in model ``name`` on ``corpus``; returns a ``PreTrainedTokenizerFast``.
 
-    Plain calls (``tok(text)``) prepend ``<|bos|>`` like Llama tokenizers do; the chat template
-    writes ``bos_token`` itself (``apply_chat_template`` tokenizes without special tokens).
+    For ``builtin:tiny-llama`` plain calls (``tok(text)``) prepend ``<|bos|>`` like Llama tokenizers
+    do; its chat template writes ``bos_token`` itself (``apply_chat_template`` tokenizes without
+    special tokens). ``builtin:tiny-qwen3`` adds nothing, as Qwen tokenizers.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    spec = _tiny_model(name)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -102,77 +149,81 @@ def build_tokenizer(corpus: Path = CORPUS) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(spec.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train([str(corpus)], trainer)
-    bos_id = tok.token_to_id("<|bos|>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)]
-    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.added])
+    if spec.bos_in_plain_calls and spec.bos is not None:
+        bos_id = tok.token_to_id(spec.bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{spec.bos} $A", pair=f"{spec.bos} $A {spec.bos} $B", special_tokens=[(spec.bos, bos_id)]
+        )
+    named = {spec.bos, spec.eos, spec.pad}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
+        additional_special_tokens=[t for t in spec.special if t not in named],
+        chat_template=spec.chat_template,
+        model_max_length=spec.config["max_position_embeddings"],
         padding_side="right",
     )
 
 
-def _build(out_dir: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _build(out_dir: Path, name: str) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = build_tokenizer()
+    spec = _tiny_model(name)
+    tokenizer = build_tokenizer(name=name)
     tokenizer.save_pretrained(out_dir)
-    config = LlamaConfig(
+    ids = tokenizer.convert_tokens_to_ids
+    config = getattr(transformers, spec.config_class)(
         vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MODEL_CONFIG,
+        bos_token_id=ids(spec.bos if spec.bos is not None else spec.pad),
+        eos_token_id=ids(spec.eos),
+        pad_token_id=ids(spec.pad),
+        **spec.config,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
-            model.lm_head.weight.mul_(LM_HEAD_SCALE)
+            model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the quickstart's console
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def ensure_tiny_model(cache_root: str | os.PathLike | None = None) -> Path:
-    """Path of the quickstart model directory, building it first if absent (a few seconds).
+def ensure_tiny_model(cache_root: str | os.PathLike | None = None, name: str = TINY_LLAMA) -> Path:
+    """Path of built-in model ``name``'s directory, building it first if absent (a few seconds).
 
-    Returns ``<cache>/models/tiny-llama-<hash>``, loadable with
+    Returns ``<cache>/models/tiny-<family>-<hash>``, loadable with
     ``transformers.AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
-    Raises ModelLoadError if the shipped corpus is missing.
+    Raises ModelLoadError for an unknown name or if the shipped corpus is missing.
     """
-    final = models_cache(cache_root) / f"tiny-llama-{_build_key()}"
+    spec = _tiny_model(name)
+    final = models_cache(cache_root) / f"tiny-{spec.family}-{_build_key(spec)}"
     if (final / "config.json").is_file():
         return final
     # Another process may publish the same model first: then its copy is kept.
     with publish_dir(final, already_published=lambda d: (d / "config.json").is_file()) as tmp:
-        _build(tmp)
+        _build(tmp, name)
     return final
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path | str:
-    """Map ``builtin:tiny-llama`` to :func:`ensure_tiny_model`; return any other path unchanged.
-
-    Other ``builtin:`` names raise ModelLoadError listing the known ones.
+    """Map ``builtin:tiny-llama`` / ``builtin:tiny-qwen3`` to :func:`ensure_tiny_model`; return any
+    other path unchanged. Other ``builtin:`` names raise ModelLoadError listing the known ones.
     """
     text = str(path)
     if not text.startswith(BUILTIN_PREFIX):
         return path if isinstance(path, str) else Path(path)
-    if text != TINY_LLAMA:
-        raise ModelLoadError(f"unknown built-in model {text!r}; known: {TINY_LLAMA}")
-    return ensure_tiny_model()
+    return ensure_tiny_model(name=text)
 
 
 def _answer_positions(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]],

