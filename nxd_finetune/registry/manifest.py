@@ -39,7 +39,7 @@ import nxd_finetune
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.ref import parse_ref
-from nxd_finetune.storage.fetch import sha256_file
+from nxd_finetune.storage.fetch import FileEntry, sha256_file
 
 if TYPE_CHECKING:
     from nxd_finetune.checkpoint.run_state import JsonDict
@@ -50,13 +50,6 @@ REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}\.(json|safetensors|jinja|txt)|README\.md|tokenizer\.model")
 ALLOWED_FILES = "*.json, *.safetensors, README.md and tokenizer files (*.jinja, *.txt, tokenizer.model)"
 METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
-
-
-class FileEntry(TypedDict):
-    """A stored file as the manifest lists it."""
-
-    sha256: str
-    size: int
 
 
 class PushMetadata(TypedDict, total=False):

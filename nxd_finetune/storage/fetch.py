@@ -19,12 +19,20 @@ import hashlib
 import os
 import posixpath
 from pathlib import Path
+from typing import TypedDict
 
 from nxd_finetune.errors import DataError
 from nxd_finetune.storage.errors import StorageNotFoundError
 
 S3_SCHEME = "s3://"
 _CHUNK = 1 << 20
+
+
+class FileEntry(TypedDict):
+    """A stored file as a manifest lists it (registry versions, checkpoints): its sha256 and size."""
+
+    sha256: str
+    size: int
 
 
 def sha256_file(path: str | os.PathLike) -> str:
