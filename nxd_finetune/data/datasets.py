@@ -38,7 +38,7 @@ from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.recipe import DataSection
+    from nxd_finetune.recipe import DataSection, Recipe
 
 CACHE_VERSION = 1
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -92,7 +92,7 @@ class DataSpec:
         return spec
 
     @classmethod
-    def from_recipe(cls, recipe: Any) -> DataSpec:
+    def from_recipe(cls, recipe: Recipe) -> DataSpec:
         """The recipe's ``data`` section, with ``max_prompt_length`` / ``truncation_mode`` from its
         ``preference`` section when it has one (they change how pairs are tokenized)."""
         values = dataclasses.asdict(cls.of(recipe.data))
@@ -333,7 +333,8 @@ def prepare_datasets(
     return built["train"], built.get("eval")
 
 
-def cache_entry(data: Any, tokenizer, base_dir: str | Path | None = None) -> Path:
+def cache_entry(data: DataSpec | DataSection | Mapping[str, object], tokenizer: PreTrainedTokenizerBase,
+                base_dir: str | Path | None = None) -> Path:
     """The cache directory of the tokenized data of ``data`` (what :func:`prepare_datasets` reads or
     writes); what is stored with the data (a preference set's reference log-probs) goes in it."""
     return _locate(DataSpec.of(data), tokenizer, base_dir)[0]

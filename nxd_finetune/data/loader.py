@@ -134,7 +134,7 @@ class DataLoaders:
         return True
 
     def save_ref_logps(self, key: str, values: Mapping[str, torch.Tensor],
-                       reference: Mapping[str, Any] | None = None) -> None:
+                       reference: Mapping[str, object] | None = None) -> None:
         """Attach ``values`` and store them with the cached data under ``key`` (without the cache
         they are only attached). Every split of :attr:`pairs` needs its values."""
         missing = sorted(set(self.pairs) - set(values))

@@ -26,7 +26,6 @@ import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -131,14 +130,14 @@ def assemble_ref_logps(num_pairs: int, pair_ids: Sequence[torch.Tensor],
     return out
 
 
-def ref_logps_key(reference: Mapping[str, Any]) -> str:
+def ref_logps_key(reference: Mapping[str, object]) -> str:
     """Hex key of reference log-probs over what decides them beyond the tokenized data (JSON
     values: base weights fingerprint, starting adapter, dtype, objective settings...)."""
     return hashlib.sha256(json.dumps(dict(reference), sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def save_ref_logps(entry: Path, key: str, values: Mapping[str, torch.Tensor],
-                   reference: Mapping[str, Any] | None = None) -> Path:
+                   reference: Mapping[str, object] | None = None) -> Path:
     """Store per-split reference log-probs (sample order) in the cache entry, atomically
     (``ref-<key>/``; losing a race to the same key keeps the first). ``reference`` (what the key
     hashes) is written beside them for people reading the cache. Returns the directory."""

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nxd_finetune.data.formats import normalize_messages, render_chat
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 Completion = str | list[dict[str, str]]
@@ -136,7 +139,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tokenize_pairs(tokenizer: Any, pairs: Sequence[Pair],
+def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair],
                    chat_template: str | None = None) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, chosen_ids, rejected_ids)`` of each pair, untruncated: TRL's ``DPOTrainer``
     dataset columns. Two batched tokenizer calls (plain text with special tokens; rendered chats
@@ -188,7 +191,7 @@ def pair_samples(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: lis
     return samples[0], samples[1], truncated
 
 
-def tokenize_chunk(rows: Sequence[Mapping], first: int, columns: Mapping[str, str], tokenizer: Any,
+def tokenize_chunk(rows: Sequence[Mapping], first: int, columns: Mapping[str, str], tokenizer: PreTrainedTokenizerBase,
                    chat_template: str | None, settings: PreferenceSettings,
                    split: str) -> tuple[list[Sample], int, int]:
     """Rows ``first, first + 1, ...`` of ``split``: their kept sequences (chosen then rejected of
