@@ -46,7 +46,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
@@ -150,7 +149,7 @@ def resolve_columns(column_names: Sequence[str], fmt: str, fields: Mapping[str, 
     return columns
 
 
-def normalize_messages(raw: Any, columns: Mapping[str, str]) -> list[dict[str, str]]:
+def normalize_messages(raw: object, columns: Mapping[str, str]) -> list[dict[str, str]]:
     role_key, content_key = columns["role"], columns["content"]
     if not isinstance(raw, Sequence) or isinstance(raw, str):
         raise DataError(f"messages must be a list of {{{role_key}, {content_key}}} dicts, got {type(raw).__name__}")
