@@ -22,6 +22,7 @@ from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
 from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, pack_target, sequence_logps
 from nxd_finetune.recipe import recipe_from_dict, reference_of
+from nxd_finetune.serve.evaluate import evaluate_recipe
 from nxd_finetune.sft import trainer
 from nxd_finetune.sft.engine import build_engine
 from nxd_finetune.sft.reference import row_logps
@@ -285,9 +286,14 @@ def test_run_equals_trl_and_records_the_reference(make_tiny_hf, tmp_path):
     model_dir, adapter = setup["model_dir"], setup["adapter"]
     logs, _, _ = run_trl("dpo", model_dir, adapter, setup["data"], tmp_path / "trl", loss_type=["sigmoid"])
 
-    def run(out: Path) -> dict[str, Any]:
+    def recipe(out: Path):
         training = {"micro_batch_size": PAIRS_PER_STEP, "max_steps": STEPS, "lr": LR}
-        summary = trainer.run(recipe_from_dict(dpo_recipe(setup, out, BETA, training)))
+        rec = dpo_recipe(setup, out, BETA, training)
+        rec["data"]["eval"] = str(setup["train"])  # scored after training (eval_ metrics)
+        return recipe_from_dict(rec)
+
+    def run(out: Path) -> dict[str, Any]:
+        summary = trainer.run(recipe(out))
         assert summary is not None
         return summary
 
@@ -306,3 +312,10 @@ def test_run_equals_trl_and_records_the_reference(make_tiny_hf, tmp_path):
     assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("ref_logps.safetensors")] == [mtime]
     again = [json.loads(line) for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train_loss"] for r in again if "train_loss" in r] == [r["loss"] for r in ours]
+    # nxd-finetune eval of the trained adapter: measured against the run's reference (the starting
+    # adapter's stored log-probs), the same scores as the run's own eval after training
+    after = summary["eval_after"]
+    assert {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen"} <= after.keys()
+    scores = evaluate_recipe(recipe(tmp_path / "run1"), out=tmp_path / "eval.json")
+    for k in after:
+        assert scores[k] == pytest.approx(after[k], abs=1e-5), k

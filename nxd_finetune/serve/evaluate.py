@@ -38,6 +38,7 @@ from nxd_finetune.recipe import RecipeDict, recipe_from_dict
 from nxd_finetune.registry.fetch import fetch_adapter
 from nxd_finetune.serve import generate as gen
 from nxd_finetune.serve.generate import ADAPTER_CONFIG
+from nxd_finetune.sft.reference import attach_reference
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.trainer import evaluate, prepare_shared
 
@@ -92,7 +93,7 @@ def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: 
     with _artefact(target) as (kind, path, description):
         scoring = _recipe_for(recipe, kind, path)
         scores: JsonDict = {"scored": description, "model": recipe.model.path if kind == "adapter" else str(path),
-                                  **_score(scoring)}
+                                  **_score(scoring, recipe)}
         if exact_match and _is_main():
             scores.update(generated_exact_match(scoring, target if kind == "model" else str(path), max_new_tokens))
     scores["nproc"] = scoring.parallel.nproc
@@ -109,26 +110,29 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _score(recipe: Recipe) -> dict[str, float | int | None]:
+def _score(recipe: Recipe, run_recipe: Recipe) -> dict[str, float | int | None]:
     if in_launched_env():
-        return eval_rank(recipe) or {}
+        return eval_rank(recipe, run_recipe) or {}
     if recipe.parallel.nproc == 1:
-        return eval_rank(recipe) or {}
+        return eval_rank(recipe, run_recipe) or {}
     prepare_shared(recipe)
-    return launch(_worker, recipe.parallel.nproc, recipe.to_dict())[0] or {}
+    return launch(_worker, recipe.parallel.nproc, recipe.to_dict(), run_recipe.to_dict())[0] or {}
 
 
-def _worker(recipe_dict: RecipeDict) -> dict[str, float | int | None] | None:
-    return eval_rank(recipe_from_dict(recipe_dict))
+def _worker(recipe_dict: RecipeDict, run_dict: RecipeDict) -> dict[str, float | int | None] | None:
+    return eval_rank(recipe_from_dict(recipe_dict), recipe_from_dict(run_dict))
 
 
-def eval_rank(recipe: Recipe) -> dict[str, float | int | None] | None:
+def eval_rank(recipe: Recipe, run_recipe: Recipe | None = None) -> dict[str, float | int | None] | None:
     """One process of the scoring (world size 1 included): the trainer's rank setup
-    (:func:`~nxd_finetune.sft.setup.setup_rank`), then its eval. Collective; returns the scores on
-    global rank 0."""
+    (:func:`~nxd_finetune.sft.setup.setup_rank`), then its eval. ``run_recipe``: the training
+    recipe whose reference model preference scores are measured against. Collective; returns the
+    scores on global rank 0."""
     rr = setup_rank(recipe, write_recipe=False)
     if rr.data.eval is None:
         raise DataError("the eval set is empty")
+    # preference: the pairs' reference log-probs (the training run's reference, not the scored adapter)
+    attach_reference(recipe, rr.engine, rr.data, rr.model_dir, run_recipe)
     scores = evaluate(rr.engine, iter(rr.data.eval), recipe.eval.max_batches, rr.runtime)
     if not rr.engine.is_logger:
         return None
@@ -184,7 +188,10 @@ def print_scores(scores: JsonDict) -> None:
     table.add_column("", style="bold")
     table.add_column("")
     rows = (("eval_loss", "loss", "{:.4f}"), ("eval_ppl", "perplexity", "{:.3f}"),
-            ("eval_accuracy", "token accuracy", "{:.4f}"), ("exact_match", "exact match (generated)", "{:.4f}"),
+            ("eval_accuracy", "token accuracy", "{:.4f}"),
+            ("eval_rewards/accuracies", "preference accuracy", "{:.4f}"),
+            ("eval_rewards/margins", "reward margin", "{:.4f}"),
+            ("exact_match", "exact match (generated)", "{:.4f}"),
             ("generated", "conversations generated", "{}"), ("nproc", "processes", "{}"), ("time_s", "time (s)", "{}"))
     for key, label, fmt in rows:
         value = scores.get(key)

@@ -30,6 +30,7 @@ from torch import nn
 
 from nxd_finetune.data.loader import DataLoaders
 from nxd_finetune.data.pairs import assemble_ref_logps, ref_logps_key
+from nxd_finetune.errors import NxdError
 from nxd_finetune.lora.identity import weights_fingerprint
 from nxd_finetune.loss import Scores
 from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
@@ -114,30 +115,39 @@ def row_logps(engine: Engine, batches: Iterable[TokenBatch], reference: str) -> 
         engine.train(was_training)
 
 
-def reference_identity(recipe: Recipe, reference: str, model_dir: Path, lineage: str | None) -> dict[str, object]:
+def reference_identity(recipe: Recipe, reference: str, model_dir: Path) -> dict[str, object]:
     """What decides the reference log-probs beyond the tokenized data (the data layer's cache key
-    hashes it): the base weights, the starting adapter, the dtypes and the reference kind."""
+    hashes it): the base weights, the starting adapter (its source, and for a local directory its
+    weights file's size and mtime; a registry REF by its name, so pin a version), the dtypes and
+    the reference kind."""
     ident: dict[str, object] = {"reference": reference, "base": weights_fingerprint(model_dir),
                                 "dtype": recipe.model.dtype, "precision": recipe.training.precision}
     if reference == "init_from" and recipe.lora is not None and recipe.lora.init_from:
         start = Path(recipe.lora.init_from) / "adapter_model.safetensors"
         stamp = [start.stat().st_size, start.stat().st_mtime_ns] if start.is_file() else None
-        ident["init_from"] = {"source": recipe.lora.init_from, "lineage": lineage, "file": stamp}
+        ident["init_from"] = {"source": recipe.lora.init_from, "file": stamp}
     return ident
 
 
-def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_dir: Path) -> str | None:
-    """Give every preference batch of the run its ``ref_logps``: the ones stored with the tokenized
-    data under this reference's key, or one pass over every pair (each dp rank its share, gathered
-    over dp) before the first step, then stored. Returns the reference used (None: the objective
-    has none). Collective."""
-    reference = reference_of(recipe.objective, recipe.preference, recipe.lora.init_from if recipe.lora else None)
+def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_dir: Path,
+                     run_recipe: Recipe | None = None) -> str | None:
+    """Give every preference batch its ``ref_logps``: the ones stored with the tokenized data under
+    this reference's key, or one pass over every pair (each dp rank its share, gathered over dp)
+    with the engine as it stands (before the first step), then stored. ``run_recipe``: the
+    training run's recipe when ``engine`` holds another adapter (``nxd-finetune eval`` of its
+    result): its ``base`` reference is still computed (adapter off), its ``init_from`` one must be
+    stored. Returns the reference used (None: the objective has none). Collective."""
+    run = run_recipe or recipe
+    reference = reference_of(run.objective, run.preference, run.lora.init_from if run.lora else None)
     if reference is None:
         return None
-    ident = reference_identity(recipe, reference, model_dir, engine.lineage)
+    ident = reference_identity(run, reference, model_dir)
     key = ref_logps_key(ident)
     if data.load_ref_logps(key):
         return reference
+    if run_recipe is not None and reference == "init_from":
+        raise NxdError(f"the reference log-probs of {run.lora.init_from if run.lora else None} (the run's starting "
+                       "adapter) are not stored with this eval data; train with this recipe first (same data cache)")
     values = {}
     for split, batches in data.pairs.items():
         ids, logps = [], []

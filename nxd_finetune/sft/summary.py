@@ -65,9 +65,12 @@ def summary_rows(summary: JsonDict) -> list[tuple[str, str]]:
         rows.append(("peak host memory", _peak(summary["memory"])))
     for when in ("before", "after"):
         ev = summary[f"eval_{when}"]
-        if ev:
+        if ev and "eval_ppl" in ev:
             rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
                                          f"token acc {ev['eval_accuracy']:.3f}"))
+        elif ev:  # a preference objective
+            acc, margin = ev["eval_rewards/accuracies"], ev["eval_rewards/margins"]
+            rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  preference acc {acc:.3f}  margin {margin:.4f}"))
     rows.append(("saved", f"{summary['output']} ({summary['save_mode']})"))
     if "registry_version" in summary:
         rows.append(("published", f"{summary['registry_version']}"))
