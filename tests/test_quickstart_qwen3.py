@@ -1,7 +1,8 @@
 """The quickstart on a tiny Qwen3 (``builtin:tiny-qwen3``, ``recipes/quickstart-qwen3.yaml``): the model
 and its tokens, Qwen3's released chat template and TRL's training variant of it (the same text as
-TRL's copies), the trained tokens of a multi-turn row equal to ``transformers``' assistant mask on
-that variant (less the newline after each turn's end), and a short run that learns."""
+TRL's copies), multi-turn rows rendered with the variant as TRL does, their trained tokens equal to
+``transformers``' assistant mask on it (less the newline after each turn's end), and a short run
+that learns."""
 
 from __future__ import annotations
 
@@ -77,14 +78,16 @@ def _trained(tok, template: str | None) -> tuple[list[int], list[int]]:
 
 
 def test_multi_turn_rows_train_like_trls_assistant_mask(tok):
-    """With the released template a multi-turn row is refused (earlier turns lose their think block);
-    with the training variant each turn's think block, answer and ``<|im_end|>`` are trained:
-    ``transformers``' assistant mask on the variant's ``{% generation %}`` markers (TRL's rule), less
-    the newline after each ``<|im_end|>``."""
-    with pytest.raises(DataError, match="renders conversation prefixes inconsistently"):
-        _trained(tok, None)
+    """The released template renders earlier turns without their think block (its prefixes are
+    inconsistent), so a multi-turn row is rendered with TRL's training variant, as TRL swaps it: each
+    turn's think block, answer and ``<|im_end|>`` are trained, ``transformers``' assistant mask on the
+    variant's ``{% generation %}`` markers (TRL's rule), less the newline after each ``<|im_end|>``.
+    A template that is not the released one (one space added) is not swapped, and refused."""
     template = QWEN3_TRAINING_CHAT_TEMPLATE.read_text()
-    ids, labels = _trained(tok, template)
+    ids, labels = _trained(tok, None)
+    assert (ids, labels) == _trained(tok, QWEN3_CHAT_TEMPLATE.read_text()) == _trained(tok, template)
+    with pytest.raises(DataError, match="renders conversation prefixes inconsistently"):
+        _trained(tok, QWEN3_CHAT_TEMPLATE.read_text() + " ")
     theirs = tok.apply_chat_template(CHAT, chat_template=template, tokenize=True, return_dict=True,
                                      return_assistant_tokens_mask=True)
     assert ids == list(theirs["input_ids"])
@@ -101,7 +104,7 @@ def test_multi_turn_rows_train_like_trls_assistant_mask(tok):
 def test_qwen3_quickstart_learns(quickstart_cache, tmp_path):
     """30 steps of the Qwen3 quickstart: the eval loss falls at each eval, by far."""
     shipped = load_recipe("builtin:quickstart-qwen3")
-    assert shipped.model.path == "builtin:tiny-qwen3"
+    assert shipped.model.path == "builtin:tiny-qwen3" and shipped.data.chat_template is None
     assert shipped.model_dump() == load_recipe(RECIPE).model_dump()
     recipe = load_recipe(RECIPE, ["training.max_steps=30", "training.warmup_steps=3", "eval.every_n_steps=15",
                                   "eval.max_batches=4", "checkpoint.every_n_steps=null", "logging.progress=false",

@@ -20,7 +20,10 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
   turn ends with a special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) followed by whitespace
   (ChatML's ``"\n"``), that whitespace is not trained; the end-of-turn token is. Nor is an eos the
   template prints after the whole conversation (Phi-3's ``<|end|>\n<|endoftext|>``).
-  Templates for which these renders are not prefixes of each other raise DataError.
+  Templates for which these renders are not prefixes of each other raise DataError. A released
+  template that drops earlier turns' content (Qwen3's: ``<think>`` blocks before the last user
+  message) is swapped for TRL's training variant of it, as TRL's ``get_training_chat_template`` does
+  for assistant-only loss (:func:`training_chat_template`): every assistant turn keeps its block.
   Optional ``fields.role`` / ``fields.content`` rename the keys inside messages (ShareGPT's
   ``from``/``value``); the roles ``human``/``gpt`` are read as ``user``/``assistant``.
 - ``alpaca``: ``instruction``, optional ``input``, ``output`` with the standard Alpaca prompt;
@@ -43,10 +46,12 @@ With ``train_on_prompt`` every token of the text is trained.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from nxd_finetune.assets import QWEN3_CHAT_TEMPLATE, QWEN3_TRAINING_CHAT_TEMPLATE
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 
@@ -117,6 +122,27 @@ def render_chat(
         )
     except Exception as e:  # jinja errors, template-raised exceptions
         raise DataError(f"chat template failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+
+
+# released chat templates -> TRL's training variants (trl/chat_templates: qwen3.jinja -> qwen3_training.jinja)
+TRAINING_TEMPLATES: tuple[tuple[Path, Path], ...] = ((QWEN3_CHAT_TEMPLATE, QWEN3_TRAINING_CHAT_TEMPLATE),)
+
+
+@functools.cache
+def _training_templates() -> dict[str, str]:
+    return {a.read_text(encoding="utf-8"): b.read_text(encoding="utf-8") for a, b in TRAINING_TEMPLATES}
+
+
+def training_chat_template(tokenizer, chat_template: str | None) -> str | None:
+    """The template a conversation is rendered with for training: TRL's training variant when
+    ``chat_template`` (None: the tokenizer's own) is a released template TRL swaps (the same text),
+    else ``chat_template`` unchanged."""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named variants: the default one
+        template = template.get("default")
+    if isinstance(template, str):
+        return _training_templates().get(template, chat_template)
+    return chat_template
 
 
 def resolve_columns(column_names: Sequence[str], fmt: str, fields: Mapping[str, str] | None) -> dict[str, str]:
@@ -196,6 +222,7 @@ def _render_messages(
     row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
 ) -> Rendered:
     messages = normalize_messages(row[columns["messages"]], columns)
+    chat_template = training_chat_template(tokenizer, chat_template)
     text = render_chat(tokenizer, messages, chat_template)
     specials = special_tokens(tokenizer)
     spans = []
