@@ -50,10 +50,10 @@ def start_adapter(model_dir: Path, out: Path):
 
 
 
-def dpo_setup(make_tiny_hf: Any, root: Path, n_pairs: int, seed: int = 3) -> dict[str, Any]:
-    """A tiny Llama, its starting adapter, the word tokenizer and ``n_pairs`` pairs as jsonl under
-    ``root``: ``{"model_dir", "adapter", "tokenizer", "train", "data"}``."""
-    _, model_dir = make_tiny_hf("llama")
+def dpo_setup(make_tiny_hf: Any, root: Path, n_pairs: int, seed: int = 3, **config: Any) -> dict[str, Any]:
+    """A tiny Llama (``config`` overrides), its starting adapter, the word tokenizer and ``n_pairs``
+    pairs as jsonl under ``root``: ``{"model_dir", "adapter", "tokenizer", "train", "data"}``."""
+    _, model_dir = make_tiny_hf("llama", **config)
     adapter, tok_dir, train = root / "start", root / "tok", root / "pairs.jsonl"
     start_adapter(model_dir, adapter)
     word_tokenizer().save_pretrained(tok_dir)

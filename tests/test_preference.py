@@ -54,10 +54,10 @@ class Recorder:
             self.logs.append(dict(logs))
 
 
-def run_trl(kind: str, model_dir: Path, adapter: Path, data: list[dict[str, str]], out: Path, **cfg: Any):
+def run_trl(kind: str, model_dir: Path, adapter: Path | None, data: list[dict[str, str]], out: Path, **cfg: Any):
     """TRL's trainer of ``kind`` (dpo, cpo, orpo) over ``data`` in order: (logs, its batches, trainer)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(hf, adapter, is_trainable=True)
+    model = hf if adapter is None else peft.PeftModel.from_pretrained(hf, adapter, is_trainable=True)
     common = dict(output_dir=str(out), per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1,
                   learning_rate=LR, max_steps=STEPS, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
                   report_to=[], use_cpu=True, save_strategy="no", bf16=False, fp16=False, seed=0,
@@ -97,7 +97,8 @@ def our_batch(kind: str, b: dict[str, torch.Tensor], pad: int) -> dict[str, torc
             "labels": torch.cat([padded(b["chosen_labels"], -100), padded(b["rejected_labels"], -100)])}
 
 
-def our_recipe(model_dir: Path, adapter: Path, out: Path, objective: str, **preference: Any):
+def our_recipe(model_dir: Path, adapter: Path | None, out: Path, objective: str, **preference: Any):
+    full = {"lora": None} if adapter is None else {}
     return recipe_from_dict({
         "model": {"path": str(model_dir)},
         "data": {"train": str(out / "unused.jsonl"), "format": "preference", "packing": False},
@@ -106,7 +107,7 @@ def our_recipe(model_dir: Path, adapter: Path, out: Path, objective: str, **pref
                  "init_from": str(adapter)},
         "training": {"micro_batch_size": PAIRS_PER_STEP, "max_steps": STEPS, "lr": LR, "scheduler": "constant",
                      "warmup_steps": 0, "grad_clip": 1.0, "weight_decay": 0.0, "device": "cpu"},
-        "output": {"dir": str(out / "ours")},
+        "output": {"dir": str(out / "ours")}, **full,
     })
 
 
@@ -162,6 +163,19 @@ def test_dpo_equals_trl_per_step(loss_type, make_tiny_hf, tmp_path):
         ids = batches[0]["input_ids"]
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_full_finetuning_dpo_equals_trl_per_step(make_tiny_hf, tmp_path):
+    """Full fine-tuning: the reference is the initial model (TRL: a second copy loaded from the
+    path; ours: its log-probs computed before the first step, no copy held)."""
+    _, model_dir = make_tiny_hf("llama")
+    data = pairs(STEPS * PAIRS_PER_STEP, seed=4)
+    logs, batches, trainer_ = run_trl("dpo", model_dir, None, data, tmp_path / "trl", loss_type=["sigmoid"])
+    pad = trainer_.processing_class.pad_token_id
+    recipe = our_recipe(model_dir, None, tmp_path, "dpo", beta=BETA)
+    assert recipe.lora is None and reference_of(recipe.objective, recipe.preference, None) == "base"
+    ours, _ = run_ours(recipe, model_dir, [our_batch("dpo", b, pad) for b in batches], "base")
+    assert_same_curves(ours, logs, REWARDS)
 
 
 def test_simpo_equals_trl_cpo_per_step(make_tiny_hf, tmp_path):
