@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
 from nxd_finetune.objective import TokenBatch
 
@@ -89,7 +90,12 @@ class _PairObjective:
 
     train_width = eval_width
 
+    needs_reference: bool = dataclasses.field(default=False, init=False)
+
     def target(self, batch: TokenBatch) -> torch.Tensor:
+        if self.needs_reference and "ref_logps" not in batch:
+            raise NxdError(f"a {self.name} micro-batch without ref_logps: the reference log-probs were not "
+                           "computed before training (nxd_finetune.sft.reference.attach_reference)")
         return pack_target(batch["labels"], batch.get("ref_logps"))
 
     def labels(self, target: torch.Tensor) -> torch.Tensor:
@@ -156,9 +162,8 @@ class DirectPreference(_PairObjective):
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss_type != "simpo"
+    def __post_init__(self) -> None:
+        self.needs_reference = self.loss_type != "simpo"
 
     def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         labels = self.labels(target)
@@ -195,7 +200,6 @@ class OddsRatioPreference(_PairObjective):
     with a stable ``log(1 - exp(x))`` (:func:`log1mexp`). No reference model."""
 
     name: str = "orpo"
-    needs_reference = False
 
     @property
     def stat_names(self) -> tuple[str, ...]:

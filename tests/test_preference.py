@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM
 
-from nxd_finetune.errors import RecipeError
+from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
 from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, pack_target, sequence_logps
@@ -261,6 +261,11 @@ def test_dpo_without_reference_logps_reads_zeros_and_label_smoothing_is_cdpo():
     got = DirectPreference(beta=0.2, label_smoothing=0.1).loss_sum(scores, pack_target(labels, ref))
     want = -0.9 * torch.nn.functional.logsigmoid(0.2 * delta) - 0.1 * torch.nn.functional.logsigmoid(-0.2 * delta)
     torch.testing.assert_close(got, want)
+    # a DPO batch that missed the reference pass is refused, not trained against zeros
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels}
+    with pytest.raises(NxdError, match="without ref_logps"):
+        DirectPreference().target(batch)
+    assert DirectPreference(loss_type="simpo").target(batch).shape == (2, 6)  # SimPO has no reference
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

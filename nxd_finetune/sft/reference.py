@@ -34,7 +34,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lora.identity import weights_fingerprint
 from nxd_finetune.loss import Scores
 from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
-from nxd_finetune.preference import sequence_logps
+from nxd_finetune.preference import pack_target, sequence_logps
 from nxd_finetune.recipe import reference_of
 from nxd_finetune.sft.engine import Engine
 
@@ -73,7 +73,7 @@ class RowLogps(NoTrainStats):
         return self.rows
 
     def target(self, batch: TokenBatch) -> torch.Tensor:
-        return self.inner.target(batch)
+        return pack_target(batch["labels"], None)  # the batch has no ref_logps yet
 
     def labels(self, target: torch.Tensor) -> torch.Tensor:
         return self.inner.labels(target)
