@@ -72,6 +72,14 @@ def completion_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (shift_labels(labels) != IGNORE_INDEX).sum(1).to(torch.float32)
 
 
+def real_pairs(labels: torch.Tensor) -> torch.Tensor:
+    """``[P]`` bool: the pairs of a ``[2P, T]`` micro-batch that have targets; the data layer's
+    all-padding pairs (which even out eval batches over dp ranks) count nowhere."""
+    has = (shift_labels(labels) != IGNORE_INDEX).any(1)
+    p = labels.shape[0] // 2
+    return has[:p] & has[p:]
+
+
 @dataclasses.dataclass
 class _PairObjective:
     """The parts DPO and ORPO share: the batch contract, the pair count and the metric plumbing."""
@@ -102,7 +110,7 @@ class _PairObjective:
         return target[:, :-1].to(torch.long)
 
     def count(self, batch: TokenBatch) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, dtype=torch.int64, device=batch["input_ids"].device)
+        return real_pairs(batch["labels"]).sum().to(torch.int64)
 
     def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
         loss, stats = self._pairs(scores, target)
@@ -143,11 +151,15 @@ class _PairObjective:
         raise NotImplementedError
 
     @staticmethod
-    def _stats(loss_sum: torch.Tensor, rewards_c: torch.Tensor, rewards_r: torch.Tensor,
+    def _stats(real: torch.Tensor, loss_sum: torch.Tensor, rewards_c: torch.Tensor, rewards_r: torch.Tensor,
                logps_c: torch.Tensor, logps_r: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
-        pairs = torch.tensor(float(rewards_c.shape[0]), device=rewards_c.device)
-        parts = [pairs, loss_sum.detach(), rewards_c.sum(), rewards_r.sum(), (rewards_c > rewards_r).float().sum(),
-                 logps_c.sum(), logps_r.sum(), *more]
+        """``[real pairs, loss sum, then sums over the real pairs]`` (``more``: already summed)."""
+        def total(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(real, x.float(), 0.0).sum()
+
+        wins = (rewards_c > rewards_r).float()
+        parts = [real.float().sum(), loss_sum, total(rewards_c), total(rewards_r), total(wins),
+                 total(logps_c), total(logps_r), *more]
         return torch.stack([p.detach().float() for p in parts])
 
 
@@ -189,8 +201,9 @@ class DirectPreference(_PairObjective):
             else:
                 raise ValueError(f"unknown preference loss_type {self.loss_type!r} (one of {', '.join(LOSS_TYPES)})")
             rewards = beta * ratios.detach()
-        loss = losses.sum()
-        return loss, self._stats(loss, rewards[:p], rewards[p:], logps[:p], logps[p:])
+        real = real_pairs(labels)
+        loss = torch.where(real, losses, 0.0).sum()
+        return loss, self._stats(real, loss, rewards[:p], rewards[p:], logps[:p], logps[p:])
 
 
 @dataclasses.dataclass
@@ -215,10 +228,13 @@ class OddsRatioPreference(_PairObjective):
         nll = -summed[:p].sum() / tokens[:p].sum().clamp(min=1.0)  # token mean over the chosen rows
         c, r = logps[:p], logps[p:]
         log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
-        ratio = F.logsigmoid(log_odds)
-        loss = p * nll - self.beta * ratio.sum()
+        real = real_pairs(labels)
+        n_real = real.float().sum()
+        ratio = torch.where(real, F.logsigmoid(log_odds), 0.0)
+        loss = n_real * nll - self.beta * ratio.sum()
         rewards = self.beta * logps.detach()
-        stats = self._stats(loss, rewards[:p], rewards[p:], c, r, p * nll, ratio.sum(), log_odds.sum())
+        stats = self._stats(real, loss, rewards[:p], rewards[p:], c, r, n_real * nll, ratio.sum(),
+                            torch.where(real, log_odds, 0.0).sum())
         return loss, stats
 
 

@@ -59,7 +59,10 @@ def dpo_setup(make_tiny_hf: Any, root: Path, n_pairs: int, seed: int = 3, **conf
     word_tokenizer().save_pretrained(tok_dir)
     data = pairs(n_pairs, seed=seed)
     train.write_text("".join(json.dumps(d) + "\n" for d in data))
-    return {"model_dir": model_dir, "adapter": adapter, "tokenizer": tok_dir, "train": train, "data": data}
+    held_out = root / "eval.jsonl"  # 5 pairs: over 2 dp ranks, one all-padding pair evens them out
+    held_out.write_text("".join(json.dumps(d) + "\n" for d in pairs(5, seed=seed + 100)))
+    return {"model_dir": model_dir, "adapter": adapter, "tokenizer": tok_dir, "train": train, "data": data,
+            "eval": held_out}
 
 
 def dpo_recipe(setup: dict[str, Any], out: Path, beta: float, training: dict[str, Any],
@@ -69,7 +72,8 @@ def dpo_recipe(setup: dict[str, Any], out: Path, beta: float, training: dict[str
     return {
         "model": {"path": str(setup["model_dir"]), "tokenizer": str(setup["tokenizer"])},
         "data": {"train": str(setup["train"]), "format": "preference", "packing": False, "shuffle": False,
-                 "max_seq_len": 64, "cache_dir": str(out.parent / "cache")},
+                 "max_seq_len": 64, "cache_dir": str(out.parent / "cache"),
+                 **({"eval": str(setup["eval"])} if setup.get("train_eval") else {})},
         "objective": "dpo", "preference": {"beta": beta},
         "lora": {"rank": LORA["r"], "alpha": LORA["lora_alpha"], "target_modules": LORA["target_modules"],
                  "init_from": str(setup["adapter"])},

@@ -44,6 +44,8 @@ def test_dpo_layouts_match_single_process(make_tiny_hf, tmp_path):
     setup = dpo_setup(make_tiny_hf, tmp_path, 2 * STEPS, seed=5, num_hidden_layers=4)  # 4 stages interleaved
     common = {"max_steps": STEPS, "lr": 5e-3, "eps": 1e-6}
     modes = {"lora": {}, "full": {"lora": None}}
+    # eval after training: the same pairs' preference metrics on every layout
+    setup = {**setup, "train_eval": True}
     refs = {mode: trainer.run(recipe_from_dict(dpo_recipe(setup, tmp_path / mode / "single", 0.1,
                                                           {**common, "micro_batch_size": 2, "grad_accum": 1},
                                                           **more)))
@@ -63,3 +65,6 @@ def test_dpo_layouts_match_single_process(make_tiny_hf, tmp_path):
                 if k == "rewards/accuracies" and step == 1:
                     continue  # policy == reference: every margin is rounding noise, its sign arbitrary
                 assert a[k] == pytest.approx(b[k], abs=1e-5), (mode, name, step, k, a[k], b[k])
+        assert ref["eval_after"]["eval_rewards/accuracies"] is not None
+        for k, v in ref["eval_after"].items():
+            assert got["eval_after"][k] == pytest.approx(v, abs=1e-5), (mode, name, k)
