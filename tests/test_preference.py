@@ -338,3 +338,25 @@ def test_run_equals_trl_and_records_the_reference(make_tiny_hf, tmp_path):
     scores = evaluate_recipe(recipe(tmp_path / "run1"), out=tmp_path / "eval.json")
     for k in after:
         assert scores[k] == pytest.approx(after[k], abs=1e-5), k
+
+
+def test_resumed_dpo_run_continues_the_curve(make_tiny_hf, tmp_path):
+    """A DPO run stopped at step 5 and resumed to 10 logs the uninterrupted run's curve: the resumed
+    process's reference log-probs are the starting adapter's (stored with the data, or computed
+    before the checkpoint's trained weights load), not the trained adapter's."""
+    setup = dpo_setup(make_tiny_hf, tmp_path, STEPS * PAIRS_PER_STEP, seed=6)
+
+    def run(out: Path, steps: int, resumed: bool = False) -> list[dict[str, Any]]:
+        training = {"micro_batch_size": PAIRS_PER_STEP, "max_steps": steps, "lr": LR}
+        rec = dpo_recipe(setup, out, BETA, training, checkpoint={"every_n_steps": 5})
+        summary = trainer.run(recipe_from_dict(rec))
+        assert summary is not None and (summary["resumed_from"] is not None) == resumed
+        return [h for h in summary["history"] if "train_loss" in h]
+
+    whole = run(tmp_path / "whole", STEPS)
+    run(tmp_path / "split", 5)
+    resumed = run(tmp_path / "split", STEPS, resumed=True)
+    assert len(resumed) == len(whole) == STEPS
+    for a, b in zip(resumed, whole, strict=True):
+        for k in REWARDS[1:] + ("train_loss",):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)
