@@ -6,6 +6,7 @@ Also the recipe rules, the stable ORPO term and the scores' per-token NLL on eve
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -358,5 +359,32 @@ def test_resumed_dpo_run_continues_the_curve(make_tiny_hf, tmp_path):
     resumed = run(tmp_path / "split", STEPS, resumed=True)
     assert len(resumed) == len(whole) == STEPS
     for a, b in zip(resumed, whole, strict=True):
+        for k in REWARDS[1:] + ("train_loss",):
+            assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)
+
+
+def test_lightning_runs_the_dpo_objective_equal_to_run(make_tiny_hf, tmp_path, monkeypatch):
+    """NxdLightningModule + NxdStrategy at one process: the run's DPO loss and reward curve (the
+    reference pass in configure_model, the objective's metrics logged beside train_loss)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import yaml
+
+    from nxd_finetune.lightning import NxdLightningModule, NxdStrategy
+
+    setup = dpo_setup(make_tiny_hf, tmp_path, STEPS * PAIRS_PER_STEP, seed=7)
+    training = {"micro_batch_size": PAIRS_PER_STEP, "max_steps": STEPS, "lr": LR}
+    summary = trainer.run(recipe_from_dict(dpo_recipe(setup, tmp_path / "run", BETA, training)))
+    assert summary is not None
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(dpo_recipe(setup, tmp_path / "lightning", BETA, training)))
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning's launcher sets them in this process
+        monkeypatch.setenv(key, os.environ.get(key, "127.0.0.1" if key == "MASTER_ADDR" else "29533"))
+    module = NxdLightningModule(path)
+    pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=STEPS, logger=False,
+               enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+               limit_val_batches=0, num_sanity_val_steps=0).fit(module)
+    want = [h for h in summary["history"] if "train_loss" in h]
+    assert len(module.history) == STEPS
+    for a, b in zip(module.history, want, strict=True):
         for k in REWARDS[1:] + ("train_loss",):
             assert a[k] == pytest.approx(b[k], abs=1e-6), (a["step"], k)

@@ -91,10 +91,14 @@ class NxdModuleBase(pl.LightningModule):
         result = train_step(stepper, micro_batches, n_input, backward=self.manual_backward,
                             optimizer_step=self._optimizer_step)
         step_loss = self.dp_sum(result.loss)
-        self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]))
+        stats = stepper.objective.take_train_stats()  # the objective's own step metrics (preference: rewards/...)
+        extra = {} if stats is None else stepper.objective.train_record(self.dp_sum(stats).tolist())
+        self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]),
+                     extra)
         return step_loss
 
-    def _record(self, loss: torch.Tensor, counts: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
+    def _record(self, loss: torch.Tensor, counts: torch.Tensor, grad_norm: torch.Tensor | None, lr: float,
+                extra: dict[str, float] | None = None) -> None:
         n_targets, n_input = (int(c) for c in counts.tolist())
         st = self.train_state
         st.step += 1
@@ -106,7 +110,10 @@ class NxdModuleBase(pl.LightningModule):
         self._tick = now
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
+        rec.update(extra or {})
         self.history.append({"step": st.step, **rec})
+        if extra:
+            self.log_dict(extra, on_step=True, batch_size=1)
         self.log_dict({k: v for k, v in rec.items() if k in SHOWN}, prog_bar=True, on_step=True, batch_size=1)
         self.log("tokens", float(st.tokens), on_step=True, batch_size=1)
 

@@ -43,6 +43,7 @@ from nxd_finetune.metrics import METRICS_FILE
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.recipe import Recipe, load_recipe, recipe_from_dict
+from nxd_finetune.sft.reference import attach_reference
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.trainer import export_spec, step_batches
 
@@ -131,6 +132,7 @@ class NxdLightningModule(NxdModuleBase):
         layout, host = strategy.parallel_state, strategy.host
         assert layout is not None
         rr = setup_rank(recipe, device=device, layout=layout, host=host)
+        attach_reference(recipe, rr.engine, rr.data, rr.model_dir)  # preference: reference log-probs, before training
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
         # the step stream is one endless epoch (max_steps ends it), whatever max_epochs Lightning derived:
