@@ -173,3 +173,48 @@ def test_wheel_ships_the_assets(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in SHIPPED:
         assert path.relative_to(ROOT).as_posix() in names
+
+
+def _preference_generator():
+    spec = importlib.util.spec_from_file_location("make_preference_data",
+                                                  ROOT / "recipes" / "quickstart" / "make_preference_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_preference_data_reproduces_shipped_files():
+    for name, text in _preference_generator().render_all().items():
+        assert (ASSETS / name).read_text(encoding="utf-8") == text, f"{name} is stale: run make_preference_data.py"
+
+
+def test_preference_pairs_teach_a_style_the_sft_data_lacks(tiny, tmp_path):
+    """Chosen: the polite answer with the right parity (never in the SFT data); rejected: the SFT
+    data's bare word or the polite answer with the wrong parity; eval numbers unseen in train; every pair fits
+    the DPO recipe's max_seq_len untruncated."""
+    import yaml
+
+    from nxd_finetune.data.loader import build_dataloaders
+
+    train, eval_ = _rows("preference_train.jsonl"), _rows("preference_eval.jsonl")
+    assert 300 <= len(train) <= 500 and 50 <= len(eval_) <= 100
+    number = lambda row: int("".join(c for c in row["prompt"][-1]["content"] if c.isdigit()))  # noqa: E731
+    assert not {number(r) for r in train} & {number(r) for r in eval_}
+    sft_answers = {m["content"] for r in _rows("train.jsonl") for m in r["messages"] if m["role"] == "assistant"}
+    wrong = 0
+    for row in train + eval_:
+        parity = "even" if number(row) % 2 == 0 else "odd"
+        chosen, rejected = row["chosen"][0]["content"], row["rejected"][0]["content"]
+        assert chosen == f"{parity}, my friend." and chosen not in sft_answers
+        assert rejected in (parity, f"{'odd' if parity == 'even' else 'even'}, my friend.")
+        wrong += rejected != parity
+    assert 0.15 < wrong / len(train + eval_) < 0.35
+    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart-dpo.yaml").read_text())
+    data = recipe["data"] | {"cache_dir": str(tmp_path)}
+    data = data | {k: str((ROOT / "recipes" / data[k]).resolve()) for k in ("train", "eval")}
+    assert Path(data["train"]) == ASSETS / "preference_train.jsonl"
+    loaders = build_dataloaders(data, tiny[1], micro_batch_size=recipe["training"]["micro_batch_size"])
+    stats = loaders.stats["train"]
+    assert stats["pairs"] == len(train) and stats["truncated"] == stats["dropped"] == 0
+    assert loaders.stats["eval"]["pairs"] == len(eval_)
+    assert recipe["lora"]["init_from"] == "../outputs/quickstart/final"

@@ -242,21 +242,22 @@ def make_splits(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     return train, eval_
 
 
-def _jsonl(rows: list[dict]) -> str:
+def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 def render_all() -> dict[str, str]:
     """File name -> exact content of every generated asset."""
     train, eval_ = make_splits()
-    return {"corpus.txt": make_corpus(), "train.jsonl": _jsonl(train), "eval.jsonl": _jsonl(eval_)}
+    return {"corpus.txt": make_corpus(), "train.jsonl": jsonl(train), "eval.jsonl": jsonl(eval_)}
 
 
-def main() -> None:
-    for name, text in render_all().items():
+def write(files: dict[str, str]) -> None:
+    """Write generated files (name -> content) into the package's quickstart assets."""
+    for name, text in files.items():
         (OUT / name).write_text(text, encoding="utf-8")
         print(f"wrote {OUT / name} ({len(text.encode())} bytes)")
 
 
 if __name__ == "__main__":
-    main()
+    write(render_all())
