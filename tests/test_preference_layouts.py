@@ -34,6 +34,18 @@ KEYS = ("train_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "
         "logps/chosen", "logps/rejected")
 
 
+def assert_same_curve(name: str, got: dict, ref: dict) -> None:
+    """Every logged step's loss and reward metrics within 1e-5 of the single-process run's."""
+    want = [h for h in ref["history"] if "train_loss" in h]
+    assert len(want) == STEPS and len({round(h["train_loss"], 4) for h in want}) > 2
+    hist = [h for h in got["history"] if "train_loss" in h]
+    for step, (a, b) in enumerate(zip(hist, want, strict=True), 1):
+        for k in KEYS:
+            if k == "rewards/accuracies" and step == 1:
+                continue  # policy == reference: every margin is rounding noise, its sign arbitrary
+            assert a[k] == pytest.approx(b[k], abs=1e-5), (name, step, k, a[k], b[k])
+
+
 def _run_layouts(recipe_dicts: list[dict]) -> list[dict | None]:
     torch.set_num_threads(1)
     return [trainer.run_rank(recipe_from_dict(d)) for d in recipe_dicts]
@@ -57,14 +69,20 @@ def test_dpo_layouts_match_single_process(make_tiny_hf, tmp_path):
     for (mode, name), got in zip(names, results[0], strict=True):
         ref = refs[mode]
         assert ref is not None and got["reference"] == ref["reference"] == ("init_from" if mode == "lora" else "base")
-        want = [h for h in ref["history"] if "train_loss" in h]
-        assert len(want) == STEPS and len({round(h["train_loss"], 4) for h in want}) > 2
-        hist = [h for h in got["history"] if "train_loss" in h]
-        for step, (a, b) in enumerate(zip(hist, want, strict=True), 1):
-            for k in KEYS:
-                if k == "rewards/accuracies" and step == 1:
-                    continue  # policy == reference: every margin is rounding noise, its sign arbitrary
-                assert a[k] == pytest.approx(b[k], abs=1e-5), (mode, name, step, k, a[k], b[k])
+        assert_same_curve(f"{mode}/{name}", got, ref)
         assert ref["eval_after"]["eval_rewards/accuracies"] is not None
         for k, v in ref["eval_after"].items():
             assert got["eval_after"][k] == pytest.approx(v, abs=1e-5), (mode, name, k)
+
+
+def test_dpo_tp2_pp2_matches_single_process(make_tiny_hf, tmp_path):
+    """Four processes, tp2 x pp2 (LoRA): the single-process DPO curve."""
+    setup = dpo_setup(make_tiny_hf, tmp_path, 2 * STEPS, seed=8, num_hidden_layers=4)
+    common = {"max_steps": STEPS, "lr": 5e-3, "eps": 1e-6}
+    ref = trainer.run(recipe_from_dict(dpo_recipe(setup, tmp_path / "single", 0.1,
+                                                  {**common, "micro_batch_size": 2, "grad_accum": 1})))
+    rec = dpo_recipe(setup, tmp_path / "tp2-pp2", 0.1, {**common, "micro_batch_size": 1, "grad_accum": 2},
+                     parallel={"nproc": 4, "tp": 2, "pp": 2})
+    got = launch(_run_layouts, 4, [rec], start_method="fork")[0][0]
+    assert ref is not None and got["parallel"]["nproc"] == 4
+    assert_same_curve("tp2-pp2", got, ref)
