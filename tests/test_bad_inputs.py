@@ -109,6 +109,13 @@ CASES = {
          f"output.dir={t / 'out'}"], "line 3"),
     "data unsupported type": lambda t: (
         ["validate", _quickstart_with(t, data={"train": str(_touch(t / "d.txt")), "eval": None})], "d.txt"),
+    "preference chosen equals rejected": lambda t: (
+        ["validate", _quickstart_with(t, objective="dpo", data={"train": str(_pairs(t, {"rejected": " a"}, at=2)),
+                                                                "eval": None, "format": "preference"})], "row 3"),
+    "preference empty completion past the rows validate reads": lambda t: (
+        ["run", _quickstart_with(t, objective="dpo", data={"train": str(_pairs(t, {"chosen": ""}, at=7)),
+                                                           "eval": None, "format": "preference"}), *SHORT,
+         f"output.dir={t / 'out'}"], "data.train row 8: the chosen completion is empty"),
     "eval without data": lambda t: (["validate", QUICKSTART, "data.eval=null", "data.eval_fraction=0.0",
                                      "eval.every_n_steps=5"], "eval.every_n_steps"),
     # ---- adapters and merge
@@ -225,6 +232,13 @@ def _model_dir(tmp: Path, config: dict | None) -> Path:
         shutil.copyfile(resolve_model_dir("builtin:tiny-llama") / name, d / name)
     (d / "config.json").write_text("{not json" if config is None else json.dumps(config))
     return d
+
+
+def _pairs(tmp: Path, bad: dict, at: int) -> Path:
+    """Ten preference pairs, the one at index ``at`` changed by ``bad``."""
+    rows = [{"prompt": f"Is {n} even?", "chosen": " a", "rejected": " b"} for n in range(10)]
+    rows[at] |= bad
+    return _rows(tmp, "pairs.jsonl", rows)
 
 
 def _bad_jsonl(tmp: Path) -> Path:

@@ -315,3 +315,15 @@ def test_fields_map_columns_and_message_keys(qs_tok, tmp_path):
     assert torch.equal(batch["input_ids"], expected["input_ids"])
     with pytest.raises(DataError, match="data.fields.prompt names column 'question'"):
         our_batch(rows, qs_tok, tmp_path / "c", fields={"prompt": "question", "chosen": "good", "rejected": "bad"})
+
+
+def test_recipe_refuses_train_on_prompt_for_pairs(tmp_path):
+    from nxd_finetune.errors import RecipeError
+    from nxd_finetune.recipe import recipe_from_dict
+
+    recipe = {"model": {"path": "builtin:tiny-llama"}, "objective": "dpo",
+              "data": {"train": "pairs.jsonl", "format": "preference", "train_on_prompt": True}}
+    with pytest.raises(RecipeError, match="data.train_on_prompt does not apply to format preference") as got:
+        recipe_from_dict(recipe)
+    assert "\n" not in str(got.value)
+    assert recipe_from_dict(recipe | {"data": recipe["data"] | {"train_on_prompt": False}}).data.format == "preference"

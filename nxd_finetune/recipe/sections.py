@@ -74,6 +74,9 @@ class DataSection(_Section):
             if name not in known:
                 raise ValueError(f"data.fields.{name} is not a field of format {self.format}"
                                  f"{suggest(name, known)}; its fields: {', '.join(known)}")
+        if self.format == "preference" and self.train_on_prompt:
+            raise ValueError("data.train_on_prompt does not apply to format preference (pairs are scored on their "
+                             "completions, as TRL does)")
         return self
 
 
