@@ -327,3 +327,14 @@ def test_recipe_refuses_train_on_prompt_for_pairs(tmp_path):
         recipe_from_dict(recipe)
     assert "\n" not in str(got.value)
     assert recipe_from_dict(recipe | {"data": recipe["data"] | {"train_on_prompt": False}}).data.format == "preference"
+
+
+def test_worker_processes_give_the_same_pairs_and_name_the_bad_row(qs_tok):
+    rows = numbered_pairs(40)
+    one = tokenize_rows(rows, DataSpec.of({"format": "preference", "num_proc": 1}), qs_tok)
+    two = tokenize_rows(rows, DataSpec.of({"format": "preference", "num_proc": 2}), qs_tok)
+    assert torch.equal(one.input_ids, two.input_ids) and torch.equal(one.labels, two.labels)
+    assert one.stats == two.stats and one.stats["pairs"] == 40
+    rows[33] = rows[33] | {"rejected": rows[33]["chosen"]}
+    with pytest.raises(DataError, match="^data.train row 34: chosen and rejected are the same$"):
+        tokenize_rows(rows, DataSpec.of({"format": "preference", "num_proc": 2}), qs_tok, split="data.train")
