@@ -253,36 +253,32 @@ def chunked_ce_sum(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Te
     activation checkpointing: the forward keeps no logits, the backward recomputes one chunk's
     logits at a time. Equal to ``ce_sum(head(hidden), targets)`` up to float summation order; at
     ``N <= rows`` it is exactly that (no recomputation)."""
-    n = hidden.shape[0]
-    if n <= rows:
+    if hidden.shape[0] <= rows:
         return ce_sum(head(hidden), targets, tp_group)
-    fn = functools.partial(_chunk_ce, head, tp_group)
+    return torch.stack(_by_chunks(functools.partial(_chunk_ce, head, tp_group), hidden, targets, rows)).sum()
+
+
+def _by_chunks(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+               targets: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """``fn(hidden_chunk, targets_chunk)`` over chunks of ``rows`` positions, each under activation
+    checkpointing when gradients are on (the forward keeps no chunk's logits)."""
     parts = []
-    for start in range(0, n, rows):
+    for start in range(0, hidden.shape[0], rows):
         h, t = hidden[start:start + rows], targets[start:start + rows]
         if torch.is_grad_enabled():
             parts.append(torch.utils.checkpoint.checkpoint(fn, h, t, use_reentrant=False))
         else:
             parts.append(fn(h, t))
-    return torch.stack(parts).sum()
+    return parts
 
 
 def chunked_token_nll(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
                       rows: int, tp_group: Group = None) -> torch.Tensor:
     """:func:`token_nll` of ``head(hidden)`` ``[N]``, ``rows`` positions at a time under activation
     checkpointing, as :func:`chunked_ce_sum` (never more than a chunk's logits held)."""
-    n = hidden.shape[0]
-    if n <= rows:
+    if hidden.shape[0] <= rows:
         return token_nll(head(hidden), targets, tp_group)
-    fn = functools.partial(_chunk_nll, head, tp_group)
-    parts = []
-    for start in range(0, n, rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]
-        if torch.is_grad_enabled():
-            parts.append(torch.utils.checkpoint.checkpoint(fn, h, t, use_reentrant=False))
-        else:
-            parts.append(fn(h, t))
-    return torch.cat(parts)
+    return torch.cat(_by_chunks(functools.partial(_chunk_nll, head, tp_group), hidden, targets, rows))
 
 
 def _chunk_nll(head: Callable[[torch.Tensor], torch.Tensor], tp_group: Group,
