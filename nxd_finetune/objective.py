@@ -74,11 +74,17 @@ class Objective(Protocol):
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
+    @property
+    def progress_metric(self) -> str | None:
+        """The :meth:`train_record` key the progress bar shows beside the loss (None: none)."""
+        ...
+
 
 class NoTrainStats:
     """An objective whose one training metric is the step loss (the loop's ``train_loss``)."""
 
     train_width = 0
+    progress_metric: str | None = None
 
     def take_train_stats(self) -> torch.Tensor | None:
         return None

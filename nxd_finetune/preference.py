@@ -87,6 +87,7 @@ class _PairObjective:
     beta: float = 0.1
     name: str = "dpo"
     _train: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    progress_metric = "rewards/accuracies"  # shown on the progress bar (a class attribute, not a field)
 
     @property
     def stat_names(self) -> tuple[str, ...]:

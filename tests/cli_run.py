@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -23,6 +24,19 @@ STEPS = 6
 RUN = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_batch_size=4", "training.warmup_steps=1",
        "logging.progress=false", "logging.every_n_steps=1", "eval.max_batches=1", "eval.every_n_steps=3",
        "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "lora.dropout=0.1"]
+PHASES = ["after-step", "sync-save", "async-save", "stage-write"]
+SAVE_STEPS = [s for s in range(1, STEPS + 1) if s % 2 == 0]  # checkpoint.every_n_steps=2 in RUN
+
+
+def trial(seed: int) -> tuple[str, int, bool]:
+    """(failpoint phase, step, async save) of trial ``seed``."""
+    rng = random.Random(seed)
+    phase = PHASES[seed % len(PHASES)]  # every phase within any 4 consecutive seeds
+    if phase == "after-step":
+        return "after-step", rng.randint(1, STEPS), False
+    if phase == "stage-write":
+        return "stage-written", rng.choice(SAVE_STEPS), rng.random() < 0.5
+    return "before-manifest", rng.choice(SAVE_STEPS), phase == "async-save"
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +51,11 @@ def env(tmp_path_factory):
     return env
 
 
-def start(env: dict, out: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
+def start(env: dict, out: Path, *extra: str, failpoint: str | None = None, recipe: Path = QUICKSTART,
+          run: list[str] = RUN) -> subprocess.Popen:
+    """``nxd-finetune run recipe`` with ``run`` then ``extra`` overrides, writing to ``out``."""
     env = {**env, FAILPOINT_ENV: failpoint} if failpoint else env
-    return subprocess.Popen([sys.executable, "-m", "nxd_finetune", "run", str(QUICKSTART), *RUN, f"output.dir={out}",
+    return subprocess.Popen([sys.executable, "-m", "nxd_finetune", "run", str(recipe), *run, f"output.dir={out}",
                              *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -11,28 +11,14 @@ or in the temp directory. Trials come from a fixed seed list:
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
-from cli_run import STEPS, curve, env, finish, records, resumed_from, start  # noqa: F401
+from cli_run import STEPS, curve, env, finish, records, resumed_from, start, trial  # noqa: F401
 
 TRIALS = int(os.environ.get("NXD_FINETUNE_SOAK_TRIALS", "5"))
-PHASES = ["after-step", "sync-save", "async-save", "stage-write"]
-SAVE_STEPS = [s for s in range(1, STEPS + 1) if s % 2 == 0]  # checkpoint.every_n_steps=2 in RUN
-
-
-def trial(seed: int) -> tuple[str, int, bool]:
-    """(failpoint phase, step, async save) of trial ``seed``."""
-    rng = random.Random(seed)
-    phase = PHASES[seed % len(PHASES)]  # every phase within any 4 consecutive seeds
-    if phase == "after-step":
-        return "after-step", rng.randint(1, STEPS), False
-    if phase == "stage-write":
-        return "stage-written", rng.choice(SAVE_STEPS), rng.random() < 0.5
-    return "before-manifest", rng.choice(SAVE_STEPS), phase == "async-save"
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ prints ``error: ...`` and exits 2. Heavy imports (the registry, boto3, rich) hap
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -154,7 +155,21 @@ def show_cmd(ref: Annotated[str, typer.Argument(help=_REF_HELP)]) -> None:
     console = _console()
     tags = f"  tags: {', '.join(v.tags)}" if v.tags else ""
     _say(f"{v.ref}{tags}", console)
+    if (line := _objective_line(v.manifest)) is not None:
+        _say(line, console)
     console.print_json(json.dumps(v.manifest))
+
+
+def _objective_line(manifest: Mapping[str, object]) -> str | None:
+    """``objective: dpo (loss sigmoid)  reference: init_from:...`` from what the adapter records
+    (the manifest's ``objective``), else the objective its recipe names; None when neither says."""
+    found = manifest.get("objective")
+    if isinstance(found, Mapping) and found.get("name"):
+        loss = f" (loss {found['loss_type']})" if found.get("loss_type") else ""
+        return f"objective: {found['name']}{loss}  reference: {found.get('reference') or 'none'}"
+    recipe = manifest.get("recipe")
+    name = recipe.get("objective") if isinstance(recipe, Mapping) else None
+    return f"objective: {name}" if name else None
 
 
 @adapters_app.command("rm")

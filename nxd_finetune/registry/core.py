@@ -263,6 +263,7 @@ class Registry:
         tags = [self._user_tag(t) for t in tags]
         meta = mf.check_metadata(metadata)
         files = mf.scan_adapter_dir(Path(src))
+        meta["objective"] = mf.adapter_objective(files)
         entries = mf.file_entries(files)
         adapter_base = mf.adapter_base(files)
         push_id = uuid.uuid4().hex

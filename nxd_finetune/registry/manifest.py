@@ -21,7 +21,12 @@ Manifest (``format: nxd-adapter-manifest/1``)::
     {"format", "name", "version", "created" (UTC ISO-8601), "tool": {"name", "version"},
      "files": {FILE: {"sha256", "size"}},
      "base_model": {"name_or_path", "revision", ...caller keys such as "config_sha256"},
-     "recipe": dict|null, "metrics": dict|null, "parallel": dict|null, "lineage": REF|null}
+     "recipe": dict|null, "metrics": dict|null, "parallel": dict|null, "lineage": REF|null,
+     "objective": {"name", "loss_type", "reference"}|null}
+
+``objective`` is read from the adapter's safetensors metadata at push (a preference run's
+``nxd_objective`` / ``nxd_loss_type`` / ``nxd_reference``); null for SFT and PEFT adapters, absent
+in manifests written before it existed.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class PushMetadata(TypedDict, total=False):
     parallel: JsonDict | None
     lineage: str | None
     base_model: JsonDict | None
+    objective: JsonDict | None  # not a caller's key: what the adapter records (adapter_objective)
 
 
 class AdapterManifest(TypedDict):
@@ -76,6 +82,7 @@ class AdapterManifest(TypedDict):
     metrics: JsonDict | None
     parallel: JsonDict | None
     lineage: str | None
+    objective: JsonDict | None  # absent in manifests written before it existed: read it with .get
 
 
 def check_file_name(name: str) -> str:
@@ -213,6 +220,17 @@ def adapter_base(files: Mapping[str, Path]) -> JsonDict:
     return {**base, "config_hash": config_hash} if config_hash else base
 
 
+def adapter_objective(files: Mapping[str, Path]) -> JsonDict | None:
+    """The training objective an adapter directory records in its safetensors metadata
+    (``nxd_objective``, ``nxd_loss_type``, ``nxd_reference``, written by preference runs):
+    ``{"name", "loss_type", "reference"}``, or None where it records none (SFT, PEFT's adapters)."""
+    meta = check_safetensors_header(files["adapter_model.safetensors"]).get("__metadata__") or {}
+    if not isinstance(meta, dict) or not meta.get("nxd_objective"):
+        return None
+    return {"name": meta["nxd_objective"], "loss_type": meta.get("nxd_loss_type"),
+            "reference": meta.get("nxd_reference")}
+
+
 def build_manifest(
     name: str, version: int, base_model: JsonDict, files: dict[str, FileEntry], meta: PushMetadata
 ) -> AdapterManifest:
@@ -231,6 +249,7 @@ def build_manifest(
         "metrics": meta.get("metrics"),
         "parallel": meta.get("parallel"),
         "lineage": meta.get("lineage"),
+        "objective": meta.get("objective"),
     }
 
 

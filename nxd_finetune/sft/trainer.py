@@ -140,7 +140,10 @@ def train(
         window["start"], window["tokens"] = time.perf_counter(), 0
         metrics.log(step, rec)
         history.append({"step": step, **rec})
-        progress.update(step, f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s")
+        shown = engine.objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
+        more = f"  {shown} {rec[shown]:.2f}" if shown is not None and shown in rec else ""
+        info = f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s"
+        progress.update(step, info + more)
 
     engine.train(True)
     try:
