@@ -64,19 +64,11 @@ def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path
 
 def run_config(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     gate = system.wait_quiet(args.max_busy, args.max_wait)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc, usage = system.run_measured([sys.executable, str(BENCH / "worker.py"), json.dumps(spec)], env)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise SystemExit(f"worker failed: {spec}\n{proc.stderr[-4000:]}")
-    result = json.loads(line[len("RESULT "):])
-    result.update(gate, **{k: round(v, 2) for k, v in usage.items()})
-    result["tokens_per_s"] = result["tokens"] / result["time_s"]
-    result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
+    result = {**system.run_worker(BENCH / "worker.py", spec), **gate}
     print(f"  {spec['framework']:4s} {'packed' if spec['packing'] else 'padded'}: "
           f"{result['tokens_per_cpu_s']:.0f} tok/CPU-s, {result['tokens_per_s']:.0f} tok/s wall, "
           f"step {result['step_s_median']:.3f}s, peak RSS {result['peak_rss_mb']:.0f} MB, "
-          f"other load {usage['other_cores']:.2f} cores", flush=True)
+          f"other load {result['other_cores']:.2f} cores", flush=True)
     return result
 
 

@@ -84,6 +84,23 @@ def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[sub
                   "load1_after": os.getloadavg()[0]}
 
 
+def run_worker(script: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run a benchmark worker (``python <script> '<json spec>'``, one configuration in its own
+    process) and return the dict of its ``RESULT {...}`` line, with the load measured meanwhile
+    (:func:`run_measured`) and ``tokens_per_s`` / ``tokens_per_cpu_s`` from its ``tokens``,
+    ``time_s`` and ``cpu_s``. A failed worker ends the benchmark with its stderr."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc, usage = run_measured([sys.executable, str(script), json.dumps(spec)], env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"worker failed: {spec}\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(line[len("RESULT "):])
+    result.update({k: round(v, 2) for k, v in usage.items()})
+    result["tokens_per_s"] = result["tokens"] / result["time_s"]
+    result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
+    return result
+
+
 def cli_help_time(reps: int = 3) -> dict[str, Any]:
     """Wall time of ``nxd-finetune --help`` (median of ``reps``; the first warms the OS file cache)."""
     exe = str(Path(sys.executable).with_name("nxd-finetune"))

@@ -27,6 +27,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,18 +180,20 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
             "attn_implementation": model.config._attn_implementation}
 
 
-def main() -> None:
+def worker_main(runners: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """A worker process: the spec from argv, ``runners[spec["framework"]]`` on it, one ``RESULT``
+    line (with the spec, this process's peak RSS, wall time and torch threads)."""
     spec = json.loads(sys.argv[1])
     import torch
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     t0 = time.perf_counter()
-    result = run_ours(spec) if spec["framework"] == "ours" else run_hf(spec)
+    result = runners[spec["framework"]](spec)
     result.update(spec=spec, peak_rss_mb=_peak_rss_mb(), wall_s=time.perf_counter() - t0,
                   threads=torch.get_num_threads())
     print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
-    main()
+    worker_main({"ours": run_ours, "hf": run_hf})
