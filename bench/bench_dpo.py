@@ -106,8 +106,10 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{r['tokens']} | {r['reference_pass_s']:.1f} | {r['wall_s']:.0f} | {r['peak_rss_mb']:.0f} | "
                      f"{r['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x | {r['first_loss']:.4f} | "
                      f"{r['other_cores']:.2f} |")
+    shared = max(r["other_cores"] for r in res["runs"]) >= 0.1
     lines += ["", "Tokens: non-padding tokens of the chosen and rejected rows of the timed steps. *other cores*: "
-              "CPU time other processes used during the run, in cores (the machine was shared)."]
+              "CPU time other processes used during the run, in cores (" +
+              ("the machine was shared)." if shared else "the machine was otherwise idle).")]
     return "\n".join(lines) + "\n"
 
 

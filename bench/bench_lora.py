@@ -54,8 +54,8 @@ def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path
     recipe = recipe_from_dict(recipe_dict(shape, False, PADDED_MBS, GRAD_ACCUM, max_samples))
     tok = load_tokenizer(recipe, Path(recipe.model.path))
     data = build_dataloaders(recipe.data, tok, micro_batch_size=PADDED_MBS, seed=SEED)
-    ds, sampler = data.train.dataset, data.train.sampler
-    batches = [[ds[i] for row in b for i in data.train.rows[row]] for b in sampler.rank_batches(0)]
+    ds, rows, sampler = data.train.batch_of.dataset, data.train.batch_of.rows, data.train.sampler
+    batches = [[ds[i] for row in b for i in rows[row]] for b in sampler.rank_batches(0)]
     steps = [batches[i : i + GRAD_ACCUM] for i in range(0, len(batches) - GRAD_ACCUM + 1, GRAD_ACCUM)]
     out = CACHE / f"hf_batches_{shape}_{max_samples}.json"
     out.write_text(json.dumps({"warmup": steps[:warmup], "timed": steps}))

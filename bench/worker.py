@@ -112,7 +112,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     last = loop(clock, warmup + epoch_steps)
     return {**_timing(clock), "first_loss": first[-1]["train_loss"], "last_loss": last[-1]["train_loss"],
             "rss_after_imports_mb": rss_imports, "rss_after_model_mb": rss_model,
-            "rows_per_epoch": len(data.train.rows)}
+            "rows_per_epoch": len(data.train.batch_of.rows)}
 
 
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
