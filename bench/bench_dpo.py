@@ -1,6 +1,6 @@
 """DPO throughput and memory: nxd-finetune vs TRL ``DPOTrainer`` + peft, side by side.
 
-    python bench/bench_dpo.py                  # large shape, 12 pairs, 2 interleaved repeats (~10-15 min)
+    python bench/bench_dpo.py                  # large shape, 12 pairs, 2 interleaved repeats (~5-8 min)
     python bench/bench_dpo.py --quick          # smoke run: small shape, 8 pairs, 1 repeat
     python bench/bench_dpo.py --pairs 32 --reps 3 --threads 2
 
