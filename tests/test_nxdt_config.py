@@ -246,15 +246,23 @@ def test_sft_lora_config_to_valid_recipe(capsys, workdir):
     assert code == 0, err
 
 
-def test_preference_tuning_is_listed_not_carried(capsys, workdir):
+def test_preference_tuning_maps_to_the_dpo_objective(capsys, workdir):
     tmp, _ = workdir
     code, out, err = cli(capsys, "import", "nxdt-config", "dpo.yaml")
     assert code == 0, err
     lines = reported(err)
-    for key in ("dpo.kl_beta", "dpo.loss_type", "dpo.max_prompt_length", "dpo.precompute_ref_log_probs",
-                "dpo.truncation_mode", "orpo.beta", "orpo.max_prompt_length", "orpo.truncation_mode"):
-        assert "preference tuning (DPO/ORPO) has not landed" in lines["model_alignment_strategy." + key]
+    p = "model_alignment_strategy."
+    assert lines[p + "dpo.kl_beta"].endswith("preference.beta")
+    assert lines[p + "dpo.loss_type"].endswith("preference.loss_type")
+    assert lines[p + "dpo.max_prompt_length"].endswith("preference.max_prompt_length")
+    assert lines[p + "dpo.truncation_mode"].endswith("preference.truncation_mode")
+    assert "computed once before training" in lines[p + "dpo.precompute_ref_log_probs"]
+    for key in ("orpo.beta", "orpo.max_prompt_length", "orpo.truncation_mode"):
+        assert "also sets dpo, which was taken" in lines[p + key]
     recipe = yaml.safe_load(out)  # printed on stdout without -o
+    assert recipe["objective"] == "dpo" and recipe["data"]["format"] == "preference" and "fields" not in recipe["data"]
+    assert recipe["preference"] == {"beta": 0.01, "loss_type": "sigmoid", "max_prompt_length": 32,
+                                    "truncation_mode": "keep_start"}
     assert "lora" not in recipe and recipe["parallel"]["zero1"] is True
     assert recipe["neuron"]["precision"] == "bf16-master" and recipe["training"]["precision"] == "bf16"
     assert recipe["training"]["scheduler"] == "cosine" and recipe["training"]["min_lr_ratio"] == pytest.approx(0.1)

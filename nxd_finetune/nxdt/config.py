@@ -23,7 +23,8 @@ from nxd_finetune.recipe import RecipeDict, recipe_from_dict
 from nxd_finetune.recipe.messages import one_line
 from nxd_finetune.recipe.yaml_loader import YamlValue
 
-_SECTION_ORDER = ("model", "data", "lora", "parallel", "training", "eval", "checkpoint", "output", "logging", "neuron")
+_SECTION_ORDER = ("model", "data", "objective", "preference", "lora", "parallel", "training", "eval", "checkpoint",
+                  "output", "logging", "neuron")
 
 
 def _multiply(a: float, b: float) -> float:

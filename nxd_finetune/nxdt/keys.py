@@ -45,9 +45,6 @@ RUNTIME_ENV = {  # top-level keys NxDT's training_orchestrator.py turns into env
     "neuron_rt_exec_timeout": "NEURON_RT_EXEC_TIMEOUT",
     "neuron_experimental_compress_rg": "NEURON_EXPERIMENTAL_COMPRESS_RG",
 }
-PREFERENCE_REASON = ("preference tuning (DPO/ORPO) has not landed in nxd-finetune yet; this config's "
-                     "alignment objective cannot run here")
-
 
 @dataclasses.dataclass
 class KeyWalk:
@@ -358,6 +355,37 @@ def _optim(walk: KeyWalk) -> None:
         walk.drop(s + "constant_steps", "no constant phase between warmup and decay")
 
 
+def _preference(walk: KeyWalk, p: str) -> None:
+    """``model_alignment_strategy.dpo`` / ``.orpo`` -> ``objective`` and the ``preference`` section
+    (NxDT's DPO / ORPO data: jsonl rows with ``prompt``, ``chosen``, ``rejected``)."""
+    given = [k for k in ("dpo", "orpo") if any(key.startswith(f"{p}{k}.") for key in walk.flat)]
+    if not given:
+        return
+    kind = given[0]
+    if len(given) > 1:
+        walk.drop(p + "orpo", "the config also sets dpo, which was taken (one objective per run)")
+    s = f"{p}{kind}."
+    walk.put("objective", kind)
+    walk.put("data.format", "preference")
+    walk.recipe.get("data", {}).pop("fields", None)  # NxDT's preference rows use the format's own names
+    beta = s + ("kl_beta" if kind == "dpo" else "beta")
+    if walk.has(beta):
+        walk.put("preference.beta", float(walk.get(beta)), beta)
+    if walk.has(s + "loss_type"):
+        walk.put("preference.loss_type", str(walk.get(s + "loss_type")), s + "loss_type")
+    if walk.has(s + "max_prompt_length"):
+        walk.put("preference.max_prompt_length", int(walk.get(s + "max_prompt_length")), s + "max_prompt_length")
+    if walk.has(s + "truncation_mode"):
+        walk.put("preference.truncation_mode", str(walk.get(s + "truncation_mode")), s + "truncation_mode")
+    if walk.has(s + "precompute_ref_log_probs"):
+        if bool(walk.get(s + "precompute_ref_log_probs")):
+            walk.keep(s + "precompute_ref_log_probs", "reference log-probs are always computed once before training")
+        else:
+            walk.drop(s + "precompute_ref_log_probs", "a per-step reference forward is not supported: reference "
+                      "log-probs are computed once before training")
+    walk.drop(p + kind, f"no counterpart in nxd-finetune's {kind} objective")  # what is left of the section
+
+
 def _alignment(walk: KeyWalk) -> None:
     p = "model_alignment_strategy."
     if walk.has(p + "sft.packing"):
@@ -368,8 +396,7 @@ def _alignment(walk: KeyWalk) -> None:
         walk.put("data.fields", {"prompt": "input", "completion": "output"})
     else:  # a pretraining config: every token trained (its tokenized datasets are not read here)
         walk.put("data.format", "text")
-    walk.drop(p + "dpo", PREFERENCE_REASON)
-    walk.drop(p + "orpo", PREFERENCE_REASON)
+    _preference(walk, p)
     peft = p + "peft."
     if not any(k.startswith(peft) for k in walk.flat):
         return
