@@ -10,17 +10,13 @@ the parent before forking. Workers return ``{check: (got, expected)}``; the pare
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import tempfile
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import run_world
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, inject_lora
@@ -158,44 +154,12 @@ def reference_curve(case: tuple) -> list[float]:
 # ----------------------------------------------------------------------------- harness
 
 
-def _worker(fn, rank: int, port: int, out_dir: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
-        results = fn(rank, *args)
-        dist.destroy_process_group()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
 def run_pp2(fn, tmp_path, monkeypatch, *args, timeout: float = 120.0) -> list[dict]:
-    """Run ``fn(rank, *args)`` on 2 forked gloo ranks; returns each rank's result."""
+    """Run ``fn(rank, world, *args)`` on 2 forked gloo ranks (``gloo_world.run_world``), temp files
+    under ``tmp_path``; returns each rank's result."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    out_dir = tmp_path / f"results-{fn.__name__}"
-    out_dir.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(fn, r, port, str(out_dir), args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = sorted(out_dir.glob("*.err"))
-    if errors:
-        pytest.fail("\n".join(f"{e.stem}:\n{e.read_text()}" for e in errors))
-    assert [p.exitcode for p in procs] == [0, 0], "a rank hung or died"
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    return run_world(fn, 2, tmp_path, *args, timeout=timeout)
 
 
 def pipeline(case: tuple, rank: int) -> tuple[PipelineRunner, list[torch.nn.Module]]:
@@ -282,7 +246,7 @@ def test_runner_refuses_bad_layouts():
 # ----------------------------------------------------------------------------- distributed
 
 
-def _grads_worker(rank: int, refs: dict) -> dict:
+def _grads_worker(rank: int, world: int, refs: dict) -> dict:
     out = {}
     for name, case in GRAD_CASES.items():
         runner, stages = pipeline(case, rank)
@@ -324,7 +288,7 @@ def test_pipeline_loss_and_grads_match_single_process(tmp_path, monkeypatch):
                                        msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}")
 
 
-def _curve_worker(rank: int) -> dict:
+def _curve_worker(rank: int, world: int) -> dict:
     out = {}
     for name, case in CURVE_CASES.items():
         runner, stages = pipeline(case, rank)
