@@ -34,6 +34,7 @@ import torch
 
 from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.errors import NxdError, NxdWarning
+from nxd_finetune.storage.fetch import FileEntry
 
 FORMAT = "nxd-finetune-checkpoint"
 VERSION = 1
@@ -80,13 +81,6 @@ def param_key(name: str) -> str:
 
 def optim_key(name: str, state: str) -> str:
     return f"optim/{name}/{state}"
-
-
-class FileEntry(TypedDict):
-    """A file of a checkpoint as its manifest lists it."""
-
-    size: int
-    sha256: str
 
 
 class Manifest(TypedDict):
