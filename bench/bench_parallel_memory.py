@@ -105,7 +105,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     from nxd_finetune.parallel.launch import init_distributed
     from nxd_finetune.recipe import recipe_from_dict
     from nxd_finetune.sft.engine import build_engine
-    from nxd_finetune.sft.trainer import step_batches
+    from nxd_finetune.sft.step import step_batches
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)

@@ -80,7 +80,8 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from nxd_finetune.recipe import recipe_from_dict
     from nxd_finetune.sft.reference import attach_reference
     from nxd_finetune.sft.setup import setup_rank
-    from nxd_finetune.sft.trainer import TrainState, step_batches, train
+    from nxd_finetune.sft.step import step_batches
+    from nxd_finetune.sft.trainer import TrainState, train
 
     rss_imports = _rss_mb()
     torch.set_flush_denormal(True)  # as trainer.run_rank() does on CPU

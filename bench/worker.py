@@ -83,7 +83,8 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from nxd_finetune.metrics import MetricsWriter
     from nxd_finetune.recipe import recipe_from_dict
     from nxd_finetune.sft.engine import build_engine
-    from nxd_finetune.sft.trainer import TrainState, step_batches, train
+    from nxd_finetune.sft.step import step_batches
+    from nxd_finetune.sft.trainer import TrainState, train
 
     rss_imports = _rss_mb()
     recipe = recipe_from_dict(recipe_dict(spec["shape"], spec["packing"], spec["micro_batch_size"],

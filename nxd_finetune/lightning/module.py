@@ -45,7 +45,8 @@ from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.recipe import Recipe, load_recipe, recipe_from_dict
 from nxd_finetune.sft.reference import attach_reference
 from nxd_finetune.sft.setup import setup_rank
-from nxd_finetune.sft.trainer import export_spec, step_batches
+from nxd_finetune.sft.step import step_batches
+from nxd_finetune.sft.trainer import export_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

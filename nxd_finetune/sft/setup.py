@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.checkpoint.training import TrainingCheckpoints
 from nxd_finetune.data.datasets import DataSpec
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
@@ -30,7 +31,8 @@ from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_
 from nxd_finetune.parallel.state import ParallelDims, ParallelState
 from nxd_finetune.preference import preference_objective
 from nxd_finetune.sft.engine import Engine, build_engine
-from nxd_finetune.xla import StepRuntime, make_runtime
+from nxd_finetune.sft.step import StepItem, step_batches
+from nxd_finetune.xla import DeviceLoader, StepRuntime, make_runtime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,6 +55,11 @@ class RankRun:
     grad_accum: int
     total_steps: int
     engine: Engine
+    steps: DeviceLoader[StepItem, dict[str, int]] | None = None
+    """The train loader's micro-batches grouped into optimizer steps, on the device (lazy: nothing
+    is drawn before a resume restores the data position); with ``setup_rank(checkpoints=True)``."""
+    checkpoints: TrainingCheckpoints | None = None
+    """The run's checkpoints (save, resume, stop signals), over :attr:`steps`; idem."""
 
     @property
     def rank(self) -> int:
@@ -107,7 +114,7 @@ def objective_of(recipe: Recipe) -> Objective:
 
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
                host: HostGroups | None = None, objective: Objective | None = None,
-               write_recipe: bool = True) -> RankRun:
+               write_recipe: bool = True, checkpoints: bool = False) -> RankRun:
     """This process's :class:`RankRun`. ``objective``: the recipe's (:func:`objective_of`) unless
     given. Without ``device`` / ``layout`` / ``host`` the Neuron
     environment is applied, the device picked (``training.device``) and the process group
@@ -142,5 +149,11 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
     engine = build_engine(recipe, model_dir, device, total_steps, layout, host,
                           objective if objective is not None else objective_of(recipe))
     runtime.prepare(engine)
-    return RankRun(recipe, device, layout, host, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
+    rr = RankRun(recipe, device, layout, host, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
                    total_steps, engine)
+    if checkpoints:
+        rr.steps = runtime.batches(step_batches(data.train, rr.grad_accum, recipe.data.packing),
+                                   snapshot=data.train.state_dict, restore=data.train.load_state_dict)
+        # checkpoints record the position of the batches handed out, not of those prefetched
+        rr.checkpoints = TrainingCheckpoints(recipe, engine, Path(recipe.output.dir), rr.steps, group=host.world)
+    return rr

@@ -1,4 +1,5 @@
-"""One training step, the same for ``nxd-finetune run`` and the Lightning module.
+"""One training step, the same for ``nxd-finetune run`` and the Lightning module, and the grouping
+of the loader's micro-batches into steps (:func:`step_batches`).
 
 :func:`train_step` takes this rank's micro-batches of one optimizer step: it counts the
 objective's units (target tokens for SFT) over the micro-batches and every data-parallel rank,
@@ -10,11 +11,12 @@ clipping, AdamW, the LR step; or the caller's, e.g. Lightning's through its prec
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 
+from nxd_finetune.data.loader import TrainLoader
 from nxd_finetune.objective import Objective, TokenBatch
 
 
@@ -61,3 +63,24 @@ def train_step(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: in
     loss = engine.forward_backward(micro_batches, n_units, backward)
     grad_norm = optimizer_step() if optimizer_step is not None else engine.step()
     return StepResult(loss, counts, grad_norm)
+
+
+StepItem = tuple[list[dict[str, torch.Tensor]], int]
+"""One optimizer step's micro-batches and their non-padding input tokens."""
+
+
+def step_batches(train_loader: TrainLoader, grad_accum: int, packing: bool) -> Iterator[StepItem]:
+    """Group the endless micro-batch stream into optimizer steps. Unpacked rows hold one sample
+    each and are right-padded, so causal attention alone already keeps tokens off the padding:
+    their segment ids are dropped to keep the fast ``is_causal`` attention path."""
+    it = iter(train_loader)
+    while True:
+        step, n_tokens = [], 0
+        for _ in range(grad_accum):
+            batch = next(it)
+            # preference pairs are unpacked and carry no segment ids: every position counts
+            n_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+            if not packing:
+                batch = {k: v for k, v in batch.items() if k != "segment_ids"}
+            step.append(batch)
+        yield step, n_tokens

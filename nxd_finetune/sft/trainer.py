@@ -55,7 +55,6 @@ from nxd_finetune.xla import HostValues, StepRuntime
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.data.loader import TrainLoader
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
 
@@ -172,25 +171,6 @@ def train(
     return history
 
 
-def step_batches(
-    train_loader: TrainLoader, grad_accum: int, packing: bool
-) -> Iterator[tuple[list[dict[str, torch.Tensor]], int]]:
-    """Group the endless micro-batch stream into optimizer steps. Unpacked rows hold one sample
-    each and are right-padded, so causal attention alone already keeps tokens off the padding:
-    their segment ids are dropped to keep the fast ``is_causal`` attention path."""
-    it = iter(train_loader)
-    while True:
-        step, n_tokens = [], 0
-        for _ in range(grad_accum):
-            batch = next(it)
-            # preference pairs are unpacked and carry no segment ids: every position counts
-            n_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
-            if not packing:
-                batch = {k: v for k, v in batch.items() if k != "segment_ids"}
-            step.append(batch)
-        yield step, n_tokens
-
-
 # ---------------------------------------------------------------------- processes
 
 
@@ -286,10 +266,9 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     """One process of the run (world size 1 included). Returns the summary on global rank 0."""
     t0 = time.perf_counter()
     par = recipe.parallel
-    rr = setup_rank(recipe)
+    rr = setup_rank(recipe, checkpoints=True)
     engine, runtime, host, device, rank = rr.engine, rr.runtime, rr.host, rr.device, rr.rank
-    model_dir, tokenizer, data, grad_accum, total_steps = rr.model_dir, rr.tokenizer, rr.data, rr.grad_accum, \
-        rr.total_steps
+    model_dir, tokenizer, data, total_steps = rr.model_dir, rr.tokenizer, rr.data, rr.total_steps
     out_dir = Path(recipe.output.dir)
 
     # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
@@ -307,12 +286,9 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
 
-    # lazy: nothing is drawn before a resume restores the data position through it
-    steps = runtime.batches(step_batches(data.train, grad_accum, recipe.data.packing),
-                            snapshot=data.train.state_dict, restore=data.train.load_state_dict)
+    steps, ckpt = rr.steps, rr.checkpoints
+    assert steps is not None and ckpt is not None  # setup_rank(checkpoints=True)
     state = TrainState()
-    # checkpoints record the position of the batches handed out, not of those prefetched
-    ckpt = TrainingCheckpoints(recipe, engine, out_dir, steps, group=host.world)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
 
     trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
