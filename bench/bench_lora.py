@@ -5,15 +5,18 @@
     python bench/bench_lora.py --threads 2     # torch threads per worker (default 1)
     make bench
 
-For each model shape (bench/common.py) four configurations run, each in its own subprocess
-(bench/worker.py), on the same training samples (bench/data/sft.jsonl, variable length):
+For each model shape (bench/common.py) five configurations run, each in its own subprocess
+(bench/worker.py; TRL's in bench/trl_sft_worker.py), on the same training samples
+(bench/data/sft.jsonl, variable length):
 
 - ``ours/packed``: nxd-finetune with packing (best-fit rows of 512 tokens), the trainer's loop;
 - ``ours/padded``: nxd-finetune with packing off: the *same* padded micro-batches as ``hf/padded``;
 - ``hf/padded``: ``LlamaForCausalLM`` + ``get_peft_model``, micro-batches of 4 samples padded to the
   longest (``DataCollatorForSeq2Seq``), a plain loop with the same AdamW, schedule and clipping;
 - ``hf/packed``: the same micro-batches flattened without padding (``DataCollatorWithFlattening``,
-  HF's padding-free packing; sdpa attention then masks across samples from the position ids).
+  HF's padding-free packing; sdpa attention then masks across samples from the position ids);
+- ``trl/packed``: TRL's ``SFTTrainer`` + peft on the raw messages, ``packing=True`` (best-fit rows of
+  512 tokens, padding-free), ``assistant_only_loss=True``, 1 row per micro-batch as ours packed.
 
 Fair under contention (the machine may be shared): the configurations are interleaved -- repeat
 ``r`` runs them in an order rotated by ``r`` -- and each row reports the median over repeats of
@@ -40,7 +43,8 @@ from bench import report, system  # noqa: E402
 from bench.common import BENCH, CACHE, MAX_SEQ_LEN, SEED, SHAPES, ensure_model, recipe_dict, train_flops  # noqa: E402
 
 PADDED_MBS, PACKED_MBS, GRAD_ACCUM = 4, 1, 2  # ~1180 vs ~1000 non-padding tokens per optimizer step
-CONFIGS = (("ours", True), ("hf", False), ("ours", False), ("hf", True))  # alternating ours / HF
+CONFIGS = (("ours", True), ("hf", False), ("ours", False), ("hf", True), ("trl", True))  # ours / others alternate
+WORKERS = {"ours": "worker.py", "hf": "worker.py", "trl": "trl_sft_worker.py"}
 
 
 def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path, list[int]]:
@@ -64,7 +68,7 @@ def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path
 
 def run_config(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     gate = system.wait_quiet(args.max_busy, args.max_wait)
-    result = {**system.run_worker(BENCH / "worker.py", spec), **gate}
+    result = {**system.run_worker(BENCH / WORKERS[spec["framework"]], spec), **gate}
     print(f"  {spec['framework']:4s} {'packed' if spec['packing'] else 'padded'}: "
           f"{result['tokens_per_cpu_s']:.0f} tok/CPU-s, {result['tokens_per_s']:.0f} tok/s wall, "
           f"step {result['step_s_median']:.3f}s, peak RSS {result['peak_rss_mb']:.0f} MB, "
@@ -105,7 +109,7 @@ def bench_shape(shape: str, args: argparse.Namespace, peaks: dict[int, dict[str,
     base = dict(shape=shape, grad_accum=GRAD_ACCUM, warmup_steps=warmup, max_samples=max_samples,
                 threads=args.threads)
     specs = {(fw, packing): dict(base, framework=fw, packing=packing,
-                                 micro_batch_size=PACKED_MBS if fw == "ours" and packing else PADDED_MBS,
+                                 micro_batch_size=PACKED_MBS if fw != "hf" and packing else PADDED_MBS,
                                  **({"batches": str(batches)} if fw == "hf" else {}))
              for fw, packing in CONFIGS}
     print(f"{shape}: {config['hidden_size']}h x {config['num_hidden_layers']}L, vocab {config['vocab_size']}, "
@@ -156,8 +160,9 @@ def main() -> None:
 
     try:
         import peft
+        import trl
     except ImportError:
-        raise SystemExit("the benchmark needs peft: pip install -e '.[dev]'") from None
+        raise SystemExit("the benchmark needs peft and trl: pip install -e '.[dev]'") from None
     t0 = time.time()
     peaks_info = measure_peaks()
     peaks = {p["threads"]: p for p in peaks_info}
@@ -176,7 +181,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "duration_s": round(time.time() - t0),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "cpu_model": report.cpu_model(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "peft": peft.__version__,
+                    "transformers": transformers.__version__, "peft": peft.__version__, "trl": trl.__version__,
                     "python": platform.python_version()},
         "matmul_peak": peaks_info, "threads": args.threads, "reps": args.reps, "max_seq_len": MAX_SEQ_LEN,
         "grad_accum": GRAD_ACCUM, "micro_batch": {"packed_rows": PACKED_MBS, "padded_samples": PADDED_MBS},

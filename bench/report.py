@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 TARGETS = {"packed": 1.5, "padded": 1.05, "rss": 0.8}  # issue 8, on CPU
+TRL_TARGETS = {"tokens": 1.5, "rss": 0.7}  # issue 32: against TRL's SFTTrainer
 
 
 def cpu_model() -> str:
@@ -24,9 +25,16 @@ def _key(r: dict[str, Any]) -> tuple[str, bool]:
 
 def _label(r: dict[str, Any]) -> str:
     fw, packed = _key(r)
+    if fw == "trl":
+        return "TRL SFTTrainer+peft, packed (padding-free)"
     if fw == "hf":
         return "HF+peft, packed (flattened)" if packed else "HF+peft, padded"
     return "nxd-finetune, packed" if packed else "nxd-finetune, padded (HF's batches)"
+
+
+def _vs(r: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
+    """``r[key]`` as a multiple of ``base[key]``; ``-`` without a base (results without that column)."""
+    return f"{r[key] / base[key]:.2f}x" if base else "-"
 
 
 def _targets(shape: dict[str, Any]) -> list[str]:
@@ -49,6 +57,13 @@ def _targets(shape: dict[str, Any]) -> list[str]:
                        ("padded vs HF padded", ours_u, hf_u)):
         m = ratio(a, b, "peak_rss_mb")
         out.append(f"peak RSS {what} <= {TARGETS['rss']}x: {m:.2f}x -- {verdict(m <= TARGETS['rss'])}")
+    trl = rows.get(("trl", True))
+    if trl is not None:  # results from before the TRL column have none
+        c, w, m = (ratio(ours_p, trl, k) for k in ("tokens_per_cpu_s", "tokens_per_s", "peak_rss_mb"))
+        out.append(f"tok/s packed vs TRL SFTTrainer packed >= {TRL_TARGETS['tokens']}x (issue 32): {c:.2f}x "
+                   f"CPU-time -- {verdict(c >= TRL_TARGETS['tokens'])} (wall {w:.2f}x)")
+        out.append(f"peak RSS packed vs TRL SFTTrainer packed <= {TRL_TARGETS['rss']}x (issue 32): {m:.2f}x -- "
+                   f"{verdict(m <= TRL_TARGETS['rss'])}")
     return out
 
 
@@ -57,22 +72,25 @@ def markdown(res: dict[str, Any]) -> str:
     peaks = ", ".join(f"{p['flops_per_cpu_s'] / 1e9:.0f} GFLOP/s per CPU-s ({p['flops_per_s'] / 1e9:.0f} wall) with "
                       f"{p['threads']} thread{'s' * (p['threads'] > 1)}" for p in res["matmul_peak"])
     threads = res["threads"] or "torch default"
+    has_trl = any(_key(r) == ("trl", True) for shape in res["shapes"] for r in shape["rows"])
+    trl = f", trl {m['trl']}" if "trl" in m else ""
     out = [
-        f"# LoRA SFT on CPU: nxd-finetune vs HF transformers + peft{' (quick)' if res['quick'] else ''}",
+        f"# LoRA SFT on CPU: nxd-finetune vs HF transformers + peft{' and TRL SFTTrainer' * has_trl}"
+        f"{' (quick)' if res['quick'] else ''}",
         "",
         f"{res['date']} ({res['duration_s'] // 60} min); {m['cpu_model']}, {m['cores']} cores; torch {m['torch']}, "
-        f"transformers {m['transformers']}, peft {m['peft']}; fp32; LoRA r=16 alpha=32 all-linear, AdamW, "
+        f"transformers {m['transformers']}, peft {m['peft']}{trl}; fp32; LoRA r=16 alpha=32 all-linear, AdamW, "
         f"grad clip 1.0; {threads} torch thread(s) per run; median of {res['reps']} interleaved repeat(s); "
         f"measured fp32 matmul peak ({res['matmul_peak'][0]['n']}^3): {peaks}.",
         "",
-        "| shape | configuration | tok/s per CPU-s | vs HF padded | vs HF packed | tok/s wall [min-max] "
-        "| step (s) | tok/step | padding | peak RSS (MB) | RSS vs HF padded | GFLOP/s per core | % peak "
-        "| step-1 loss | other cores |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | configuration | tok/s per CPU-s | vs HF padded | vs HF packed | vs TRL | tok/s wall [min-max] "
+        "| step (s) | tok/step | padding | peak RSS (MB) | RSS vs HF padded | RSS vs TRL | GFLOP/s per core "
+        "| % peak | step-1 loss | other cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for shape in res["shapes"]:
         rows = {_key(r): r for r in shape["rows"]}
-        hf_u, hf_p = rows["hf", False], rows["hf", True]
+        hf_u, hf_p, trl_p = rows["hf", False], rows["hf", True], rows.get(("trl", True))
         c = shape["shape_config"]
         dims = (f"{shape['shape']} ({c['hidden_size']}h {c['num_hidden_layers']}L, ffn {c['intermediate_size']}, "
                 f"V {c['vocab_size']}; {shape['samples']} samples, {shape['tokens']} tokens)")
@@ -81,15 +99,16 @@ def markdown(res: dict[str, Any]) -> str:
             out.append(
                 f"| {dims} | {_label(r)} | {r['tokens_per_cpu_s']:.0f} "
                 f"| {r['tokens_per_cpu_s'] / hf_u['tokens_per_cpu_s']:.2f}x "
-                f"| {r['tokens_per_cpu_s'] / hf_p['tokens_per_cpu_s']:.2f}x "
+                f"| {r['tokens_per_cpu_s'] / hf_p['tokens_per_cpu_s']:.2f}x | {_vs(r, trl_p, 'tokens_per_cpu_s')} "
                 f"| {r['tokens_per_s']:.0f} [{lo:.0f}-{hi:.0f}] | {r['step_s_median']:.3f} "
                 f"| {r['tokens'] / r['steps']:.0f} | {100 * (1 - r['tokens'] / r['slots']):.0f}% "
                 f"| {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] / hf_u['peak_rss_mb']:.2f}x "
+                f"| {_vs(r, trl_p, 'peak_rss_mb')} "
                 f"| {r['flops_per_cpu_s'] / 1e9:.1f} | {100 * r['mfu_cpu']:.0f}% "
                 f"| {r['first_loss']:.5f} | {r['other_cores']:.2f} |"
             )
             dims = ""
-    out += ["", "Targets (issue 8), from the medians above:"]
+    out += ["", f"Targets (issue 8{'; issue 32 for TRL' * has_trl}), from the medians above:"]
     for shape in res["shapes"]:
         out += [f"- {shape['shape']}: {t}" for t in _targets(shape)]
     cli = res.get("cli") or {}
@@ -123,6 +142,11 @@ def markdown(res: dict[str, Any]) -> str:
         "its % peak is model-FLOP utilisation, above the hardware's.",
         "- step-1 loss: the padded rows see the same samples and init, so they must agree (a correctness "
         "check); packed rows hold other samples in their first step.",
+        "- TRL SFTTrainer (bench/trl_sft_worker.py): the same messages, `packing=True` (best-fit rows of "
+        f"{res['max_seq_len']} tokens, padding-free, 1 row per micro-batch), `assistant_only_loss=True` (the "
+        "tokenizer's template with `{% generation %}` around the assistant turns: the same trained tokens as "
+        "ours), no activation checkpointing; it times as many steps as one epoch of its packed rows has, "
+        "after the warm-up step. Its tokens are every token of the samples in those steps.",
         "- other cores: CPU used by other processes during the run (machine busy time minus ours), median.",
     ]
     return "\n".join(out) + "\n"
