@@ -39,15 +39,21 @@ def neuron_recipe(tmp_path) -> Path:
     return path
 
 
-def torchx_dryrun(tmp_path: Path, *args: str) -> tuple[dict, list[dict]]:
-    """``torchx run --dryrun --scheduler kubernetes ... components.py:finetune ARGS``: the
-    component's AppDef as printed, and the Volcano job's tasks."""
+def torchx_run_dryrun(tmp_path: Path, scheduler: str, *args: str) -> subprocess.CompletedProcess:
+    """The real ``torchx run --dryrun --scheduler SCHEDULER ... components.py:finetune ARGS``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "TMPDIR": str(tmp_path)}
     torchx = Path(sys.executable).with_name("torchx")
-    proc = subprocess.run([str(torchx), "run", "--workspace", "", "--dryrun", "--scheduler", "kubernetes",
-                           "-cfg", "queue=default,namespace=ml", f"{COMPONENT}:finetune", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    cfg = ["-cfg", "queue=default,namespace=ml"] if scheduler == "kubernetes" else []
+    return subprocess.run([str(torchx), "run", "--workspace", "", "--dryrun", "--scheduler", scheduler, *cfg,
+                           f"{COMPONENT}:finetune", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def torchx_dryrun(tmp_path: Path, *args: str) -> tuple[dict, list[dict]]:
+    """``torchx run --dryrun --scheduler kubernetes ... components.py:finetune ARGS``: the
+    component's AppDef as printed, and the Volcano job's tasks."""
+    proc = torchx_run_dryrun(tmp_path, "kubernetes", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     request = proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1]
     job = yaml.safe_load(request)
@@ -130,6 +136,40 @@ def test_torchx_component_checks_the_layout(tmp_path):
         finetune("parallel.tp=4", recipe=quickstart, nproc_per_node=2)
     app = finetune("parallel.tp=2", recipe=quickstart, nproc_per_node=2)
     assert "--rdzv-endpoint localhost:0" in app.roles[0].args[1]  # one node: any free port
+
+
+def test_torchx_image_is_a_placeholder_to_set(tmp_path):
+    """The component's ``--image`` default is the registry placeholder of ``nxd-finetune k8s``:
+    local_cwd (which ignores the image) runs without it, every other scheduler refuses it in one
+    line, with ``--dryrun`` too; layout errors are the same one line, without a traceback."""
+    import inspect
+
+    from nxd_finetune.cluster import cli
+    from nxd_finetune.cluster.components import finetune
+    from nxd_finetune.cluster.spec import IMAGE_PLACEHOLDER
+
+    assert inspect.signature(finetune).parameters["image"].default == IMAGE_PLACEHOLDER
+    for command in (cli.pytorchjob_cmd, cli.precompile_job_cmd, cli.trainjob_cmd):
+        assert inspect.signature(command).parameters["image"].default == IMAGE_PLACEHOLDER
+    quickstart = ["--recipe", str(ROOT / "recipes" / "quickstart.yaml"), "--nproc_per_node", "2", "--",
+                  "parallel.tp=2"]
+    local = torchx_run_dryrun(tmp_path, "local_cwd", *quickstart)
+    assert local.returncode == 0, local.stderr[-3000:]
+    app, request = local.stdout.split("=== SCHEDULER REQUEST ===")
+    assert f"'image': '{IMAGE_PLACEHOLDER}'" in app and f"'cwd': '{tmp_path}'" in request  # runs in the cwd
+    for scheduler, backend in (("kubernetes", "kubernetes"), ("local_docker", "docker")):
+        proc = torchx_run_dryrun(tmp_path, scheduler, *quickstart)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr and "SCHEDULER REQUEST" not in proc.stdout
+        assert proc.stderr.splitlines()[-1] == (
+            f" --image is the placeholder {IMAGE_PLACEHOLDER}: give the image your cluster pulls, e.g. "
+            "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/); TorchX's "
+            f"{backend} scheduler uses the image, only local_cwd ignores it")
+    given = torchx_run_dryrun(tmp_path, "kubernetes", "--image", "123.dkr.ecr.us-west-2.amazonaws.com/nxd:cpu",
+                              *quickstart)
+    assert given.returncode == 0, given.stderr[-3000:]
+    bad = torchx_run_dryrun(tmp_path, "local_cwd", *quickstart[:-1], "parallel.nproc=4")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.splitlines()[-1] == " parallel.nproc=4 but the job has 1 node(s) x 2 process(es) = 2"
 
 
 # ----------------------------------------------------------------------------- nxd-finetune k8s

@@ -93,7 +93,17 @@ def test_trainium_k8s_commands_run_as_written(capsys, monkeypatch):
             main(argv[1:])
         out = capsys.readouterr()
         assert e.value.code in (0, None) and out.err == "", out.err
-        doc = list(yaml.safe_load_all(out.out))[-1]
+        docs = list(yaml.safe_load_all(out.out))
+        if argv[2] == "precompile-job" and ":" in argv[argv.index("--nodes") + 1]:  # one job per node count
+            assert [(d["kind"], d["metadata"]["name"], d["metadata"]["labels"]["nxd-finetune/nodes"]) for d in docs] \
+                == [("Job", "nxd-finetune-precompile-1n", "1"), ("PyTorchJob", "nxd-finetune-precompile-2n", "2")]
+            # the names and labels the following kubectl lines use
+            shown = "\n".join(c for c in shell_blocks(DOCS["docs/trainium.md"]) if c.startswith("kubectl"))
+            for d in docs:
+                kind, name = d["kind"].lower(), d["metadata"]["name"]
+                assert f"-l nxd-finetune/nodes={d['metadata']['labels']['nxd-finetune/nodes']}\n" in shown + "\n"
+                assert f" {kind}/{name} " in shown, (kind, name)
+        doc = docs[-1]
         if doc["kind"] == "TrainJob":
             assert doc["spec"]["trainer"]["numNodes"] == 2
             args = doc["spec"]["trainer"]["command"]

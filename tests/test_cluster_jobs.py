@@ -340,6 +340,51 @@ def test_elastic_node_range(capsys):
     assert k8s(capsys, "pytorchjob", str(trn1), "--nodes", "4:4")[0][0]["spec"].get("elasticPolicy") is None
 
 
+def test_precompile_covers_every_node_count_of_the_range(capsys, standin_compiler):
+    """An elastic job runs another layout on every node count (dp, hence the ZeRO-1 shards and the
+    micro-batches per step): the precompile jobs trace each, as training's ranks run it there."""
+    trn1 = ROOT / "recipes" / "llama3-8b-lora-trn1.yaml"  # 64 processes = 4 nodes x 16 here, tp 8, zero1
+    common = [str(trn1), "training.global_batch_size=96", "--nodes", "1:4", "--pvc", "fsx-claim", "--efa", "8"]
+    (train,), _ = k8s(capsys, "pytorchjob", *common)
+    docs, err = k8s(capsys, "precompile-job", *common, "--steps", "2", "--name", "pre")
+    assert err == "" and [d["metadata"]["name"] for d in docs] == ["pre-1n", "pre-2n", "pre-3n", "pre-4n"]
+    assert [d["kind"] for d in docs] == ["Job"] + ["PyTorchJob"] * 3
+    c = pods(train)[0]
+    run = (c["command"] + c["args"])
+    run = run[run.index("run") + 1:]
+    layouts = []
+    for nodes, doc in enumerate(docs, start=1):
+        through_models(doc)
+        assert doc["metadata"]["labels"]["nxd-finetune/nodes"] == str(nodes) and len(pods(doc)) == nodes
+        expected = rank_layout(trn1, run, nodes * 16)  # what training's ranks run on `nodes` nodes
+        assert precompile_layout(trn1, doc, capsys, standin_compiler) == expected, nodes
+        assert pods(doc)[0]["resources"] == c["resources"] and pods(doc)[0]["env"] == c["env"]
+        layouts.append(expected)
+    assert [la["dp"] for la in layouts] == [2, 4, 6, 8] and {la["zero1"] for la in layouts} == {True}
+    (one,), _ = k8s(capsys, "precompile-job", str(trn1), "--nodes", "4:4", "--pvc", "fsx-claim")
+    assert one["metadata"]["name"] == "nxd-finetune-precompile" and len(pods(one)) == 4  # a range of one count
+
+
+def test_trainjob_has_no_node_range(capsys, recipe):
+    """Kubeflow Trainer's API has no elastic policy (its models: one ``numNodes``, a torch policy
+    without min / max nodes), so ``trainjob --nodes MIN:MAX`` is refused in one line."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TorchMLPolicySource, TrainerV1alpha1Trainer
+    from pydantic import ValidationError
+
+    elastic = {"elasticPolicy": {"minNodes": 1, "maxNodes": 2}, "numProcPerNode": 8}
+    assert TrainerV1alpha1TorchMLPolicySource.from_dict(elastic).to_dict() == {}  # unknown fields dropped
+    with pytest.raises(ValidationError):
+        TrainerV1alpha1Trainer.from_dict({"numNodes": "1:2"})
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "trainjob", str(recipe), "--nodes", "1:2", "--image", "r/x:n"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: --nodes 1:2: a Kubeflow Trainer TrainJob has one node count (the Trainer API has no elastic "
+        "policy); use `nxd-finetune k8s pytorchjob --nodes MIN:MAX` for an elastic job\n")
+    (_, job), _ = k8s(capsys, "trainjob", str(recipe), "--nodes", "2:2")
+    assert job["spec"]["trainer"]["numNodes"] == 2
+
+
+@pytest.mark.parametrize("command", ["pytorchjob", "precompile-job"])
 @pytest.mark.parametrize("args, message", [
     (["recipes/mistral-7b-sft.yaml", "--nodes", "1:4"],
      "on 3 node(s): training.global_batch_size=128 is not divisible by micro_batch_size*dp=1*3=3; narrow the node "
@@ -355,8 +400,8 @@ def test_elastic_node_range(capsys):
     (["recipes/quickstart.yaml", "--nodes", "2:1"], "--nodes '2:1': give a node count N or a range MIN:MAX with 1 <= "
      "MIN <= MAX"),
 ])
-def test_elastic_node_range_refusals(args, message, capsys, monkeypatch):
+def test_elastic_node_range_refusals(command, args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
-        main(["k8s", "pytorchjob", *args, "--image", "r/x:n"])
+        main(["k8s", command, *args, "--image", "r/x:n", "--pvc", "fsx-claim"])
     assert e.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"

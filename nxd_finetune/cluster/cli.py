@@ -21,8 +21,6 @@ RecipeArg = Annotated[Path, typer.Argument(help="YAML recipe file (read here to 
                                            show_default=False)]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides key.path=value, passed on to the pods.",
                                                           show_default=False)]
-NodesOpt = Annotated[int, typer.Option("--nodes", min=1,
-                                       help="Nodes (pods); processes per node = parallel.nproc / nodes.")]
 NodeRangeOpt = Annotated[str, typer.Option(
     "--nodes", metavar="N|MIN:MAX", help="Nodes (pods); processes per node = parallel.nproc / nodes. MIN:MAX: an "
                                          "elastic job on MIN to MAX nodes (parallel.nproc is the world at MAX).")]
@@ -82,7 +80,7 @@ def pytorchjob_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
     nodes: NodeRangeOpt = "1",
-    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER (typer reads the default here)
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # spec.IMAGE_PLACEHOLDER (typer reads the default here)
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
     instance_type: InstanceOpt = None,
@@ -116,8 +114,8 @@ def pytorchjob_cmd(
 def precompile_job_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
-    nodes: NodesOpt = 1,
-    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER (typer reads the default here)
+    nodes: NodeRangeOpt = "1",
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # spec.IMAGE_PLACEHOLDER (typer reads the default here)
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
     instance_type: InstanceOpt = None,
@@ -137,23 +135,26 @@ def precompile_job_cmd(
 
     Same recipe, overrides and `--nodes` as `k8s pytorchjob`: the exact training layout. One node: a
     `Job` running `nxd-finetune precompile`; several: a `PyTorchJob` running `neuron_parallel_compile
-    torchrun ...` on as many pods."""
-    from nxd_finetune.cluster.k8s import precompile_job, to_yaml
+    torchrun ...` on as many pods. `--nodes MIN:MAX` (an elastic training job): one such job per node
+    count, `NAME-<n>n`, labelled `nxd-finetune/nodes=<n>` (the layout, dp included, differs per count)."""
+    from nxd_finetune.cluster.k8s import precompile_jobs, to_yaml
+    from nxd_finetune.cluster.spec import parse_nodes
 
     in_pods = recipe_path or str(recipe)
     loaded = _load(recipe, overrides, in_pods)
     pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
                service_account)
-    doc = precompile_job(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, steps=steps)
-    _write(to_yaml(doc), output)
+    low, high = parse_nodes(nodes)
+    docs = precompile_jobs(loaded, in_pods, overrides or [], pod, nodes=high, name=name, steps=steps, min_nodes=low)
+    _write(to_yaml(*docs), output)
 
 
 @k8s_app.command("trainjob")
 def trainjob_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
-    nodes: NodesOpt = 1,
-    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # k8s.IMAGE_PLACEHOLDER
+    nodes: NodeRangeOpt = "1",
+    image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # spec.IMAGE_PLACEHOLDER
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
     instance_type: InstanceOpt = None,
@@ -173,14 +174,16 @@ def trainjob_cmd(
 ) -> None:
     """Write a Kubeflow Trainer v2 `TrainJob` that trains RECIPE on `--nodes` nodes, after the torch
     `ClusterTrainingRuntime` it uses (apply that once per cluster). Options as `pytorchjob`'s (typer
-    needs each command's own signature)."""
+    needs each command's own signature); no `--nodes MIN:MAX`: the Trainer API has no elastic policy."""
     from nxd_finetune.cluster.k8s import to_yaml
+    from nxd_finetune.cluster.spec import parse_nodes
     from nxd_finetune.cluster.trainjob import cluster_training_runtime, trainjob
 
     in_pods = recipe_path or str(recipe)
     loaded = _load(recipe, overrides, in_pods)
     pod = _pod(image, accelerator, efa, instance_type, pvc, mount_path, cpu, memory, namespace, env,
                service_account)
-    job = trainjob(loaded, in_pods, overrides or [], pod, nodes=nodes, name=name, max_restarts=max_restarts,
-                   runtime=runtime)
+    low, high = parse_nodes(nodes)
+    job = trainjob(loaded, in_pods, overrides or [], pod, nodes=high, name=name, max_restarts=max_restarts,
+                   runtime=runtime, min_nodes=low)
     _write(to_yaml(cluster_training_runtime(pod.image, runtime), job), output)

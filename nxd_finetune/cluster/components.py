@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torchx.specs as specs
+from torchx.specs.finder import ComponentValidationException
 
 from nxd_finetune.cluster.spec import (
     GPU_RESOURCE,
+    IMAGE_PLACEHOLDER,
     INSTANCE_TYPE_LABEL,
     NodeLayout,
+    check_image,
     device_resources,
     job_env,
     rdzv_endpoint_for,
@@ -40,11 +43,15 @@ from nxd_finetune.cluster.spec import (
 from nxd_finetune.errors import NxdError
 from nxd_finetune.recipe import load_recipe
 
+# the schedulers (backend names) that neither pull nor use the role's image: local_cwd's LocalScheduler
+# ("local"), which runs in the current directory
+IMAGE_IGNORED_BY = ("local",)
+
 
 def finetune(
     *overrides: str,
     recipe: str,
-    image: str = "nxd-finetune:latest",
+    image: str = IMAGE_PLACEHOLDER,
     nnodes: int = 1,
     nproc_per_node: int = 1,
     accelerator: str = "cpu",
@@ -67,7 +74,8 @@ def finetune(
     Args:
         overrides: recipe overrides ``key.path=value`` (after ``--``)
         recipe: the recipe's path inside the image / on the shared volume
-        image: container image (ignored by local_cwd)
+        image: container image your cluster pulls (built from docker/ and pushed); the default is a
+            placeholder that every scheduler but local_cwd (which ignores the image) refuses
         nnodes: number of nodes (replicas)
         nproc_per_node: processes per node (NeuronCores on Trainium: 32 per trn1.32xlarge; GPUs)
         accelerator: neuron (aws.amazon.com/neuron devices, one per 2 processes), gpu (nvidia.com/gpu,
@@ -87,40 +95,64 @@ def finetune(
         local_recipe: where the recipe is readable here, to check the layout and derive the environment
         name: job name
     """
-    if nnodes < 1 or nproc_per_node < 1:
-        raise NxdError(f"nnodes and nproc_per_node must be 1 or more, got {nnodes} and {nproc_per_node}")
-    layout = NodeLayout(nnodes, nproc_per_node)
-    recipe_env = _recipe_env(local_recipe or recipe, list(overrides), layout, accelerator, efa)
-    if nnodes == 1 and rdzv_backend == "c10d" and rdzv_endpoint is None:
-        endpoint = "localhost:0"  # one agent: any free port
-    else:
-        endpoint = rdzv_endpoint_for(rdzv_backend, rdzv_endpoint, f"$${{{specs.macros.rank0_env}:=localhost}}",
-                                     rdzv_port)
-    cmd = torchrun_command(layout, recipe, overrides, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint,
-                           rdzv_id=specs.macros.app_id, max_restarts=max_restarts,
-                           node_rank=specs.macros.replica_id, extra_args=["--tee", "3"])
-    devices = device_resources(accelerator, nproc_per_node, efa)
-    gpu = devices.pop(GPU_RESOURCE, 0)  # TorchX's own field (nvidia.com/gpu on Kubernetes)
-    resource = specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB, devices=devices,
-                              capabilities={INSTANCE_TYPE_LABEL: instance_type} if instance_type else {})
-    return specs.AppDef(
-        name=name,
-        roles=[
-            specs.Role(
-                name="trainer",
-                image=image,
-                entrypoint="bash",
-                args=["-c", " ".join(_quote(a) for a in cmd)],
-                num_replicas=nnodes,
-                min_replicas=nnodes,
-                resource=resource,
-                env={"LOGLEVEL": "WARNING", **recipe_env, **(env or {})},
-                port_map={"c10d": rdzv_port},
-                max_retries=max_retries,
-                mounts=specs.parse_mounts(mounts) if mounts else [],
-            )
-        ],
-    )
+    try:  # torchx run prints a ComponentValidationException as its one error line
+        if nnodes < 1 or nproc_per_node < 1:
+            raise NxdError(f"nnodes and nproc_per_node must be 1 or more, got {nnodes} and {nproc_per_node}")
+        layout = NodeLayout(nnodes, nproc_per_node)
+        recipe_env = _recipe_env(local_recipe or recipe, list(overrides), layout, accelerator, efa)
+        if nnodes == 1 and rdzv_backend == "c10d" and rdzv_endpoint is None:
+            endpoint = "localhost:0"  # one agent: any free port
+        else:
+            endpoint = rdzv_endpoint_for(rdzv_backend, rdzv_endpoint, f"$${{{specs.macros.rank0_env}:=localhost}}",
+                                         rdzv_port)
+        cmd = torchrun_command(layout, recipe, overrides, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint,
+                               rdzv_id=specs.macros.app_id, max_restarts=max_restarts,
+                               node_rank=specs.macros.replica_id, extra_args=["--tee", "3"])
+        devices = device_resources(accelerator, nproc_per_node, efa)
+        gpu = devices.pop(GPU_RESOURCE, 0)  # TorchX's own field (nvidia.com/gpu on Kubernetes)
+        resource = specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB, devices=devices,
+                                  capabilities={INSTANCE_TYPE_LABEL: instance_type} if instance_type else {})
+        return specs.AppDef(
+            name=name,
+            roles=[
+                PulledImageRole(
+                    name="trainer",
+                    image=image,
+                    entrypoint="bash",
+                    args=["-c", " ".join(_quote(a) for a in cmd)],
+                    num_replicas=nnodes,
+                    min_replicas=nnodes,
+                    resource=resource,
+                    env={"LOGLEVEL": "WARNING", **recipe_env, **(env or {})},
+                    port_map={"c10d": rdzv_port},
+                    max_retries=max_retries,
+                    mounts=specs.parse_mounts(mounts) if mounts else [],
+                )
+            ],
+        )
+    except NxdError as e:
+        raise ComponentError(str(e)) from None
+
+
+class ComponentError(NxdError, ComponentValidationException):
+    """A user error in the component's arguments: an :class:`NxdError` that ``torchx run`` reports
+    as its component error (one line, no traceback)."""
+
+
+class PulledImageRole(specs.Role):
+    """A role whose image the scheduler runs: every scheduler but ``local_cwd`` (which runs in the
+    current directory and ignores the image) pulls it or uses it as its working directory, so there
+    the ``--image`` placeholder is refused when TorchX prepares the request (``torchx run``, with
+    ``--dryrun`` too)."""
+
+    def pre_proc(self, scheduler: str, dryrun_info: specs.AppDryRunInfo) -> specs.AppDryRunInfo:  # type: ignore[type-arg]
+        if scheduler not in IMAGE_IGNORED_BY:
+            try:
+                check_image(self.image)
+            except NxdError as e:
+                raise ComponentError(f"{e}; TorchX's {scheduler} scheduler uses the image, only local_cwd "
+                                     "ignores it") from None
+        return dryrun_info
 
 
 def _recipe_env(path: str, overrides: list[str], layout: NodeLayout, accelerator: str, efa: int) -> dict[str, str]:

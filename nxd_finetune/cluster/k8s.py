@@ -8,9 +8,11 @@ same micro-batches per step and the same collectives: on one node a ``Job`` runn
 ``nxd-finetune precompile`` with all the processes; on several a ``PyTorchJob`` of as many pods as
 training, each running ``neuron_parallel_compile`` around the training job's ``torchrun`` line (the
 pattern of the Neuron multi-node examples), with the precompile overrides of
-:func:`nxd_finetune.neuron.precompile_overrides`.
+:func:`nxd_finetune.neuron.precompile_overrides`. For an elastic training job (a node range) one
+precompile job per node count of the range: dp, and with it the ZeRO-1 optimizer-step graphs,
+differs on every count (:func:`precompile_jobs`).
 
-Plain dicts (:func:`pytorchjob`, :func:`precompile_job`) written as YAML by :func:`to_yaml`; the
+Plain dicts (:func:`pytorchjob`, :func:`precompile_jobs`) written as YAML by :func:`to_yaml`; the
 ``nxd-finetune k8s`` commands (:mod:`.cli`) load the recipe first, so the manifests follow its
 layout and its ``neuron:`` section (:mod:`.spec`). With a shared volume (``pvc``) the compile cache
 goes on it and the recipe's paths the pods cannot see are warned about (:mod:`.volume`).
@@ -30,6 +32,7 @@ from typing import Any
 from nxd_finetune.cluster.spec import (
     INSTANCE_TYPE_LABEL,
     NodeLayout,
+    check_image,
     device_resources,
     elastic_layout,
     job_env,
@@ -45,8 +48,7 @@ PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
 _NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label: the operator names Services after it
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# the default of --image: a registry path to replace (uppercase: no registry accepts it as is)
-IMAGE_PLACEHOLDER = "REGISTRY/nxd-finetune:neuron"
+NODES_LABEL = "nxd-finetune/nodes"  # a precompile job's node count (kubectl apply -l nxd-finetune/nodes=N)
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
 # a Kubernetes object (or a part of one) as plain data: what to_yaml writes for kubectl
 K8sObject = dict[str, Any]
@@ -95,14 +97,6 @@ def check_name(name: str) -> str:
     return name
 
 
-def check_image(pod: PodSettings) -> str:
-    """The pods' image; NxdError (one line) while it is the ``--image`` placeholder."""
-    if pod.image == IMAGE_PLACEHOLDER:
-        raise NxdError(f"--image is the placeholder {IMAGE_PLACEHOLDER}: give the image your cluster pulls, e.g. "
-                       "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)")
-    return pod.image
-
-
 def pod_resources(pod: PodSettings, nproc_per_node: int) -> dict[str, dict[str, str]]:
     """``limits`` and ``requests`` of one node's pod: its devices, and the CPU / memory given."""
     limits = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa).items()}
@@ -137,7 +131,7 @@ def _container(name: str, pod: PodSettings, args: list[str], nproc_per_node: int
                ports: list[K8sObject] | None = None) -> K8sObject:
     container: K8sObject = {
         "name": name,
-        "image": check_image(pod),
+        "image": check_image(pod.image),
         "imagePullPolicy": "IfNotPresent",
         "command": args[:1],
         "args": args[1:],
@@ -255,19 +249,45 @@ def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], p
     layout = node_layout(recipe, nodes)
     check_name(name)
     recipe, overrides = for_pods(recipe, overrides, pod, precompile=True)
+    return _precompile(recipe, recipe_path, overrides, pod, layout, name, steps)
+
+
+def precompile_jobs(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
+                    name: str, steps: int = 5, min_nodes: int | None = None) -> list[K8sObject]:
+    """The precompile jobs of :func:`pytorchjob` with the same arguments. One node count:
+    :func:`precompile_job`. An elastic range (``min_nodes`` < ``nodes``): the ranks run another
+    layout on every node count (dp, and with it the ZeRO-1 shards and micro-batches per step,
+    follows the world), so one job per count ``n``, named ``<name>-<n>n``, with training's layout
+    there: ``n`` nodes of ``parallel.nproc / nodes`` processes (:func:`.spec.elastic_layout`). The
+    jobs are independent; each carries the label ``nxd-finetune/nodes: n``."""
+    if min_nodes is None or min_nodes >= nodes:
+        return [precompile_job(recipe, recipe_path, overrides, pod, nodes=nodes, name=name, steps=steps)]
+    per_node = elastic_layout(recipe, min_nodes, nodes, overrides).nproc_per_node
+    names = {n: check_name(f"{name}-{n}n") for n in range(min_nodes, nodes + 1)}
+    recipe, overrides = for_pods(recipe, overrides, pod, precompile=True)
+    return [_precompile(recipe, recipe_path, overrides, pod, NodeLayout(n, per_node), job, steps)
+            for n, job in names.items()]
+
+
+def _precompile(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, layout: NodeLayout,
+                name: str, steps: int) -> K8sObject:
+    """The precompile job of ``layout`` (``recipe`` and ``overrides`` as the pods get them): the
+    world is ``layout``'s (``--nproc`` on one node, the torchrun world on several)."""
     env = job_env(recipe, pod.accelerator, pod.efa)
-    if nodes > 1:
+    labels = {"app.kubernetes.io/name": "nxd-finetune", NODES_LABEL: str(layout.nnodes)}
+    if layout.nnodes > 1:
         run_overrides = [*overrides, *precompile_overrides(recipe, steps, PRECOMPILE_OUT)]
         cmd = [PARALLEL_COMPILE, *_master_torchrun(layout, recipe_path, run_overrides, name)]
-        return _pytorchjob_doc(name, pod, cmd, layout, env, container_name="pytorch")
+        doc = _pytorchjob_doc(name, pod, cmd, layout, env, container_name="pytorch")
+        doc["metadata"]["labels"] = labels
+        return doc
     cmd = ["nxd-finetune", "precompile", recipe_path, *overrides, "--nproc", str(layout.nproc_per_node),
            "--steps", str(steps)]
     container = _container("precompile", pod, cmd, layout.nproc_per_node, env)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": check_name(name), "namespace": pod.namespace,
-                     "labels": {"app.kubernetes.io/name": "nxd-finetune"}},
+        "metadata": {"name": check_name(name), "namespace": pod.namespace, "labels": labels},
         "spec": {"backoffLimit": 0, "template": {"spec": _pod_spec(container, pod, "Never")}},
     }
 

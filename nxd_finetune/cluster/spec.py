@@ -29,6 +29,9 @@ RDZV_BACKENDS: tuple[str, ...] = ("c10d", "etcd", "etcd-v2", "static")
 ETCD_ENDPOINT = "etcd-server:2379"  # the etcd service of the EKS pattern (TorchX + Volcano)
 # libfabric's EFA provider, as the Neuron multi-node examples set it
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+# the default image of the cluster jobs and the TorchX component: a registry path to replace
+# (uppercase: no registry accepts it as is)
+IMAGE_PLACEHOLDER = "REGISTRY/nxd-finetune:neuron"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,14 @@ class NodeLayout:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+def check_image(image: str) -> str:
+    """``image``; NxdError (one line) while it is the ``--image`` placeholder."""
+    if image == IMAGE_PLACEHOLDER:
+        raise NxdError(f"--image is the placeholder {IMAGE_PLACEHOLDER}: give the image your cluster pulls, e.g. "
+                       "<account>.dkr.ecr.<region>.amazonaws.com/nxd-finetune:neuron (built from docker/)")
+    return image
 
 
 def node_layout(recipe: Recipe, nnodes: int) -> NodeLayout:

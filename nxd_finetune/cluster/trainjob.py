@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from nxd_finetune.cluster.k8s import (
     K8sObject,
     PodSettings,
-    check_image,
     check_name,
     for_pods,
     pod_env,
@@ -27,7 +26,7 @@ from nxd_finetune.cluster.k8s import (
     pod_resources,
     pod_volumes,
 )
-from nxd_finetune.cluster.spec import INSTANCE_TYPE_LABEL, job_env, node_layout
+from nxd_finetune.cluster.spec import INSTANCE_TYPE_LABEL, check_image, job_env, node_layout
 from nxd_finetune.errors import NxdError
 from nxd_finetune.recipe import Recipe
 
@@ -59,9 +58,16 @@ def cluster_training_runtime(image: str, name: str = RUNTIME) -> K8sObject:
 
 
 def trainjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
-             name: str, max_restarts: int = 0, runtime: str = RUNTIME) -> K8sObject:
+             name: str, max_restarts: int = 0, runtime: str = RUNTIME, min_nodes: int | None = None) -> K8sObject:
     """The ``TrainJob`` training ``recipe`` (its path inside the pods: ``recipe_path``, then
-    ``overrides``) on ``nodes`` nodes of ``parallel.nproc / nodes`` processes through ``runtime``."""
+    ``overrides``) on ``nodes`` nodes of ``parallel.nproc / nodes`` processes through ``runtime``.
+    A node range (``min_nodes`` < ``nodes``) is refused: the Trainer API (2.3) has no elastic
+    policy, ``trainer.numNodes`` and the runtime's ``mlPolicy.numNodes`` are one count and its torch
+    policy has no min / max nodes."""
+    if min_nodes is not None and min_nodes < nodes:
+        raise NxdError(f"--nodes {min_nodes}:{nodes}: a Kubeflow Trainer TrainJob has one node count (the Trainer "
+                       "API has no elastic policy); use `nxd-finetune k8s pytorchjob --nodes MIN:MAX` for an "
+                       "elastic job")
     layout = node_layout(recipe, nodes)
     check_name(name)
     if max_restarts < 0:
@@ -84,7 +90,7 @@ def trainjob(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: Po
         "spec": {
             "runtimeRef": {"name": runtime, "kind": "ClusterTrainingRuntime", "apiGroup": TRAINER_API.split("/")[0]},
             "trainer": {
-                "image": check_image(pod),
+                "image": check_image(pod.image),
                 "command": command,
                 "numNodes": layout.nnodes,
                 "numProcPerNode": layout.nproc_per_node,
