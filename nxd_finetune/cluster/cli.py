@@ -24,6 +24,9 @@ OverridesArg = Annotated[list[str] | None, typer.Argument(help="Overrides key.pa
 NodeRangeOpt = Annotated[str, typer.Option(
     "--nodes", metavar="N|MIN:MAX", help="Nodes (pods); processes per node = parallel.nproc / nodes. MIN:MAX: an "
                                          "elastic job on MIN to MAX nodes (parallel.nproc is the world at MAX).")]
+OneNodeCountOpt = Annotated[str, typer.Option(
+    "--nodes", metavar="N", help="Nodes; processes per node = parallel.nproc / nodes (one count: the Trainer API has "
+                                 "no elastic policy for MIN:MAX).")]
 ImageOpt = Annotated[str, typer.Option(
     "--image", help="Container image your cluster pulls (built from docker/ and pushed); the default is a "
                     "placeholder to replace.")]
@@ -153,7 +156,7 @@ def precompile_job_cmd(
 def trainjob_cmd(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
-    nodes: NodeRangeOpt = "1",
+    nodes: OneNodeCountOpt = "1",
     image: ImageOpt = "REGISTRY/nxd-finetune:neuron",  # spec.IMAGE_PLACEHOLDER
     accelerator: AcceleratorOpt = "neuron",
     efa: EfaOpt = 0,
