@@ -1,7 +1,9 @@
 """The families beyond Llama (Qwen3, Qwen2.5's released shapes) against the `transformers` oracle:
 logits in fp32 (HF's eager and sdpa attention), packed rows against separate rows, LoRA adapters
-loaded by `peft`, parameter counts of the released configs, and the shipped recipes through
-``validate`` against those configs (weights files that hold only headers, no data)."""
+loaded by `peft`, parameter counts of the released configs (against `transformers` and the counts
+their publishers state), and the shipped recipes through ``validate`` against those configs
+(weights files that hold only headers, no data). The released configs, and the public copy each
+was checked against, are in ``tests/released_configs.py``."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from nxd_finetune.preflight.memory import layer_tensors
 from nxd_finetune.quickstart import ensure_tiny_model
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.safetensors_io import header_bytes
+from tests.released_configs import PUBLISHED_NON_EMBEDDING_B, PUBLISHED_PARAMETERS, RELEASED_CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,80 +57,6 @@ TINY_FAMILIES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 NO_SDPA = ("gemma2",)  # transformers has no sdpa Gemma 2 (soft-capped scores): eager only
-
-# config.json of released checkpoints (the fields that define the model, as published)
-REAL_CONFIGS = {
-    "Qwen3-8B": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
-        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
-        "vocab_size": 151936},
-    "Qwen3-0.6B": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
-        "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
-        "vocab_size": 151936},
-    "Qwen2.5-0.5B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
-        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864,
-        "max_position_embeddings": 32768, "max_window_layers": 21, "num_attention_heads": 14,
-        "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-        "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-        "use_sliding_window": False, "vocab_size": 151936},
-    "Qwen2.5-7B-Instruct": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
-        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
-        "max_position_embeddings": 32768, "max_window_layers": 28, "num_attention_heads": 28,
-        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-        "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "use_sliding_window": False, "vocab_size": 152064},
-    "phi-4": {
-        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False, "bos_token_id": 100257,
-        "embd_pdrop": 0.0, "eos_token_id": 100265, "hidden_act": "silu", "hidden_size": 5120,
-        "intermediate_size": 17920, "max_position_embeddings": 16384, "num_attention_heads": 40,
-        "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 16384,
-        "pad_token_id": 100349, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None,
-        "rope_theta": 250000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "vocab_size": 100352},
-    "Phi-3-mini-4k-instruct": {
-        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "bos_token_id": 1, "embd_pdrop": 0.0,
-        "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
-        "max_position_embeddings": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000,
-        "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
-        "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32064},
-    "gemma-2-9b": {
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
-        "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
-        "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "intermediate_size": 14336,
-        "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 42,
-        "num_key_value_heads": 8, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
-        "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000},
-    "gemma-2-2b": {
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
-        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": 30.0,
-        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-        "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192, "num_attention_heads": 8,
-        "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
-        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
-        "vocab_size": 256000},
-    "gemma-3-1b-it": {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
-        "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
-        "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
-        "intermediate_size": 6912, "max_position_embeddings": 32768, "num_attention_heads": 4,
-        "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
-        "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
-        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144},
-}
 
 
 def _tiny(make_tiny_hf, name: str, seed: int = 0):
@@ -226,15 +155,21 @@ def test_lora_adapter_loads_in_peft_with_our_logits(make_tiny_hf, tmp_path, name
     assert (base - ref).abs().max() > 1e-3  # the adapter changes the logits
 
 
-@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+@pytest.mark.parametrize("name", sorted(RELEASED_CONFIGS))
 def test_parameter_counts_equal_transformers(name):
-    """Ours from the shapes, ours from a meta build, and `transformers`' meta build agree."""
-    raw = REAL_CONFIGS[name]
+    """Ours from the shapes, ours from a meta build, and `transformers`' meta build agree, and equal
+    the count the checkpoint's publisher states (its safetensors total; the model card's figure
+    without embeddings where the card prints one), so a wrong shape in the config fails here."""
+    raw = RELEASED_CONFIGS[name]
     config = DecoderConfig.from_hf(raw)
     hf_config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in hf.parameters())
+    assert expected == PUBLISHED_PARAMETERS[name]
+    if name in PUBLISHED_NON_EMBEDDING_B:
+        embeddings = hf.get_input_embeddings().weight.numel() * (1 if hf_config.tie_word_embeddings else 2)
+        assert round((expected - embeddings) / 1e9, 2) == PUBLISHED_NON_EMBEDDING_B[name]
     assert config.num_parameters() == expected
     assert sum(p.numel() for p in build_model(config).parameters()) == expected
     tied = config.tie_word_embeddings
@@ -278,7 +213,7 @@ SHIPPED = {
     # qkv_proj 5120 -> 40*128 + 2*10*128, o_proj, gate_up_proj 5120 -> 2*17920, down_proj
     "phi4-lora": ("phi-4", 40 * 16 * ((5120 + 7680) + (5120 + 5120) + (5120 + 35840) + (17920 + 5120))),
     # q 3584 -> 16*256, k/v 3584 -> 8*256, o, gate/up 3584 -> 14336, down
-    "gemma2-9b-lora": ("gemma-2-9b", 42 * 16 * ((3584 + 4096) * 2 + (3584 + 2048) * 2 + (3584 + 14336) * 3)),
+    "gemma2-9b-lora": ("gemma-2-9b-it", 42 * 16 * ((3584 + 4096) * 2 + (3584 + 2048) * 2 + (3584 + 14336) * 3)),
     # q 1152 -> 4*256, k/v 1152 -> 256, o, gate/up 1152 -> 6912, down
     "gemma3-1b-lora": ("gemma-3-1b-it", 26 * 16 * ((1152 + 1024) * 2 + (1152 + 256) * 2 + (1152 + 6912) * 3)),
 }
@@ -287,7 +222,7 @@ SHIPPED = {
 @pytest.mark.parametrize("recipe", sorted(SHIPPED))
 def test_shipped_recipe_validates_against_the_released_config(capsys, tmp_path, quickstart_cache, recipe):
     real, lora_trainable = SHIPPED[recipe]
-    model = write_header_only_checkpoint(tmp_path / real, REAL_CONFIGS[real])
+    model = write_header_only_checkpoint(tmp_path / real, RELEASED_CONFIGS[real])
     data = tmp_path / "chat.jsonl"
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
@@ -299,7 +234,7 @@ def test_shipped_recipe_validates_against_the_released_config(capsys, tmp_path, 
     total, trainable = (int(x.replace(",", "")) for x in
                         re.search(r"parameters: total ([\d,]+)\s+trainable ([\d,]+)", out.out).groups())
     assert trainable == lora_trainable
-    assert total == DecoderConfig.from_hf(REAL_CONFIGS[real]).num_parameters() + lora_trainable
+    assert total == DecoderConfig.from_hf(RELEASED_CONFIGS[real]).num_parameters() + lora_trainable
 
 
 def test_gemma3_config_written_before_transformers_5(make_tiny_hf):
@@ -329,7 +264,7 @@ def test_memory_estimate_counts_gemma_tensors():
     activations ``validate`` counts: bf16-mixed over a bf16 base (2-byte widths), tp 8, sequence
     parallel, 4,096 tokens, 16 heads."""
     recipe = load_recipe(REPO / "recipes" / "gemma2-9b-lora.yaml")
-    gemma = DecoderConfig.from_hf(REAL_CONFIGS["gemma-2-9b"])
+    gemma = DecoderConfig.from_hf(RELEASED_CONFIGS["gemma-2-9b-it"])
     plain = dataclasses.replace(gemma, sandwich_norms=False, attn_logit_softcapping=None)
     extra = sum(layer_tensors(recipe, gemma)[1]) - sum(layer_tensors(recipe, plain)[1])  # recomputed (full AC)
     assert extra == 2 * 2 * 3584 / 8 + (3 * 2 + 4) * 4096 * 16 / 8
@@ -339,7 +274,7 @@ def test_fused_qkv_refuses_replicated_kv_heads():
     """A fused qkv_proj is split by head; KV heads cannot be replicated over more tp ranks than
     there are of them (Phi-4: 10 KV heads; with its 100,352-token vocabulary only tp 2 splits it):
     one line naming the numbers."""
-    phi4 = DecoderConfig.from_hf(REAL_CONFIGS["phi-4"])
+    phi4 = DecoderConfig.from_hf(RELEASED_CONFIGS["phi-4"])
     check_tp_config(phi4, 2)
     with pytest.raises(NxdError, match=r"^num_key_value_heads=10 is not divisible by tp=20 \(a fused qkv_proj"):
         check_tp_config(phi4, 20)
