@@ -299,19 +299,19 @@ def chunked_eval_stats(hidden: torch.Tensor, head: Callable[[torch.Tensor], torc
 def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``hidden`` ``[B, T, H]`` at the positions of shifted ``targets`` ``[B, T]`` that are
     not ignored (``[N, H]``), those targets (``[N]``), padded like :func:`target_index`, and the
-    batch row of each (``[N]``)."""
+    flat position of each in the ``[B, T]`` micro-batch (``[N]``)."""
     index, kept = _bucketed_index(targets.reshape(-1))
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept, index // targets.shape[1]
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), kept, index
 
 
-def _rows_of(targets: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """The batch row of every target: ``rows`` as given (targets gathered at target positions), or
-    from the shape of ``[B, T]`` targets (every position)."""
-    if rows is not None:
-        return rows
+def _positions_of(targets: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The flat ``[B, T]`` position of every target: ``index`` as given (targets gathered at target
+    positions), or every position of ``[B, T]`` targets."""
+    if index is not None:
+        return index
     if targets.dim() != 2:
-        raise ValueError(f"targets {tuple(targets.shape)} without their rows: per-sequence scores need them")
-    return torch.arange(targets.shape[0], device=targets.device).unsqueeze(1).expand_as(targets).reshape(-1)
+        raise ValueError(f"targets {tuple(targets.shape)} without their positions: per-sequence scores need them")
+    return torch.arange(targets.numel(), device=targets.device)
 
 
 # ---------------------------------------------------------------------- scores (what an objective reads)
@@ -319,16 +319,17 @@ def _rows_of(targets: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 class Scores(Protocol):
     """How an objective reads one micro-batch's model output: the cross entropy of its target
-    tokens, summed, or per target with the batch row it belongs to (:meth:`token_nll`, what
+    tokens, summed, or per target with its position in the micro-batch (:meth:`token_nll`, what
     per-sequence log-probs sum), or its eval statistics, computed the way the layout needs
     (vocab-parallel, chunked) without the objective seeing logits. See :mod:`nxd_finetune.objective`."""
 
     def ce_sum(self) -> torch.Tensor: ...
 
     def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(nll [N], row [N])``: each target's negative log-prob (fp32, 0 for ignored padding
-        targets) and the micro-batch row it is in; ``-zeros(B).index_add(0, row, nll)`` gives the
-        rows' summed log-probs."""
+        """``(nll [N], position [N])``: each target's negative log-prob (fp32, 0 for ignored
+        targets) and its flat position ``row * T + t`` in the micro-batch's ``[B, T]`` labels (the
+        position that predicts it; ignored padding targets may sit anywhere).
+        ``-zeros(B).index_add(0, position // T, nll)`` gives the rows' summed log-probs."""
         ...
 
     def eval_stats(self) -> torch.Tensor: ...
@@ -337,20 +338,20 @@ class Scores(Protocol):
 @dataclasses.dataclass
 class LogitScores:
     """Scores from logits ``[*, V(/tp)]`` and their targets ``[*]`` (shifted, -100 ignored).
-    ``rows``: the batch row of each target when they were gathered at target positions (``[N]``);
-    None for ``[B, T]`` targets (every position)."""
+    ``index``: the flat ``[B, T]`` position of each target when they were gathered at target
+    positions (``[N]``, :func:`target_index`); None for ``[B, T]`` targets (every position)."""
 
     logits: torch.Tensor
     targets: torch.Tensor
     tp_group: Group = None
-    rows: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     def ce_sum(self) -> torch.Tensor:
         return ce_sum(self.logits, self.targets, self.tp_group)
 
     def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
         nll = token_nll(self.logits, self.targets, self.tp_group).reshape(-1)
-        return nll, _rows_of(self.targets, self.rows)
+        return nll, _positions_of(self.targets, self.index)
 
     def eval_stats(self) -> torch.Tensor:
         return eval_stats(self.logits, self.targets, self.tp_group)
@@ -360,21 +361,21 @@ class LogitScores:
 class ChunkedScores:
     """Scores from the final hidden states at the target positions ``[N, H]``, the output layer
     and the targets ``[N]``: the head runs ``rows`` positions at a time (:func:`chunked_ce_sum`).
-    ``batch_rows``: the micro-batch row of each target (``[N]``; needed by :meth:`token_nll`)."""
+    ``index``: the flat ``[B, T]`` position of each target (``[N]``; needed by :meth:`token_nll`)."""
 
     hidden: torch.Tensor
     head: Callable[[torch.Tensor], torch.Tensor]
     targets: torch.Tensor
     rows: int
     tp_group: Group = None
-    batch_rows: torch.Tensor | None = None
+    index: torch.Tensor | None = None
 
     def ce_sum(self) -> torch.Tensor:
         return chunked_ce_sum(self.hidden, self.head, self.targets, self.rows, self.tp_group)
 
     def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
         nll = chunked_token_nll(self.hidden, self.head, self.targets, self.rows, self.tp_group)
-        return nll, _rows_of(self.targets, self.batch_rows)
+        return nll, _positions_of(self.targets, self.index)
 
     def eval_stats(self) -> torch.Tensor:
         return chunked_eval_stats(self.hidden, self.head, self.targets, self.rows, self.tp_group)
@@ -384,5 +385,5 @@ def hidden_scores(hidden: torch.Tensor, labels: torch.Tensor, *, head: Callable[
                   rows: int, tp_group: Group = None) -> ChunkedScores:
     """:class:`ChunkedScores` of a pipeline's last stage: its final hidden states ``[B, T, H]`` and
     the micro-batch's ``labels`` ``[B, T]`` (shifted here)."""
-    h, targets, batch_rows = _target_rows(hidden, shift_labels(labels))
-    return ChunkedScores(h, head, targets, rows, tp_group, batch_rows)
+    h, targets, index = _target_rows(hidden, shift_labels(labels))
+    return ChunkedScores(h, head, targets, rows, tp_group, index)

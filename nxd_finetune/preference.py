@@ -19,7 +19,9 @@ is the mean over the global batch's pairs (TRL's ``per_sequence_loss.mean()``); 
 over the micro-batch's pairs. A sequence's log-prob is the sum of its completion tokens' log-probs,
 read from :meth:`~nxd_finetune.loss.Scores.token_nll` (vocab-parallel and chunked: never a
 ``[tokens, vocab]`` tensor). The target that travels to a pipeline's last stage packs the labels
-and ``ref_logps`` into one float64 ``[2P, T + 1]`` tensor (token ids are exact in float64).
+and ``ref_logps`` into one float64 ``[2P, T + 1]`` tensor (token ids are exact in float64); ORPO's
+packs the labels it scores (by default the chosen rows' prompt tokens too, for its NLL term) and
+each row's completion start.
 
 Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ORPO adds ``nll_loss``,
@@ -44,6 +46,7 @@ from nxd_finetune.objective import TokenBatch
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 _PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 _ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+ORPO_NLL = ("prompt_and_completion", "completion")
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -55,16 +58,19 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_target(labels: torch.Tensor, ref_logps: torch.Tensor | None) -> torch.Tensor:
-    """``labels`` ``[B, T]`` and ``ref_logps`` ``[B]`` (zeros when None) as one float64 ``[B, T+1]``."""
+    """``labels`` ``[B, T]`` and one value per row ``[B]`` (DPO's ``ref_logps``, ORPO's completion
+    starts; zeros when None) as one float64 ``[B, T+1]``."""
     ref = torch.zeros(labels.shape[0], dtype=torch.float64, device=labels.device) if ref_logps is None \
         else ref_logps.to(torch.float64)
     return torch.cat([labels.to(torch.float64), ref.unsqueeze(1)], dim=1)
 
 
-def sequence_logps(scores: Scores, n_rows: int) -> torch.Tensor:
-    """Summed log-prob of each row's targets (``[n_rows]``, fp32) from a micro-batch's scores."""
-    nll, rows = scores.token_nll()
-    return -torch.zeros(n_rows, dtype=nll.dtype, device=nll.device).index_add(0, rows, nll)
+def sequence_logps(scores: Scores, labels: torch.Tensor) -> torch.Tensor:
+    """Summed log-prob of each row's targets (``[B]``, fp32) from a micro-batch's scores against
+    ``labels`` ``[B, T]``."""
+    nll, position = scores.token_nll()
+    return -torch.zeros(labels.shape[0], dtype=nll.dtype, device=nll.device).index_add(
+        0, position // labels.shape[1], nll)
 
 
 def completion_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -180,9 +186,8 @@ class DirectPreference(_PairObjective):
 
     def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         labels = self.labels(target)
-        n = labels.shape[0]
-        p = n // 2
-        logps = sequence_logps(scores, n)
+        p = labels.shape[0] // 2
+        logps = sequence_logps(scores, labels)
         beta, eps = self.beta, self.label_smoothing
         if self.loss_type == "simpo":
             logps = logps / completion_tokens(labels).clamp(min=1.0)
@@ -209,41 +214,76 @@ class DirectPreference(_PairObjective):
 
 @dataclasses.dataclass
 class OddsRatioPreference(_PairObjective):
-    """ORPO: the chosen completions' token-mean NLL (over the micro-batch's chosen tokens) minus
-    ``beta`` times the mean log-sigmoid of the log odds ratio of the length-normalised log-probs,
-    with a stable ``log(1 - exp(x))`` (:func:`log1mexp`). No reference model."""
+    """ORPO as TRL's ``ORPOTrainer``: an NLL term on the chosen sequences minus ``beta`` times the
+    mean log-sigmoid of the log odds ratio of the length-normalised completion log-probs, with a
+    stable ``log(1 - exp(x))`` (:func:`log1mexp`). No reference model.
+
+    The NLL term is the token mean over the micro-batch's chosen rows (TRL's ``CrossEntropyLoss``
+    over the chosen half of the batch) of the tokens ``nll`` names: ``prompt_and_completion``
+    (TRL: every token of the chosen sequence after its first, prompt included) or ``completion``
+    (the chosen completion only, the paper's ``-log P(y_w | x)``). For the first, :meth:`target`
+    scores the chosen rows' prompt tokens as well and keeps each row's completion start, so the
+    log-probs of the odds ratio stay the completions' (one forward, the same scores)."""
 
     name: str = "orpo"
+    nll: str = "prompt_and_completion"
+
+    def __post_init__(self) -> None:
+        if self.nll not in ORPO_NLL:
+            raise ValueError(f"unknown ORPO nll tokens {self.nll!r} (one of {', '.join(ORPO_NLL)})")
 
     @property
     def stat_names(self) -> tuple[str, ...]:
         return _PAIR_STATS + _ORPO_STATS
 
+    def target(self, batch: TokenBatch) -> torch.Tensor:
+        """float64 ``[2P, T + 1]``: the scored labels (with ``prompt_and_completion`` the chosen
+        rows' ``input_ids`` up to their last completion token, the rejected rows' completion
+        labels) and each row's completion start (``T`` for a row without one)."""
+        labels = batch["labels"]
+        has = labels != IGNORE_INDEX
+        t = labels.shape[1]
+        start = torch.where(has.any(1), has.int().argmax(1), t)
+        if self.nll == "prompt_and_completion":
+            p = labels.shape[0] // 2
+            upto_last = has[:p].flip(1).cumsum(1).flip(1) > 0
+            labels = torch.cat([torch.where(upto_last, batch["input_ids"][:p], IGNORE_INDEX), labels[p:]])
+        return pack_target(labels, start)
+
     def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = self.labels(target)
-        n = labels.shape[0]
+        scored = self.labels(target)
+        n, t = scored.shape
         p = n // 2
-        summed = sequence_logps(scores, n)
+        start = target[:, -1].to(torch.long)
+        labels = scored.masked_fill(torch.arange(t, device=scored.device) < start.unsqueeze(1), IGNORE_INDEX)
+        nll, position = scores.token_nll()
+        row = position // t
+        in_completion = position % t + 1 >= start[row]  # the target of position t is the token at t + 1
+        summed = -torch.zeros(n, dtype=nll.dtype, device=nll.device).index_add(
+            0, row, torch.where(in_completion, nll, 0.0))
         tokens = completion_tokens(labels)
         logps = summed / tokens.clamp(min=1.0)
-        nll = -summed[:p].sum() / tokens[:p].sum().clamp(min=1.0)  # token mean over the chosen rows
+        chosen_targets = (shift_labels(scored[:p]) != IGNORE_INDEX).sum().to(nll.dtype)
+        nll_mean = torch.where(row < p, nll, 0.0).sum() / chosen_targets.clamp(min=1.0)
         c, r = logps[:p], logps[p:]
         log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
         real = real_pairs(labels)
         n_real = real.float().sum()
         ratio = torch.where(real, F.logsigmoid(log_odds), 0.0)
-        loss = n_real * nll - self.beta * ratio.sum()
+        loss = n_real * nll_mean - self.beta * ratio.sum()
         rewards = self.beta * logps.detach()
-        stats = self._stats(real, loss, rewards[:p], rewards[p:], c, r, n_real * nll, ratio.sum(),
+        stats = self._stats(real, loss, rewards[:p], rewards[p:], c, r, n_real * nll_mean, ratio.sum(),
                             torch.where(real, log_odds, 0.0).sum())
         return loss, stats
 
 
 def preference_objective(objective: str, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                         simpo_gamma: float = 0.5) -> DirectPreference | OddsRatioPreference:
-    """The objective of ``objective: dpo`` (with its ``loss_type``) or ``orpo``."""
+                         simpo_gamma: float = 0.5,
+                         orpo_nll: str = "prompt_and_completion") -> DirectPreference | OddsRatioPreference:
+    """The objective of ``objective: dpo`` (with its ``loss_type``) or ``orpo`` (``orpo_nll``: the
+    tokens of its NLL term, :class:`OddsRatioPreference`)."""
     if objective == "orpo":
-        return OddsRatioPreference(beta=beta)
+        return OddsRatioPreference(beta=beta, nll=orpo_nll)
     if objective == "dpo":
         return DirectPreference(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
                                 simpo_gamma=simpo_gamma)

@@ -13,6 +13,7 @@ from typing import Any
 import peft
 import pytest
 import torch
+import yaml
 from datasets import Dataset
 from safetensors import safe_open
 from torch.utils.data import SequentialSampler
@@ -23,6 +24,7 @@ from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
 from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, pack_target, sequence_logps
 from nxd_finetune.recipe import recipe_from_dict, reference_of
+from nxd_finetune.recipe.resume import check_resume, describe_changes
 from nxd_finetune.serve.evaluate import evaluate_recipe
 from nxd_finetune.sft import trainer
 from nxd_finetune.sft.engine import build_engine
@@ -193,16 +195,20 @@ def test_simpo_equals_trl_cpo_per_step(make_tiny_hf, tmp_path):
     assert_same_curves(ours, logs, REWARDS)
 
 
-def test_orpo_equals_trl_per_step(make_tiny_hf, tmp_path):
-    """TRL's ORPO NLL covers the chosen prompt tokens too; ours (the paper's) the completion only:
-    with empty prompts (only TRL's bos) the two are the same quantity."""
+@pytest.mark.parametrize(("orpo_nll", "prompt"), [(None, True), ("completion", False)])
+def test_orpo_equals_trl_per_step(orpo_nll, prompt, make_tiny_hf, tmp_path):
+    """TRL's ORPO NLL is the token mean of the chosen sequences' prompt and completion tokens over
+    the batch's chosen rows: ours by default, with prompts. ``orpo_nll: completion`` (the
+    completion tokens only) is the same quantity where the prompt is only TRL's bos."""
     _, model_dir = make_tiny_hf("llama")
     adapter = tmp_path / "start"
     start_adapter(model_dir, adapter)
-    data = pairs(STEPS * PAIRS_PER_STEP, seed=2, prompt=False)
+    data = pairs(STEPS * PAIRS_PER_STEP, seed=2, prompt=prompt)
     logs, batches, trainer = run_trl("orpo", model_dir, adapter, data, tmp_path / "trl")
     pad = trainer.processing_class.pad_token_id
-    recipe = our_recipe(model_dir, adapter, tmp_path, "orpo", beta=BETA)
+    recipe = our_recipe(model_dir, adapter, tmp_path, "orpo", beta=BETA,
+                        **({"orpo_nll": orpo_nll} if orpo_nll else {}))
+    assert recipe.preference is not None and recipe.preference.orpo_nll == (orpo_nll or "prompt_and_completion")
     ours, _ = run_ours(recipe, model_dir, [our_batch("orpo", b, pad) for b in batches], None)
     assert_same_curves(ours, logs, (*REWARDS, "nll_loss", "log_odds_ratio", "log_odds_chosen"))
 
@@ -211,8 +217,9 @@ def test_orpo_equals_trl_per_step(make_tiny_hf, tmp_path):
 
 
 def test_token_nll_is_the_same_from_every_scores_form():
-    """Full logits, target-position logits and chunked hidden states give the same per-row log-probs,
-    equal to transformers-style per-token cross entropy summed over each row."""
+    """Full logits, target-position logits and chunked hidden states give the same per-token NLL at
+    the same micro-batch positions and per-row log-probs, equal to transformers-style per-token
+    cross entropy (summed over each row)."""
     torch.manual_seed(0)
     b, t, h, v = 4, 9, 8, 13
     hidden = torch.randn(b, t, h)
@@ -220,14 +227,16 @@ def test_token_nll_is_the_same_from_every_scores_form():
     labels = torch.randint(0, v, (b, t))
     labels[:, :3] = -100
     labels[1, 6:] = -100
-    expected = -causal_lm_loss(head(hidden), labels, reduction="none").sum(1)
+    per_token = causal_lm_loss(head(hidden), labels, reduction="none")
     full = LogitScores(head(hidden), shift_labels(labels))
     flat_t = shift_labels(labels).reshape(-1)
     index = (flat_t != -100).nonzero().squeeze(1)
-    gathered = LogitScores(head(hidden.reshape(-1, h)[index]), flat_t[index], rows=index // t)
-    chunked = ChunkedScores(hidden.reshape(-1, h)[index], head, flat_t[index], 3, batch_rows=index // t)
+    gathered = LogitScores(head(hidden.reshape(-1, h)[index]), flat_t[index], index=index)
+    chunked = ChunkedScores(hidden.reshape(-1, h)[index], head, flat_t[index], 3, index=index)
     for scores in (full, gathered, chunked):
-        torch.testing.assert_close(sequence_logps(scores, b), expected)
+        torch.testing.assert_close(sequence_logps(scores, labels), -per_token.sum(1))
+        nll, position = scores.token_nll()
+        torch.testing.assert_close(torch.zeros(b * t).index_add(0, position, nll).view(b, t), per_token)
 
 
 def test_orpo_log1mexp_is_finite_near_zero_and_far_below():
@@ -244,8 +253,9 @@ def test_orpo_log1mexp_is_finite_near_zero_and_far_below():
     logits.requires_grad_(True)
     labels = torch.zeros(4, 3, dtype=torch.long)
     labels[:, 0] = -100
-    target = pack_target(labels, None)
-    loss = OddsRatioPreference().loss_sum(LogitScores(logits, shift_labels(labels)), target)
+    orpo = OddsRatioPreference()
+    target = orpo.target({"input_ids": labels.clamp(min=0), "labels": labels})
+    loss = orpo.loss_sum(LogitScores(logits, shift_labels(orpo.labels(target))), target)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
 
@@ -257,7 +267,7 @@ def test_dpo_without_reference_logps_reads_zeros_and_label_smoothing_is_cdpo():
     labels[:, :2] = -100
     ref = torch.tensor([-3.0, -4.0])
     scores = LogitScores(logits, shift_labels(labels))
-    logps = sequence_logps(scores, 2)
+    logps = sequence_logps(scores, labels)
     delta = (logps[0] - ref[0]) - (logps[1] - ref[1])
     got = DirectPreference(beta=0.2, label_smoothing=0.1).loss_sum(scores, pack_target(labels, ref))
     want = -0.9 * torch.nn.functional.logsigmoid(0.2 * delta) - 0.1 * torch.nn.functional.logsigmoid(-0.2 * delta)
@@ -281,6 +291,10 @@ def test_dpo_without_reference_logps_reads_zeros_and_label_smoothing_is_cdpo():
      "preference.label_smoothing=0.1 has no effect with loss_type=hinge"),
     ({"objective": "dpo", "data.format": "preference", "preference": {"precompute_ref_log_probs": False}},
      "preference.precompute_ref_log_probs=false is not supported"),
+    ({"objective": "dpo", "data.format": "preference", "preference": {"orpo_nll": "completion"}},
+     "preference.orpo_nll=completion is an ORPO setting; objective=dpo has no use for it"),
+    ({"objective": "orpo", "data.format": "preference", "preference": {"orpo_nll": "prompt"}},
+     "preference.orpo_nll"),
 ])
 def test_recipe_rules_are_one_line(overrides, message, tmp_path):
     data: dict[str, Any] = {"model": {"path": "builtin:tiny-llama"}, "data": {"train": str(tmp_path / "x.jsonl")},
@@ -293,6 +307,25 @@ def test_recipe_rules_are_one_line(overrides, message, tmp_path):
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(data)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_orpo_nll_is_written_back_and_a_resumed_change_is_said(tmp_path):
+    """``preference.orpo_nll`` survives the recipe written with a checkpoint (a DPO recipe's default
+    too); resuming with another value applies it from the resumed step, in the one line."""
+    def recipe(objective: str, **preference: Any):
+        return recipe_from_dict({"model": {"path": "builtin:tiny-llama"}, "lora": {}, "objective": objective,
+                                 "data": {"train": str(tmp_path / "x.jsonl"), "format": "preference"},
+                                 "preference": preference})
+
+    dpo = recipe("dpo")
+    assert recipe_from_dict(yaml.safe_load(dpo.to_yaml())).preference == dpo.preference
+    saved = recipe("orpo", orpo_nll="completion")
+    assert recipe_from_dict(yaml.safe_load(saved.to_yaml())).preference.orpo_nll == "completion"
+    changes = check_resume(saved.to_yaml(), recipe("orpo"), "ck", 3)
+    assert [(c.key, c.old, c.new) for c in changes] == [
+        ("preference.orpo_nll", "completion", "prompt_and_completion")]
+    assert describe_changes(changes, 3) == ("recipe changed since the checkpoint; applied from step 4: "
+                                            "preference.orpo_nll 'completion' -> 'prompt_and_completion'")
 
 
 # ---------------------------------------------------------------------- the run, end to end

@@ -1,6 +1,6 @@
-"""DPO on the parallel layouts (real gloo groups): tp2 (+ sequence parallel), dp2 + ZeRO-1 and pp2
-(1F1B, interleaved, chunked output layer; the preference target through the pipeline's last stage)
-reproduce the single-process run's loss and reward
+"""DPO and ORPO on the parallel layouts (real gloo groups): tp2 (+ sequence parallel), dp2 + ZeRO-1
+and pp2 (1F1B, interleaved, chunked output layer; the preference target through the pipeline's last
+stage) reproduce the single-process run's loss and reward
 curve, each through ``trainer.run_rank`` (the reference pass included: under dp each rank computes
 its share of the reference log-probs, gathered)."""
 
@@ -34,14 +34,14 @@ KEYS = ("train_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "
         "logps/chosen", "logps/rejected")
 
 
-def assert_same_curve(name: str, got: dict, ref: dict) -> None:
+def assert_same_curve(name: str, got: dict, ref: dict, keys: tuple[str, ...] = KEYS, dpo: bool = True) -> None:
     """Every logged step's loss and reward metrics within 1e-5 of the single-process run's."""
     want = [h for h in ref["history"] if "train_loss" in h]
     assert len(want) == STEPS and len({round(h["train_loss"], 4) for h in want}) > 2
     hist = [h for h in got["history"] if "train_loss" in h]
     for step, (a, b) in enumerate(zip(hist, want, strict=True), 1):
-        for k in KEYS:
-            if k == "rewards/accuracies" and step == 1:
+        for k in keys:
+            if dpo and k == "rewards/accuracies" and step == 1:
                 continue  # policy == reference: every margin is rounding noise, its sign arbitrary
             assert a[k] == pytest.approx(b[k], abs=1e-5), (name, step, k, a[k], b[k])
 
@@ -86,3 +86,33 @@ def test_dpo_tp2_pp2_matches_single_process(make_tiny_hf, tmp_path):
     got = launch(_run_layouts, 4, [rec], start_method="fork")[0][0]
     assert ref is not None and got["parallel"]["nproc"] == 4
     assert_same_curve("tp2-pp2", got, ref)
+
+
+ORPO_KEYS = (*KEYS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+
+def test_orpo_layouts_match_single_process(make_tiny_hf, tmp_path):
+    """ORPO (its NLL over the chosen prompts and completions, TRL's default) on tp2, tp2 + sequence
+    parallel, dp2 + ZeRO-1, pp2 and pp2 with a chunked output layer, and one process with a chunked
+    output layer: the one-process curve and eval metrics. Every layout runs one pair per micro-batch
+    as the reference does (ORPO's NLL is a token mean over a micro-batch's chosen rows, as TRL's)."""
+    setup = {**dpo_setup(make_tiny_hf, tmp_path, 2 * STEPS, seed=9), "train_eval": True}
+    common = {"max_steps": STEPS, "lr": 5e-3, "eps": 1e-6}
+    orpo = {"objective": "orpo", "preference": {"beta": 0.1}}
+
+    def recipe(name: str, training: dict, **more: object) -> dict:
+        return dpo_recipe(setup, tmp_path / name, 0.1, {**common, **training}, **orpo, **more)
+
+    ref = trainer.run(recipe_from_dict(recipe("single", {"micro_batch_size": 1, "grad_accum": 2})))
+    assert ref is not None and ref["reference"] is None
+    chunked = trainer.run(recipe_from_dict(recipe("single-chunked", {"micro_batch_size": 1, "grad_accum": 2,
+                                                                     "loss_chunk_tokens": 8})))
+    names = ["tp2", "tp2-sp", "dp2-zero1", "pp2-1f1b", "pp2-chunked"]
+    dicts = [recipe(name, LAYOUTS[name][1], parallel={"nproc": 2, **LAYOUTS[name][0]}) for name in names]
+    results = launch(_run_layouts, 2, dicts, start_method="fork")[0]
+    for name, got in [("single-chunked", chunked), *zip(names, results, strict=True)]:
+        assert got is not None
+        assert_same_curve(name, got, ref, ORPO_KEYS, dpo=False)
+        assert ref["eval_after"]["eval_nll_loss"] is not None
+        for k, v in ref["eval_after"].items():
+            assert got["eval_after"][k] == pytest.approx(v, abs=1e-5), (name, k)

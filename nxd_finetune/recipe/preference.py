@@ -1,7 +1,8 @@
 """The recipe's preference-tuning keys: ``objective`` (``sft``, ``dpo``, ``orpo``) and the
 ``preference`` section, with TRL's names (``beta``, ``loss_type``, ``label_smoothing``,
-``simpo_gamma``, ``max_prompt_length``, ``truncation_mode``, ``precompute_ref_log_probs``), and
-the rules across sections (:func:`check_objective`), each failure one line."""
+``simpo_gamma``, ``max_prompt_length``, ``truncation_mode``, ``precompute_ref_log_probs``; and
+``orpo_nll``, which TRL has no setting for), and the rules across sections
+(:func:`check_objective`), each failure one line."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class PreferenceSection(BaseModel):
     ``beta``: DPO's KL weight (IPO: its tau; SimPO and ORPO: their reward scale / odds-ratio weight).
     ``loss_type`` (dpo only): ``sigmoid`` (DPO; ``label_smoothing`` > 0: conservative DPO),
     ``ipo``, ``hinge``, or ``simpo`` (no reference; ``simpo_gamma``: the target reward margin).
+    ``orpo_nll`` (orpo only): the tokens of ORPO's NLL term on the chosen sequences,
+    ``prompt_and_completion`` (TRL's ``ORPOTrainer``) or ``completion`` (the chosen completion only).
     ``max_prompt_length`` / ``truncation_mode``: how the data layer shortens a pair over
     ``data.max_seq_len`` (prompt first to ``max_prompt_length``, then ``keep_start`` /
     ``keep_end`` of the sequence). ``reference`` (dpo with a reference): ``base`` (the weights with
@@ -32,6 +35,7 @@ class PreferenceSection(BaseModel):
     loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
     simpo_gamma: float = Field(default=0.5, ge=0.0)
+    orpo_nll: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
     max_prompt_length: int | None = Field(default=None, ge=1)
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
     precompute_ref_log_probs: bool = True
@@ -63,6 +67,8 @@ def check_objective(objective: str, preference: PreferenceSection | None, data_f
     if data_format != "preference":
         return f"objective={objective} needs data.format=preference (got {data_format})"
     p = preference or PreferenceSection()
+    if objective == "dpo" and p.orpo_nll != "prompt_and_completion":  # the default: written back out
+        return f"preference.orpo_nll={p.orpo_nll} is an ORPO setting; objective=dpo has no use for it"
     if objective == "orpo":
         if p.reference is not None:
             return f"preference.reference={p.reference} but objective=orpo uses no reference model"

@@ -140,49 +140,53 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    def logits_and_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, targets)`` of a micro-batch on the whole model: only at target positions
-        (``[N, V(/tp)]``, ``[N]``), or at every position with :attr:`full_logits`."""
+    def logits_and_targets(self, batch: Batch, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, targets)`` of a micro-batch on the whole model against ``labels`` (default the
+        batch's): only at target positions (``[N, V(/tp)]``, ``[N]``), or at every position with
+        :attr:`full_logits`."""
+        logits, targets, _ = self._logits_at(batch, batch["labels"] if labels is None else labels)
+        return logits, targets
+
+    def _logits_at(self, batch: Batch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`logits_and_targets` and the targets' flat positions (None: every position)."""
         model = self.modules[0]
         if self.full_logits:
             logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
-            return logits, shift_labels(batch["labels"])
-        index, targets = target_index(batch["labels"])
+            return logits, shift_labels(labels), None
+        index, targets = target_index(labels)
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), logits_index=index)
-        return logits, targets
+        return logits, targets, index
 
-    def scores(self, batch: Batch) -> Scores:
-        """A micro-batch's model output on the whole model as the objective reads it: logits at the
-        target positions (or every position with :attr:`full_logits`), or with
-        :attr:`loss_chunk_rows` the final hidden states there, the output layer running a chunk
-        of positions at a time (:class:`loss.ChunkedScores`: no ``[targets, vocab]`` logits)."""
+    def scores(self, batch: Batch, labels: torch.Tensor) -> Scores:
+        """A micro-batch's model output on the whole model as the objective reads it, against the
+        objective's ``labels`` (:meth:`Objective.labels`): logits at the target positions (or every
+        position with :attr:`full_logits`), or with :attr:`loss_chunk_rows` the final hidden states
+        there, the output layer running a chunk of positions at a time (:class:`loss.ChunkedScores`:
+        no ``[targets, vocab]`` logits)."""
         if self.full_logits or self.loss_chunk_rows is None:
-            logits, targets = self.logits_and_targets(batch)
-            rows = None if self.full_logits else self._target_batch_rows(batch)
-            return LogitScores(logits, targets, self.tp_group, rows)
-        hidden, head, targets = self._hidden_and_targets(batch)
-        return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group,
-                             self._target_batch_rows(batch))
+            logits, targets, index = self._logits_at(batch, labels)
+            return LogitScores(logits, targets, self.tp_group, index)
+        hidden, head, targets, index = self._hidden_and_targets(batch, labels)
+        return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group, index)
 
-    @staticmethod
-    def _target_batch_rows(batch: Batch) -> torch.Tensor:
-        """The micro-batch row of each target position :func:`loss.target_index` gathers (``[N]``):
-        what per-sequence scores (preference objectives) sum by."""
-        labels = batch["labels"]
-        return target_index(labels)[0] // labels.shape[1]
+    def _objective_scores(self, batch: Batch) -> tuple[Scores, torch.Tensor]:
+        """The micro-batch's scores and the objective's target (whose labels they are scored on)."""
+        target = self.objective.target(batch)
+        return self.scores(batch, self.objective.labels(target)), target
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The objective's summed loss of a micro-batch on the whole model."""
-        target = self.objective.target(batch)
-        return self.objective.loss_sum(self.scores(batch), target)
+        return self.objective.loss_sum(*self._objective_scores(batch))
 
-    def _hidden_and_targets(self, batch: Batch) -> tuple[torch.Tensor, Head, torch.Tensor]:
-        """Final hidden states at the target positions ``[N, H]``, the output layer, the targets."""
+    def _hidden_and_targets(self, batch: Batch,
+                            labels: torch.Tensor) -> tuple[torch.Tensor, Head, torch.Tensor, torch.Tensor]:
+        """Final hidden states at the target positions of ``labels`` ``[N, H]``, the output layer,
+        the targets and their flat positions (:func:`loss.target_index`)."""
         model = self.modules[0]
         assert isinstance(model, DecoderForCausalLM) and model.lm_head is not None  # pp == 1: the whole decoder
-        index, targets = target_index(batch["labels"])
+        index, targets = target_index(labels)
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
-        return hidden, model.head, targets  # lm_head and the final soft-cap (Gemma 2)
+        return hidden, model.head, targets, index  # lm_head and the final soft-cap (Gemma 2)
 
     def forward_backward(self, micro_batches: Sequence[Batch], n_targets: torch.Tensor,
                          backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -221,7 +225,7 @@ class Engine:
         with autocast(self.device, self.precision):
             if self.runner is not None:
                 return self.runner.eval_step(batch)
-            return self.objective.eval_stats(self.scores(batch), self.objective.target(batch))
+            return self.objective.eval_stats(*self._objective_scores(batch))
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1)."""

@@ -85,7 +85,7 @@ class RowLogps(NoTrainStats):
         raise RuntimeError("the reference pass does not train")
 
     def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(scores, self.rows).float()
+        return sequence_logps(scores, self.labels(target)).float()
 
     def eval_record(self, stats: Sequence[float]) -> dict[str, float]:
         return {}

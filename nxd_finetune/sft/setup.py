@@ -109,7 +109,7 @@ def objective_of(recipe: Recipe) -> Objective:
     p = recipe.preference
     if p is None:
         return preference_objective(recipe.objective)
-    return preference_objective(recipe.objective, p.beta, p.loss_type, p.label_smoothing, p.simpo_gamma)
+    return preference_objective(recipe.objective, p.beta, p.loss_type, p.label_smoothing, p.simpo_gamma, p.orpo_nll)
 
 
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
