@@ -3,20 +3,24 @@
 an MLflow local store through ``mlflow.MlflowClient``, W&B's offline ``.wandb`` files through
 ``wandb leet inspect --json``. Every metric at its step with the values of ``metrics.jsonl``, the
 recipe as parameters, the final adapter as tag and artefact, the ``eval.prompts`` generations, and
-the resumed run continuing the same tracker run.
+the resumed run continuing the same tracker run. A tiny DPO run's preference metrics reach MLflow
+and W&B the same way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nxd_finetune.cli import main
 from tests.conftest import TRAINED_STEPS
+from tests.preference_helpers import dpo_recipe, dpo_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_STEP = 16  # the resume point of the fixture's run
@@ -109,6 +113,45 @@ def test_wandb_offline_files_read_back(trained_quickstart):
     assert final["columns"] == ["prompt", "completion"]
     jsonl = [r["eval_samples"] for r in metrics_records(out) if "eval_samples" in r]
     assert final["data"] == [[r["prompt"], r["completion"]] for r in jsonl[-1]]
+
+
+PREFERENCE_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                   "logps/rejected")
+
+
+def test_dpo_preference_metrics_reach_mlflow_and_wandb(make_tiny_hf, tmp_path):
+    """``nxd-finetune run`` of a tiny DPO recipe (4 steps, eval before and every 2 steps) with MLflow
+    and offline W&B: TRL's preference metrics and their ``eval_`` forms reach both at every step
+    they were logged, with the values of ``metrics.jsonl``."""
+    import mlflow
+
+    setup = {**dpo_setup(make_tiny_hf, tmp_path, 8, seed=11), "train_eval": True}
+    out = tmp_path / "run"
+    trackers = {"mlflow": {"tracking_uri": str(tmp_path / "mlruns")}, "wandb": {"mode": "offline"}}
+    recipe = dpo_recipe(setup, out, 0.1, {"micro_batch_size": 2, "max_steps": 4, "lr": 5e-3},
+                        eval={"before": True, "every_n_steps": 2}, logging={"progress": False, **trackers})
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_SILENT": "true", "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "nxd_finetune", "run", str(tmp_path / "dpo.yaml")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    keys = (*PREFERENCE_KEYS, *(f"eval_{k}" for k in PREFERENCE_KEYS))
+    want = {k: logged(out, k) for k in keys}
+    assert all([s for s, _ in want[k]] == [1, 2, 3, 4] for k in PREFERENCE_KEYS)
+    assert all([s for s, _ in want[f"eval_{k}"]] == [0, 2, 4] for k in PREFERENCE_KEYS)
+    assert len({v for _, v in want["rewards/margins"]}) == 4  # it trained: the metrics move
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("nxd-finetune").experiment_id])
+    for k in keys:
+        assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) == want[k], k
+
+    run_id = json.loads((out / "trackers.json").read_text())["wandb"]["run_id"]
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    seen = {(r["history"]["item"]["_step"], k): r["history"]["item"][k]
+            for r in wandb_records(run_dir / f"run-{run_id}.wandb") if r["type"] == "history"
+            for k in keys if k in r["history"]["item"]}
+    assert seen == {(s, k): v for k in keys for s, v in want[k]}
 
 
 def test_tensorboard_text_of_eval_prompts(trained_quickstart):
