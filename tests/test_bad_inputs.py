@@ -68,6 +68,19 @@ CASES = {
     "bad scheduler": lambda t: (["validate", QUICKSTART, "training.scheduler=cyclic"], "training.scheduler"),
     "bad save mode": lambda t: (["validate", QUICKSTART, "checkpoint.save_mode=zip"], "checkpoint.save_mode"),
     "bad data format": lambda t: (["validate", QUICKSTART, "data.format=xml"], "data.format"),
+    "chat_template_kwargs value a list": lambda t: (
+        ["validate", QUICKSTART, "data.chat_template_kwargs.enable_thinking=[1]"],
+        "data.chat_template_kwargs.enable_thinking must be a string, number, true/false or null"),
+    "chat_template_kwargs not a mapping": lambda t: (
+        ["validate", QUICKSTART, "data.chat_template_kwargs=false"], "data.chat_template_kwargs must be a mapping"),
+    "chat_template_kwargs an argument": lambda t: (
+        ["validate", QUICKSTART, "data.chat_template_kwargs.tokenize=false"], "data.chat_template_kwargs.tokenize"),
+    "generate --chat-template-kwargs not JSON": lambda t: (
+        ["generate", "--base", "builtin:tiny-llama", "--prompt", "hi", "--chat-template-kwargs", "{thinking: no}"],
+        "--chat-template-kwargs is not JSON"),
+    "chat --chat-template-kwargs a list": lambda t: (
+        ["chat", "--base", "builtin:tiny-llama", "--chat-template-kwargs", "[1]"],
+        "--chat-template-kwargs must be a mapping"),
     "max_seq_len 1": lambda t: (["validate", QUICKSTART, "data.max_seq_len=1"], "data.max_seq_len"),
     "steps and epochs": lambda t: (["validate", QUICKSTART, "training.max_steps=5", "training.epochs=2"],
                                    "training.epochs"),

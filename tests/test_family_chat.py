@@ -1,6 +1,7 @@
 """Assistant-only masking on the chat templates of the newer families: Gemma's ``<start_of_turn>`` /
 ``<end_of_turn>``, Phi-3's ``<|assistant|>`` / ``<|end|>``, Phi-4's ``<|im_sep|>`` ChatML and Qwen3's
-ChatML with ``<think>`` blocks (the released templates' logic, without tools). For each: the exact
+ChatML with ``<think>`` blocks (the released templates' logic, without tools; Qwen3's also without
+thinking, ``data.chat_template_kwargs: {enable_thinking: false}``). For each: the exact
 text that is trained, and the trained positions equal to ``transformers``' assistant mask
 (``return_assistant_tokens_mask``) on a ``{% generation %}`` version of the template, TRL's rule:
 the assistant's answer and its end-of-turn token trained, the newline the template prints after
@@ -14,6 +15,7 @@ import pytest
 from chat_helpers import bpe_backend, chat_tokenizer
 
 from nxd_finetune.data.formats import render_row, resolve_columns, tokenize_rendered
+from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<s>", "<|endoftext|>", "<|system|>",
@@ -44,7 +46,8 @@ PHI4 = (
     "<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|im_sep|>{% endif %}"
 )
 # Qwen3: reasoning (``reasoning_content``, or ``<think>...</think>`` in the content) is printed for
-# assistant turns after the last user message; the last assistant turn always gets a think block
+# assistant turns after the last user message; the last assistant turn always gets a think block;
+# ``enable_thinking=False`` pre-fills an empty one after the generation prompt
 QWEN3 = (
     "{% set ns = namespace(last_query=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
     "{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
@@ -57,7 +60,9 @@ QWEN3 = (
     "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
     "{{ '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}"
     "{% else %}{{ content }}{% endif %}<|im_end|>##{{ '\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 
@@ -99,8 +104,9 @@ def backend():
     return bpe_backend(SPECIALS, CORPUS)
 
 
-def _ours(tok, messages) -> tuple[list[int], list[int]]:
-    rendered = render_row({"messages": messages}, "messages", resolve_columns(["messages"], "messages", None), tok)
+def _ours(tok, messages, **template_kwargs) -> tuple[list[int], list[int]]:
+    rendered = render_row({"messages": messages}, "messages", resolve_columns(["messages"], "messages", None), tok,
+                          template_kwargs=template_kwargs)
     ((ids, labels),) = tokenize_rendered(tok, [rendered])
     return ids, labels
 
@@ -125,3 +131,31 @@ def test_trained_tokens_per_family_template(backend, family, conversation):
                                           return_assistant_tokens_mask=True)
     assert ids == list(expected["input_ids"])
     assert [int(label != IGNORE_INDEX) for label in labels] == list(expected["assistant_masks"])
+
+
+@pytest.mark.parametrize("conversation", ["chat", "single-turn", "thinking"])
+def test_qwen3_without_thinking(backend, conversation):
+    """``enable_thinking: false`` (``data.chat_template_kwargs``) pre-fills ``<think>\n\n</think>\n\n``
+    after the generation prompt. With ``{% generation %}`` markers (how TRL trains Qwen3: its training
+    variant) the marked turns are trained, TRL's mask with the same kwargs: the empty block of the
+    last turn with its answer, as with thinking. Without markers, turns are located prefix by
+    prefix: what the generation prompt prints (the pre-filled block) is prompt, and a turn rendered
+    without it (an earlier turn, or one with reasoning) makes the prefixes inconsistent (refused)."""
+    template, bos, eos = TEMPLATES["qwen3"]
+    messages = CONVERSATIONS[conversation]
+    marked = chat_tokenizer(backend, SPECIALS, _marked(template), bos, eos, "<pad>")
+    prompt = marked.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids, labels = _ours(marked, messages, enable_thinking=False)
+    expected = marked.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                          enable_thinking=False)
+    assert ids == list(expected["input_ids"])
+    assert [int(label != IGNORE_INDEX) for label in labels] == list(expected["assistant_masks"])
+    assert (ids, labels) == _ours(marked, messages)  # the rows themselves do not change with it
+    plain = chat_tokenizer(backend, SPECIALS, _plain(template), bos, eos, "<pad>")
+    if conversation == "single-turn":
+        assert _spans(plain, *_ours(plain, messages, enable_thinking=False)) == ["It is four.<|im_end|>"]
+    else:
+        with pytest.raises(DataError, match="renders conversation prefixes inconsistently"):
+            _ours(plain, messages, enable_thinking=False)

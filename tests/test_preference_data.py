@@ -19,6 +19,7 @@ from nxd_finetune.data.preference import extract_prompt
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.preflight.data import check_data
+from nxd_finetune.quickstart import TINY_QWEN3, build_tokenizer
 from tests.chat_helpers import bpe_backend, chat_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,8 +56,6 @@ IMPLICIT_TEXT = [
 @pytest.fixture(scope="module")
 def qs_tok():
     """The quickstart tokenizer: adds <|bos|> to text, its template ends answers with <|eos|>."""
-    from nxd_finetune.quickstart import build_tokenizer
-
     return build_tokenizer()
 
 
@@ -113,6 +112,23 @@ def test_tokenized_as_trl(form, tok_name, request, tmp_path):
     assert torch.equal(batch["labels"], labels)
     stats = loaders.stats["eval"]
     assert stats["pairs"] == len(rows) and stats["samples"] == 2 * len(rows) and stats["tokens"] == tokens
+
+
+@pytest.mark.parametrize("form", ["conversational", "implicit-chat"])
+def test_qwen3_without_thinking_tokenized_as_trl(form, tmp_path):
+    """``data.chat_template_kwargs`` reach every render of a pair, as TRL's per-row
+    ``chat_template_kwargs``: on Qwen3's template ``enable_thinking: false`` pre-fills the empty
+    think block after the prompt, so the completions start after it."""
+    tok = build_tokenizer(name=TINY_QWEN3)
+    rows = {"conversational": CONVERSATIONAL, "implicit-chat": IMPLICIT_CHAT}[form]
+    kwargs = {"enable_thinking": False}
+    ids, labels, _ = trl_batch([r | {"chat_template_kwargs": kwargs} for r in rows], tok)
+    batch, _ = our_batch(rows, tok, tmp_path / "off", max_seq_len=512, chat_template_kwargs=kwargs)
+    assert torch.equal(batch["input_ids"], ids) and torch.equal(batch["labels"], labels)
+    thinking, _ = our_batch(rows, tok, tmp_path / "on", max_seq_len=512)
+    assert torch.equal(thinking["input_ids"], ids) and not torch.equal(thinking["labels"], labels)
+    trained = tok.decode([t for t in batch["labels"][0].tolist() if t != IGNORE_INDEX])
+    assert trained == "It is four.<|im_end|>\n"
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])

@@ -1,8 +1,8 @@
 """The quickstart on a tiny Qwen3 (``builtin:tiny-qwen3``, ``recipes/quickstart-qwen3.yaml``): the model
 and its tokens, Qwen3's released chat template and TRL's training variant of it (the same text as
 TRL's copies), multi-turn rows rendered with the variant as TRL does, their trained tokens equal to
-``transformers``' assistant mask on it (less the newline after each turn's end), and a short run
-that learns."""
+``transformers``' assistant mask on it (less the newline after each turn's end), with thinking and
+without (``data.chat_template_kwargs: {enable_thinking: false}``), and a short run that learns."""
 
 from __future__ import annotations
 
@@ -70,11 +70,23 @@ def test_chat_templates_are_qwen3s_and_trls(tok):
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def _trained(tok, template: str | None) -> tuple[list[int], list[int]]:
+def _trained(tok, template: str | None, **template_kwargs) -> tuple[list[int], list[int]]:
     rendered = render_row({"messages": CHAT}, "messages", resolve_columns(["messages"], "messages", None), tok,
-                          template)
+                          template, template_kwargs=template_kwargs)
     ((ids, labels),) = tokenize_rendered(tok, [rendered])
     return ids, labels
+
+
+def _trls_mask(tok, **template_kwargs) -> tuple[list[int], list[bool]]:
+    """``transformers``' assistant mask on TRL's training variant (TRL's rule), the template seeing
+    ``template_kwargs`` as TRL's ``chat_template_kwargs``, less the newline the variant's generation
+    block holds after each ``<|im_end|>`` (not trained here: the rule of every template, data/formats.py)."""
+    theirs = tok.apply_chat_template(CHAT, chat_template=QWEN3_TRAINING_CHAT_TEMPLATE.read_text(), tokenize=True,
+                                     return_dict=True, return_assistant_tokens_mask=True, **template_kwargs)
+    ids, end = list(theirs["input_ids"]), tok.convert_tokens_to_ids("<|im_end|>")
+    mask = [bool(m) and not (i and ids[i - 1] == end) for i, m in enumerate(theirs["assistant_masks"])]
+    assert sum(theirs["assistant_masks"]) - sum(mask) == 2
+    return ids, mask
 
 
 def test_multi_turn_rows_train_like_trls_assistant_mask(tok):
@@ -88,17 +100,22 @@ def test_multi_turn_rows_train_like_trls_assistant_mask(tok):
     assert (ids, labels) == _trained(tok, QWEN3_CHAT_TEMPLATE.read_text()) == _trained(tok, template)
     with pytest.raises(DataError, match="renders conversation prefixes inconsistently"):
         _trained(tok, QWEN3_CHAT_TEMPLATE.read_text() + " ")
-    theirs = tok.apply_chat_template(CHAT, chat_template=template, tokenize=True, return_dict=True,
-                                     return_assistant_tokens_mask=True)
-    assert ids == list(theirs["input_ids"])
-    # the variant's generation block also holds the newline printed after <|im_end|>: not trained here
-    # (the rule of every template, data/formats.py), so it is left out of the mask compared
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    mask = [bool(m) and not (i and ids[i - 1] == end) for i, m in enumerate(theirs["assistant_masks"])]
-    assert sum(theirs["assistant_masks"]) - sum(mask) == 2
-    assert [label != IGNORE_INDEX for label in labels] == mask
+    assert (ids, [label != IGNORE_INDEX for label in labels]) == _trls_mask(tok)
     trained = tok.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
     assert trained == "<think>\n\n</think>\n\nodd<|im_end|><think>\n\n</think>\n\neven<|im_end|>"
+
+
+def test_no_thinking_rows_train_like_trls_assistant_mask(tok):
+    """``enable_thinking: false``: the generation prompt pre-fills an empty think block, but the
+    variant's ``{% generation %}`` blocks still open before it, so TRL (``chat_template_kwargs``)
+    trains the block with each answer; so do we, whether the template is the tokenizer's, the
+    released one or the variant given as ``data.chat_template``."""
+    prompt = tok.apply_chat_template(CHAT[:3], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    ids, labels = _trained(tok, None, enable_thinking=False)
+    assert (ids, labels) == _trained(tok, QWEN3_CHAT_TEMPLATE.read_text(), enable_thinking=False)
+    assert (ids, labels) == _trained(tok, QWEN3_TRAINING_CHAT_TEMPLATE.read_text(), enable_thinking=False)
+    assert (ids, [label != IGNORE_INDEX for label in labels]) == _trls_mask(tok, enable_thinking=False)
 
 
 def test_qwen3_quickstart_learns(quickstart_cache, tmp_path):

@@ -31,6 +31,7 @@ def _recipe(*overrides: str):
     ("lora.target_modules=[q_proj]", "lora.target_modules"),
     ("model.dtype=bf16", "model.dtype"),
     ("data.max_seq_len=64", "data.max_seq_len"),
+    ("data.chat_template_kwargs.enable_thinking=false", "data.chat_template_kwargs"),
     ("training.seed=7", "training.seed"),
     ("lora=null", "lora"),
 ])

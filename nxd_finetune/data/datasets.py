@@ -6,9 +6,9 @@ worker processes) -> :class:`TokenizedDataset`
 (flat int32 tensors + offsets) -> cached as safetensors by :func:`prepare_datasets`.
 
 The cache key hashes the tokenizer (``backend_tokenizer.to_str()``, special tokens, chat template),
-the data settings that change tokens (paths, format, fields, chat template, max_seq_len,
-train_on_prompt, eval_fraction, max_samples; for ``preference`` also max_prompt_length and
-truncation_mode) and each data file's path, size and mtime (``save_to_disk``
+the data settings that change tokens (paths, format, fields, chat template and, when set, its
+chat_template_kwargs, max_seq_len, train_on_prompt, eval_fraction, max_samples; for ``preference``
+also max_prompt_length and truncation_mode) and each data file's path, size and mtime (``save_to_disk``
 directories: every file in them). ``packing`` and ``shuffle`` act later, on the cached samples, so
 changing them reuses the cache. Entries are written to a temporary directory and renamed into place:
 several ranks may call :func:`prepare_datasets` at once safely (have local rank 0 go first and the
@@ -55,6 +55,7 @@ class DataSpec:
     format: str = "messages"
     fields: dict[str, str] = dataclasses.field(default_factory=dict)
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, formats.TemplateValue] | None = None  # {} is None: the same renders
     max_seq_len: int = 2048
     packing: bool = True
     train_on_prompt: bool = False
@@ -81,6 +82,10 @@ class DataSpec:
             values = {n: getattr(section, n) for n in names if hasattr(section, n)}
         spec = cls(**values)
         spec.fields = dict(spec.fields or {})
+        problem = formats.template_kwargs_problem(spec.chat_template_kwargs)
+        if problem:
+            raise DataError(problem)
+        spec.chat_template_kwargs = dict(spec.chat_template_kwargs or {}) or None
         if spec.format not in formats.FORMATS:
             raise DataError(f"unknown data.format {spec.format!r}; use one of {', '.join(formats.FORMATS)}")
         if spec.max_seq_len < 2:
@@ -261,6 +266,8 @@ def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], cha
             for k in ("eval_fraction", "format", "fields", "max_seq_len", "train_on_prompt", "max_samples")
         },
     }
+    if spec.chat_template_kwargs:  # keys of data without them stay as they were
+        payload["chat_template_kwargs"] = spec.chat_template_kwargs
     if spec.format == "preference":  # SFT keys stay as they were
         payload |= {"max_prompt_length": spec.max_prompt_length, "truncation_mode": spec.truncation_mode}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]

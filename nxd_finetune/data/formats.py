@@ -24,6 +24,12 @@ Formats (``fields`` maps these canonical names to the dataset's column names):
   template that drops earlier turns' content (Qwen3's: ``<think>`` blocks before the last user
   message) is swapped for TRL's training variant of it, as TRL's ``get_training_chat_template`` does
   for assistant-only loss (:func:`training_chat_template`): every assistant turn keeps its block.
+  A template that marks its assistant turns with ``{% generation %}`` (TRL's training variants) is
+  not rendered prefix by prefix: its marked blocks are the turns, TRL's rule (what
+  ``apply_chat_template(return_assistant_tokens_mask=True)`` masks), less the same whitespace after
+  a closing special token. Where a generation prompt prints part of the answer's own text (Qwen3's
+  empty ``<think>`` block under ``enable_thinking: false``) the two rules differ, and the markers are
+  the one TRL trains with.
   Optional ``fields.role`` / ``fields.content`` rename the keys inside messages (ShareGPT's
   ``from``/``value``); the roles ``human``/``gpt`` are read as ``user``/``assistant``.
 - ``alpaca``: ``instruction``, optional ``input``, ``output`` with the standard Alpaca prompt;
@@ -42,14 +48,20 @@ the template's own end-of-turn token (the special token closing its assistant tu
 added after a template's end-of-turn, even where the tokenizer's eos is another token (Llama 3's
 ``<|eot_id|>`` vs ``<|end_of_text|>``), as in TRL.
 With ``train_on_prompt`` every token of the text is trained.
+
+``data.chat_template_kwargs`` (:data:`TemplateKwargs`: ``enable_thinking: false`` for Qwen3) are
+passed to every render of a chat template, as TRL's ``chat_template_kwargs``: training and eval
+rows, preference prompts and completions, generation prompts.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from nxd_finetune.assets import QWEN3_CHAT_TEMPLATE, QWEN3_TRAINING_CHAT_TEMPLATE
 from nxd_finetune.errors import DataError
@@ -67,6 +79,18 @@ OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     "alpaca": ("input",), "messages": ("role", "content"), "preference": ("prompt", "role", "content"),
 }
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+
+TemplateValue = str | int | float | bool | None
+TemplateKwargs = Mapping[str, TemplateValue]
+"""``data.chat_template_kwargs``: variables every chat-template render sees (``enable_thinking``)."""
+RESERVED_TEMPLATE_KWARGS = (
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+)
+"""``apply_chat_template``'s own arguments (and the template's ``messages``): not template variables."""
+Spans = list[tuple[int, int]]  # half-open character ranges of a rendering
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for {% generation %}
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task, paired with an input that provides further "
@@ -107,10 +131,30 @@ def load_chat_template(value: str | None, base_dir: str | Path | None = None) ->
     return path.read_text(encoding="utf-8")
 
 
+def template_kwargs_problem(value: object, name: str = "data.chat_template_kwargs") -> str | None:
+    """Why ``value`` is not a :data:`TemplateKwargs` mapping (names to strings, numbers, booleans or
+    null, none of them an argument of ``apply_chat_template``), as one line; None when it is one."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return f"{name} must be a mapping of template variables (e.g. enable_thinking: false), got {value!r}"[:300]
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            return f"{name}: {key!r} is not a template variable name"
+        if key in RESERVED_TEMPLATE_KWARGS:
+            return f"{name}.{key} is an argument of apply_chat_template, not a template variable"
+        if item is not None and not isinstance(item, (str, int, float, bool)):
+            return (f"{name}.{key} must be a string, number, true/false or null, "
+                    f"got {type(item).__name__} {item!r}"[:300])
+    return None
+
+
 def render_chat(
-    tokenizer, messages: Sequence[Mapping], chat_template: str | None = None, add_generation_prompt: bool = False
+    tokenizer, messages: Sequence[Mapping], chat_template: str | None = None, add_generation_prompt: bool = False,
+    template_kwargs: TemplateKwargs | None = None,
 ) -> str:
-    """``messages`` rendered to text with ``chat_template`` or the tokenizer's own template."""
+    """``messages`` rendered to text with ``chat_template`` or the tokenizer's own template, the
+    template seeing ``template_kwargs`` as variables."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat template; set data.chat_template (a Jinja string or file)")
     try:
@@ -119,9 +163,35 @@ def render_chat(
             chat_template=chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **dict(template_kwargs or {}),
         )
     except Exception as e:  # jinja errors, template-raised exceptions
         raise DataError(f"chat template failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+
+
+def _marked_turns(tokenizer, messages: Sequence[Mapping], chat_template: str | None,
+                  template_kwargs: TemplateKwargs | None) -> tuple[str, Spans] | None:
+    """The rendering and its ``{% generation %}`` blocks (character ranges), as
+    ``apply_chat_template(return_assistant_tokens_mask=True)`` finds them; None when the template
+    has no such markers."""
+    try:
+        template = tokenizer.get_chat_template(chat_template)
+    except ValueError as e:
+        raise DataError(f"chat template: {e}".splitlines()[0]) from e
+    if not _GENERATION_TAG.search(template):
+        return None
+    # transformers' renderer of apply_chat_template (imported here: formats is read by the recipe's
+    # validation, which does not load transformers)
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    variables = {**tokenizer.special_tokens_map, **dict(template_kwargs or {})}
+    try:  # (rendered texts, their generation blocks) per conversation; transformers annotates it as str
+        texts, indices = cast(Any, render_jinja_template(conversations=[[dict(m) for m in messages]],
+                                                         chat_template=template, return_assistant_tokens_mask=True,
+                                                         **variables))
+    except Exception as e:  # jinja errors, template-raised exceptions
+        raise DataError(f"chat template failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+    return texts[0], [(int(a), int(b)) for a, b in indices[0] if b > a]
 
 
 # released chat templates -> TRL's training variants (trl/chat_templates: qwen3.jinja -> qwen3_training.jinja)
@@ -218,28 +288,28 @@ def _without_closing_eos(rendered: str, eos: str | None, specials: tuple[str, ..
     return head if head.rstrip().endswith(tuple(t for t in specials if t != eos)) else rendered
 
 
-def _render_messages(
-    row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool
-) -> Rendered:
-    messages = normalize_messages(row[columns["messages"]], columns)
-    chat_template = training_chat_template(tokenizer, chat_template)
-    text = render_chat(tokenizer, messages, chat_template)
-    specials = special_tokens(tokenizer)
+def _prefix_turns(tokenizer, messages: list[dict[str, str]], chat_template: str | None,
+                  template_kwargs: TemplateKwargs | None, specials: tuple[str, ...]) -> tuple[str, Spans]:
+    """The rendering and its assistant turns located prefix by prefix (the module docstring)."""
+
+    def render(part: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return render_chat(tokenizer, part, chat_template, add_generation_prompt, template_kwargs)
+
+    text = render(messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         try:
-            before = render_chat(tokenizer, messages[:i], chat_template, add_generation_prompt=True)
+            before = render(messages[:i], add_generation_prompt=True)
         except DataError:
             if i:
                 raise
             # conversation opens with the assistant and the template cannot render zero messages:
             # the turn starts where its content does
-            found = render_chat(tokenizer, messages[:1], chat_template).find(str(message["content"]))
-            before = render_chat(tokenizer, messages[:1], chat_template)[: max(found, 0)]
-        through = _without_closing_eos(render_chat(tokenizer, messages[: i + 1], chat_template), tokenizer.eos_token,
-                                       specials)
+            found = render(messages[:1]).find(str(message["content"]))
+            before = render(messages[:1])[: max(found, 0)]
+        through = _without_closing_eos(render(messages[: i + 1]), tokenizer.eos_token, specials)
         if not (through.startswith(before) and text.startswith(through)):
             raise DataError(
                 "the chat template renders conversation prefixes inconsistently (turn "
@@ -247,6 +317,22 @@ def _render_messages(
                 "set data.chat_template to a prefix-stable template"
             )
         spans.append((len(before), _turn_end(through, len(before), specials)))
+    return text, spans
+
+
+def _render_messages(
+    row: Mapping, columns: Mapping[str, str], tokenizer, chat_template: str | None, train_on_prompt: bool,
+    template_kwargs: TemplateKwargs | None = None,
+) -> Rendered:
+    messages = normalize_messages(row[columns["messages"]], columns)
+    chat_template = training_chat_template(tokenizer, chat_template)
+    specials = special_tokens(tokenizer)
+    marked = _marked_turns(tokenizer, messages, chat_template, template_kwargs)
+    if marked is not None:
+        text, blocks = marked
+        spans = [(start, _turn_end(text[:end], start, specials)) for start, end in blocks]
+    else:
+        text, spans = _prefix_turns(tokenizer, messages, chat_template, template_kwargs, specials)
     eos = tokenizer.eos_token
     # the template's own end-of-turn tokens: the special tokens that close its assistant turns
     end_of_turn = tuple(t for t in specials if any(text[:end].endswith(t) for _, end in spans))
@@ -274,13 +360,15 @@ def render_row(
     chat_template: str | None = None,
     train_on_prompt: bool = False,
     add_bos: bool | None = None,
+    template_kwargs: TemplateKwargs | None = None,
 ) -> Rendered:
     """One dataset row as a :class:`Rendered` sample (see the module docstring for each format).
 
     ``add_bos`` (non-chat formats): prepend BOS; None asks the tokenizer (:func:`adds_bos`).
+    ``template_kwargs``: the chat template's variables (``data.chat_template_kwargs``).
     """
     if fmt == "messages":
-        return _render_messages(row, columns, tokenizer, chat_template, train_on_prompt)
+        return _render_messages(row, columns, tokenizer, chat_template, train_on_prompt, template_kwargs)
     if add_bos is None:
         add_bos = adds_bos(tokenizer)
     if fmt == "text":

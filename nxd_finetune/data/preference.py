@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nxd_finetune.data.formats import normalize_messages, render_chat
+from nxd_finetune.data.formats import TemplateKwargs, TemplateValue, normalize_messages, render_chat
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 
@@ -47,6 +47,7 @@ Sample = tuple[list[int], list[int]]  # input_ids, labels (HF-aligned, -100 on t
 class PreferenceSettings(Protocol):
     """The settings that change a pair's tokens (``data.datasets.DataSpec`` has them)."""
 
+    chat_template_kwargs: dict[str, TemplateValue] | None
     max_seq_len: int
     max_prompt_length: int | None
     truncation_mode: str
@@ -139,17 +140,18 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair],
-                   chat_template: str | None = None) -> list[tuple[list[int], list[int], list[int]]]:
+def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair], chat_template: str | None = None,
+                   template_kwargs: TemplateKwargs | None = None) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, chosen_ids, rejected_ids)`` of each pair, untruncated: TRL's ``DPOTrainer``
     dataset columns. Two batched tokenizer calls (plain text with special tokens; rendered chats
-    without, as ``apply_chat_template(tokenize=True)``)."""
+    without, as ``apply_chat_template(tokenize=True)``, the template seeing ``template_kwargs`` as
+    TRL's ``chat_template_kwargs``)."""
     eos = tokenizer.eos_token
     texts: list[list[str]] = []
     for pair in pairs:
         if isinstance(pair.prompt, list):
-            texts.append([render_chat(tokenizer, pair.prompt, chat_template, add_generation_prompt=True),
-                          *(render_chat(tokenizer, pair.prompt + c, chat_template)
+            texts.append([render_chat(tokenizer, pair.prompt, chat_template, True, template_kwargs),
+                          *(render_chat(tokenizer, pair.prompt + c, chat_template, False, template_kwargs)
                             for c in (pair.chosen, pair.rejected) if isinstance(c, list))])
         else:
             ends = [str(c) if not eos or str(c).endswith(eos) else str(c) + eos for c in (pair.chosen, pair.rejected)]
@@ -199,7 +201,8 @@ def tokenize_chunk(rows: Sequence[Mapping], first: int, columns: Mapping[str, st
     pairs = [read_pair(row, columns, f"{split} row {first + k + 1}") for k, row in enumerate(rows)]
     samples: list[Sample] = []
     truncated = dropped = 0
-    for k, (prompt_ids, chosen_ids, rejected_ids) in enumerate(tokenize_pairs(tokenizer, pairs, chat_template)):
+    tokenized = tokenize_pairs(tokenizer, pairs, chat_template, settings.chat_template_kwargs)
+    for k, (prompt_ids, chosen_ids, rejected_ids) in enumerate(tokenized):
         if not chosen_ids or not rejected_ids:
             raise DataError(f"{split} row {first + k + 1}: a completion has no token of its own after the prompt")
         got = pair_samples(prompt_ids, chosen_ids, rejected_ids, settings)

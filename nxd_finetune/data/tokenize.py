@@ -27,6 +27,7 @@ class TokenizeSpec(Protocol):
 
     format: str
     fields: dict[str, str]
+    chat_template_kwargs: dict[str, formats.TemplateValue] | None
     max_seq_len: int
     train_on_prompt: bool
     num_proc: int | str
@@ -252,7 +253,7 @@ class _TokenizeJob:
         samples = []
         rendered = [
             formats.render_row(row, spec.format, self.columns, self.tokenizer, self.chat_template,
-                               spec.train_on_prompt, adds_bos)
+                               spec.train_on_prompt, adds_bos, spec.chat_template_kwargs)
             for row in chunk
         ]
         for ids, labels in formats.tokenize_rendered(self.tokenizer, rendered):

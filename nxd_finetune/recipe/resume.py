@@ -29,8 +29,8 @@ from nxd_finetune.recipe.sections import Recipe, RecipeDict
 FIXED_KEYS: tuple[str, ...] = (
     "model", "lora.rank", "lora.alpha", "lora.bias", "lora.target_modules", "lora.use_rslora",
     "lora.modules_to_save", "data.train", "data.eval_fraction", "data.format", "data.fields",
-    "data.chat_template", "data.max_seq_len", "data.packing", "data.train_on_prompt", "data.shuffle",
-    "data.max_samples", "training.seed", "training.precision", "training.micro_batch_size",
+    "data.chat_template", "data.chat_template_kwargs", "data.max_seq_len", "data.packing", "data.train_on_prompt",
+    "data.shuffle", "data.max_samples", "training.seed", "training.precision", "training.micro_batch_size",
 )
 """Dotted keys (or whole sections) a resumed run must keep: they decide the trained weights' shape
 or the sequence of training rows the checkpoint's data position points into."""

@@ -9,9 +9,9 @@ import warnings
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS
+from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS, TemplateValue, template_kwargs_problem
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.neuron import resolve_preset
 from nxd_finetune.recipe.messages import suggest
@@ -46,7 +46,9 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     """``train``/``eval``: one file or a list. Without ``eval``, ``eval_fraction`` of train is held
-    out. ``fields`` maps the format's canonical fields (:data:`FORMAT_FIELDS`) to column names."""
+    out. ``fields`` maps the format's canonical fields (:data:`FORMAT_FIELDS`) to column names.
+    ``chat_template_kwargs``: variables every chat-template render sees (TRL's name; Qwen3's
+    ``enable_thinking: false``); ``{}`` is stored as null."""
 
     train: str | StrList
     eval: str | StrList | None = None
@@ -54,6 +56,7 @@ class DataSection(_Section):
     format: Literal["messages", "alpaca", "prompt_completion", "text", "preference"] = "messages"
     fields: dict[str, str] = {}
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, TemplateValue] | None = None
     max_seq_len: int = Field(default=512, ge=2)
     packing: bool = True
     train_on_prompt: bool = False
@@ -61,6 +64,14 @@ class DataSection(_Section):
     shuffle: bool = True
     max_samples: PosInt | None = None
     num_proc: PosInt | Literal["auto"] = "auto"  # tokenizing processes (auto: a core each, large sets)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value: object) -> object:
+        problem = template_kwargs_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value or None
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:

@@ -28,6 +28,10 @@ DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="fp32|bf16|fp16
                                               help="Load dtype (default: the checkpoint's).")]
 TemplateOpt = Annotated[str | None, typer.Option(
     "--chat-template", show_default=False, help="Jinja chat template (file or inline); default: the tokenizer's.")]
+TemplateKwargsOpt = Annotated[str | None, typer.Option(
+    "--chat-template-kwargs", metavar="JSON", show_default=False,
+    help='Variables the chat template sees, as the recipe\'s data.chat_template_kwargs: '
+         '\'{"enable_thinking": false}\' (Qwen3 without thinking).')]
 
 
 def generate(
@@ -39,6 +43,7 @@ def generate(
         "--messages", show_default=False, help="JSON file: a list of {role, content} messages.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Tokenize --prompt as plain text, no chat template.")] = False,
     chat_template: TemplateOpt = None,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     max_new_tokens: MaxNewOpt = 128,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -57,14 +62,16 @@ def generate(
     if (prompt is None) == (messages is None):
         raise NxdError("give exactly one of --prompt and --messages")
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
-    template = gen.load_template(chat_template)
+    template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
     with gen.load_model(adapter, base, device, dtype) as loaded:
         if messages is not None:
-            ids = gen.prompt_ids(loaded.tokenizer, gen.read_messages(messages), chat_template=template)
+            ids = gen.prompt_ids(loaded.tokenizer, gen.read_messages(messages), chat_template=template,
+                                 template_kwargs=kwargs)
         elif raw or (template is None and not getattr(loaded.tokenizer, "chat_template", None)):
             ids = gen.prompt_ids(loaded.tokenizer, text=prompt)
         else:
-            ids = gen.prompt_ids(loaded.tokenizer, [{"role": "user", "content": prompt or ""}], chat_template=template)
+            ids = gen.prompt_ids(loaded.tokenizer, [{"role": "user", "content": prompt or ""}], chat_template=template,
+                                 template_kwargs=kwargs)
         typer.echo(gen.decode(loaded.tokenizer, gen.generate_ids(loaded, ids, config)))
 
 
@@ -73,6 +80,7 @@ def chat(
     base: BaseOpt = None,
     system: Annotated[str | None, typer.Option("--system", show_default=False, help="A system message.")] = None,
     chat_template: TemplateOpt = None,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     max_new_tokens: MaxNewOpt = 256,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -87,7 +95,7 @@ def chat(
     from nxd_finetune.serve import generate as gen
 
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
-    template = gen.load_template(chat_template)
+    template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
     interactive = sys.stdin.isatty()
     with gen.load_model(adapter, base, device, dtype) as loaded:
         start = [{"role": "system", "content": system}] if system else []
@@ -109,7 +117,8 @@ def chat(
                 continue
             history.append({"role": "user", "content": text})
             pieces = []
-            for piece in gen.stream(loaded, gen.prompt_ids(loaded.tokenizer, history, chat_template=template), config):
+            ids = gen.prompt_ids(loaded.tokenizer, history, chat_template=template, template_kwargs=kwargs)
+            for piece in gen.stream(loaded, ids, config):
                 pieces.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from nxd_finetune.data.formats import load_chat_template, render_chat
+from nxd_finetune.data.formats import TemplateKwargs, load_chat_template, render_chat, template_kwargs_problem
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError, NxdError
 from nxd_finetune.lora.io import check_adapter_files
@@ -211,10 +211,11 @@ def _attach_adapter(model: PreTrainedModel, adapter_dir: Path) -> PeftModel:
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message] | None = None, text: str | None = None,
-               chat_template: str | None = None) -> list[int]:
-    """Token ids to generate from: ``messages`` rendered with the chat template and the generation
-    prompt (the template writes any BOS itself), or plain ``text`` tokenized as the model's
-    tokenizer does by default (with its BOS). Exactly one of the two."""
+               chat_template: str | None = None, template_kwargs: TemplateKwargs | None = None) -> list[int]:
+    """Token ids to generate from: ``messages`` rendered with the chat template (seeing
+    ``template_kwargs``, the recipe's ``data.chat_template_kwargs``) and the generation prompt (the
+    template writes any BOS itself), or plain ``text`` tokenized as the model's tokenizer does by
+    default (with its BOS). Exactly one of the two."""
     if (messages is None) == (text is None):
         raise NxdError("give either messages or a plain text prompt")
     if text is not None:
@@ -222,7 +223,7 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message] |
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise NxdError("the tokenizer has no chat template: pass --chat-template (a Jinja file or string), "
                        "or --raw with --prompt")
-    rendered = render_chat(tokenizer, list(messages or []), chat_template, add_generation_prompt=True)
+    rendered = render_chat(tokenizer, list(messages or []), chat_template, True, template_kwargs)
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
@@ -246,6 +247,21 @@ def load_template(chat_template: str | None) -> str | None:
     if chat_template is None:
         return None
     return load_chat_template(chat_template, None)
+
+
+def load_template_kwargs(text: str | None) -> TemplateKwargs | None:
+    """``--chat-template-kwargs``: a JSON object of template variables (``{"enable_thinking": false}``),
+    checked as the recipe's ``data.chat_template_kwargs``; NxdError (one line) otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise NxdError(f"--chat-template-kwargs is not JSON: {e}") from None
+    problem = template_kwargs_problem(value, "--chat-template-kwargs")
+    if problem:
+        raise NxdError(problem)
+    return cast("TemplateKwargs", value) or None
 
 
 # ---------------------------------------------------------------- generation

@@ -91,9 +91,11 @@ class EvalSamples:
         template = load_chat_template(self.recipe.data.chat_template)
         use_chat = template is not None or bool(getattr(self.tokenizer, "chat_template", None))
         config = GenerationConfig(max_new_tokens=self.recipe.eval.max_new_tokens)
+        kwargs = self.recipe.data.chat_template_kwargs
         rows = []
         for prompt in self.recipe.eval.prompts:
-            ids = (prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], chat_template=template)
+            ids = (prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], chat_template=template,
+                              template_kwargs=kwargs)
                    if use_chat else prompt_ids(self.tokenizer, text=prompt))
             rows.append({"prompt": prompt, "completion": decode(self.tokenizer, generate_ids(loaded, ids, config))})
         return rows
