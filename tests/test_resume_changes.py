@@ -20,6 +20,7 @@ from nxd_finetune.sft.schedule import lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+QUICKSTART_DPO = ROOT / "recipes" / "quickstart-dpo.yaml"
 
 
 def _recipe(*overrides: str):
@@ -41,6 +42,26 @@ def test_a_change_to_what_was_trained_is_refused_naming_the_key(override, key):
         check_resume(saved, _recipe(override), "ck/step-00000004", 4)
     message = str(err.value)
     assert "\n" not in message and key in message and "ck/step-00000004" in message and "--no-resume" in message
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("objective=orpo", "objective"),
+    ("preference.max_prompt_length=8", "preference.max_prompt_length"),
+    ("preference.truncation_mode=keep_end", "preference.truncation_mode"),
+    ("preference.reference=base", "preference.reference"),
+])
+def test_a_change_to_the_objective_pairs_or_reference_is_refused(override, key):
+    saved = load_recipe(QUICKSTART_DPO).to_yaml()
+    with pytest.raises(RecipeError) as err:
+        check_resume(saved, load_recipe(QUICKSTART_DPO, [override]), "ck/step-00000004", 4)
+    message = str(err.value)
+    assert "\n" not in message and key in message
+
+
+def test_a_preference_loss_setting_is_applied_on_resume():
+    saved = load_recipe(QUICKSTART_DPO).to_yaml()
+    changes = check_resume(saved, load_recipe(QUICKSTART_DPO, ["preference.beta=0.2"]), "ck/step-00000004", 4)
+    assert "preference.beta 0.05 -> 0.2" in (describe_changes(changes, 4) or "")
 
 
 def test_the_global_batch_may_not_change_but_its_split_may():

@@ -31,9 +31,13 @@ FIXED_KEYS: tuple[str, ...] = (
     "lora.modules_to_save", "data.train", "data.eval_fraction", "data.format", "data.fields",
     "data.chat_template", "data.chat_template_kwargs", "data.max_seq_len", "data.packing", "data.train_on_prompt",
     "data.shuffle", "data.max_samples", "training.seed", "training.precision", "training.micro_batch_size",
+    "objective", "preference.max_prompt_length", "preference.truncation_mode", "preference.reference",
+    "preference.precompute_ref_log_probs",
 )
-"""Dotted keys (or whole sections) a resumed run must keep: they decide the trained weights' shape
-or the sequence of training rows the checkpoint's data position points into."""
+"""Dotted keys (or whole sections) a resumed run must keep: they decide the trained weights' shape,
+the sequence of training rows the checkpoint's data position points into, what is optimized
+(the objective) or the reference log-probs stored with the pairs. A preference loss setting
+(``beta``, ``loss_type``...) is a hyperparameter like ``lr``: applied from the resumed step."""
 
 IGNORED_KEYS: tuple[str, ...] = (
     "lora.init_from", "lora.allow_other_base", "lora.init_lora_weights", "eval.before", "checkpoint.resume",
