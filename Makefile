@@ -39,6 +39,12 @@ typecheck: setup
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/bench_lora.py $(BENCH_ARGS)
 
+# The GPU bench's whole pipeline on this CPU with tiny shapes (~1-2 min): a smoke check of the code,
+# no GPU numbers (bench/README.md, GPU mode). On a GPU: python3 bench/bench_gpu.py --out DIR.
+.PHONY: bench-gpu-smoke
+bench-gpu-smoke: setup
+	HF_HUB_OFFLINE=1 $(PY) bench/bench_gpu.py --device cpu --tiny --out $${BENCH_GPU_OUT:-/tmp/nxd_gpu_bench_smoke}
+
 # The Trainium path on a real XLA device without Trainium: torch-xla 2.9 runs only with torch 2.9,
 # so it gets its own environment (several GB; pulls CUDA wheels from PyPI, unused here), with
 # the project installed from this tree and its other dependencies read from pyproject.toml.
