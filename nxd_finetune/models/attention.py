@@ -9,8 +9,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.flex import flex_attention_tokens_first
 from nxd_finetune.models.norms import RMSNorm
 from nxd_finetune.models.rope import _rotary_tokens_first
 
@@ -167,10 +169,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | SegmentRuns | None,
+        mask: torch.Tensor | SegmentRuns | BlockMask | None,
         keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs).
+        """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs), or a
+        flex :class:`BlockMask` (:func:`nxd_finetune.models.flex.flex_block_mask`).
         ``keep_index`` (long [N], flat indices into the B*T positions): attention still runs over
         every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``."""
         q, k, v = self._project(x)
@@ -187,6 +190,9 @@ class Attention(nn.Module):
         q = _rotary_tokens_first(q, cos, sin).to(v.dtype)
         k = _rotary_tokens_first(k, cos, sin).to(v.dtype)
         v = v.view(b, t, -1, self.head_dim)
+        if isinstance(mask, BlockMask):
+            out = flex_attention_tokens_first(q, k, v, mask, self.scale, self.softcap)
+            return self.o_proj(_keep(out.reshape(b, t, -1), keep_index))
         if isinstance(mask, SegmentRuns):
             return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths, self.scale).reshape(b, t, -1), keep_index))
         if mask is None and q.device.type == "cpu" and self.softcap is None:  # unpacked rows: T varies per batch

@@ -18,7 +18,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
+from nxd_finetune.errors import NxdError
 from nxd_finetune.models.attention import (
     RUN_MULTIPLE,
     Attention,
@@ -30,6 +32,7 @@ from nxd_finetune.models.attention import (
     segment_runs,
 )
 from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.flex import ATTENTIONS, flex_block_mask, uses_flex
 from nxd_finetune.models.norms import AutogradCtx, RMSNorm
 from nxd_finetune.models.rope import RopeTables
 
@@ -109,7 +112,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | SegmentRuns | None,
+        mask: torch.Tensor | SegmentRuns | BlockMask | None,
         keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, H]`` -> ``[B, T, H]``, or ``[N, H]`` at the positions of ``keep_index`` only
@@ -124,8 +127,10 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """Embeddings, layers and final norm (HF's ``model.`` prefix). Each layer gets the mask of its
-    own sliding window and, with ``rope_local_base_freq`` (Gemma 3), the sliding layers their own
-    rope tables."""
+    own sliding window (built once per batch and window, shared by the layers) and, with
+    ``rope_local_base_freq`` (Gemma 3), the sliding layers their own rope tables. ``attention``: the
+    attention kernel choice (:data:`nxd_finetune.models.flex.ATTENTIONS`; set it through
+    :meth:`DecoderForCausalLM.set_attention`)."""
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -133,6 +138,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
         self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.attention = "auto"
         self.rope = RopeTables(config)
         local = config.rope_local_base_freq
         self.ropes = {"full_attention": self.rope, "sliding_attention": self.rope if local is None else
@@ -168,16 +174,18 @@ class DecoderModel(nn.Module):
         t = position_ids.shape[1]
         position_ids = position_ids.to(x.device)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        masks: dict[int | None, torch.Tensor | SegmentRuns | None] = {}
-        runs = self.config.attn_logit_softcapping is None
+        masks: dict[int | None, torch.Tensor | SegmentRuns | BlockMask | None] = {}
+        softcap = self.config.attn_logit_softcapping
         layers = cast(list[DecoderLayer], list(self.layers.values()))
         for i, layer in enumerate(layers):
             kind = "sliding_attention" if layer.layer_type == "sliding_attention" else "full_attention"
             if kind not in tables:
                 tables[kind] = self.ropes[kind](position_ids, x.dtype)
             window = layer.self_attn.sliding_window
-            if window not in masks:
-                masks[window] = attention_layout(segment_ids, t, window, x.device, runs)
+            if window not in masks and uses_flex(self.attention, x.device, segment_ids, t, window, softcap):
+                masks[window] = flex_block_mask(segment_ids, t, window, x.device)
+            elif window not in masks:  # soft-capped scores take a mask, not runs
+                masks[window] = attention_layout(segment_ids, t, window, x.device, runs=softcap is None)
             x = layer(x, *tables[kind], masks[window], keep_index if i == len(layers) - 1 else None)
         if not layers:
             x = _keep(x, keep_index)
@@ -204,6 +212,14 @@ class DecoderForCausalLM(nn.Module):
         self.return_hidden = False  # a pipeline's last stage whose loss runs the head itself, in chunks
         if config.tie_word_embeddings:
             self.tie_weights()
+
+    def set_attention(self, attention: str) -> None:
+        """The attention kernels (``model.attention``): ``auto``, ``sdpa`` or ``flex``
+        (:data:`nxd_finetune.models.flex.ATTENTIONS`). Numbers agree within float rounding; the
+        choice is one of speed and memory. Raises NxdError for another name."""
+        if attention not in ATTENTIONS:
+            raise NxdError(f"model.attention={attention!r} is not one of {', '.join(ATTENTIONS)}")
+        self.model.attention = attention
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` (tied-embedding configs)."""

@@ -18,6 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
+from nxd_finetune.parallel.launch import resolve_device_name
 
 if TYPE_CHECKING:
     from nxd_finetune.models import DecoderConfig
@@ -227,15 +228,18 @@ def layer_tensors(recipe: Recipe, config: DecoderConfig, unsharded: bool = False
 def _family_tensors(recipe: Recipe, config: DecoderConfig, m: int, c: int, t: int, sp: int) -> list[float]:
     """Per-token tensors a layer keeps beyond Llama's: Gemma's two extra norms (``sandwich_norms``:
     their inputs, ``2*m*h``), per-head q/k norms (``qk_norm``: their inputs, ``c*(q + k)/t``), and
-    soft-capped attention (``attn_logit_softcapping``), which no fused kernel runs: the scores, their
-    cap and the fp32 softmax of every query against ``max_seq_len`` keys, ``(2c + 4 + c) * T * heads / t``."""
+    soft-capped attention (``attn_logit_softcapping``) where SDPA runs it, unfused: the scores, their
+    cap and the fp32 softmax of every query against ``max_seq_len`` keys, ``(2c + 4 + c) * T * heads / t``
+    (FlexAttention, ``model.attention`` flex, or auto on CUDA, caps them inside its kernel: none)."""
     h, d = config.hidden_size, _head_dim(config)
     out: list[float] = []
     if getattr(config, "sandwich_norms", False):
         out += [m * h / sp] * 2
     if getattr(config, "qk_norm", False):
         out += [c * config.num_attention_heads * d / t, c * (config.num_key_value_heads or 1) * d / t]
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    flex = recipe.model.attention == "flex" or (
+        recipe.model.attention == "auto" and resolve_device_name(recipe.training.device) == "cuda")
+    if getattr(config, "attn_logit_softcapping", None) is not None and not flex:
         out += [(3 * c + 4) * recipe.data.max_seq_len * config.num_attention_heads / t]
     return out
 

@@ -39,6 +39,11 @@ the sequence of training rows the checkpoint's data position points into, what i
 (the objective) or the reference log-probs stored with the pairs. A preference loss setting
 (``beta``, ``loss_type``...) is a hyperparameter like ``lr``: applied from the resumed step."""
 
+APPLIED_MODEL_KEYS: tuple[str, ...] = ("model.attention",)
+"""Keys of the fixed ``model`` section that only choose how the same numbers are computed: applied
+from the resumed step (a checkpoint saved before a key existed had its default)."""
+MODEL_KEY_DEFAULTS: dict[str, object] = {"model.attention": "auto"}
+
 IGNORED_KEYS: tuple[str, ...] = (
     "lora.init_from", "lora.allow_other_base", "lora.init_lora_weights", "eval.before", "checkpoint.resume",
 )
@@ -80,6 +85,11 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
+def _new_key_at_default(change: RecipeChange) -> bool:
+    """A key the saved recipe predates, now at the default its run had."""
+    return change.old is None and change.key in MODEL_KEY_DEFAULTS and change.new == MODEL_KEY_DEFAULTS[change.key]
+
+
 def recipe_changes(saved: RecipeDict, current: RecipeDict) -> list[RecipeChange]:
     """Every dotted key whose value differs (a key present on one side only counts as None on the
     other, so a section switched on or off is a change of its keys)."""
@@ -112,9 +122,9 @@ def check_resume(saved_yaml: str, recipe: Recipe, where: str, step: int) -> list
         kind = "full fine-tuning" if saved.get("lora") is None else "LoRA"
         raise RecipeError(f"cannot resume from {where}: it was trained with {kind} and the recipe changes "
                           "that (lora); put it back, or start fresh with --no-resume or another output.dir")
-    changes = recipe_changes(saved, current)
+    changes = [c for c in recipe_changes(saved, current) if not _new_key_at_default(c)]
     for c in changes:
-        if _matches(c.key, FIXED_KEYS):
+        if _matches(c.key, FIXED_KEYS) and not _matches(c.key, APPLIED_MODEL_KEYS):
             raise RecipeError(f"cannot resume from {where}: {c.key} changed since the checkpoint "
                               f"({_show(c.old)} -> {_show(c.new)}), and it fixes what was trained; put it back, "
                               "or start fresh with --no-resume or another output.dir")

@@ -36,10 +36,13 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     """``path``: HF model directory (config.json + safetensors) or ``builtin:tiny-llama``.
-    ``dtype``: the dtype the base weights are loaded in. ``tokenizer``: defaults to ``path``."""
+    ``dtype``: the dtype the base weights are loaded in. ``tokenizer``: defaults to ``path``.
+    ``attention``: the attention kernels (``nxd_finetune.models.flex.ATTENTIONS``: ``auto`` is
+    FlexAttention on CUDA for packed rows, windows and soft-capped scores, SDPA otherwise)."""
 
     path: str = Field(min_length=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
     revision: str | None = None
     tokenizer: str | None = None
 

@@ -327,7 +327,12 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
                            activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows,
                            objective=objective)
-    rank_model = parallelize_model(build_model(config), state, spec=spec, weights=WeightSource(model_dir, dtype),
+    if recipe.model.attention == "flex" and device.type != "cuda":
+        raise NxdError(f"model.attention=flex trains on CUDA only (training.device resolves to {device.type}): "
+                       "torch's FlexAttention has no backward on CPU; use model.attention=auto or sdpa")
+    model = build_model(config)
+    model.set_attention(recipe.model.attention)
+    rank_model = parallelize_model(model, state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, host, lora_cfg, targets,
