@@ -70,7 +70,8 @@ def attention_layout(
     compute -- 2.6x faster for 512-token rows of ~150-token samples), or the boolean mask of
     :func:`attention_mask` (sliding windows, non-contiguous segments, accelerators, where reading
     the ids on the host would stall the device). ``runs=False``: never runs (soft-capped attention
-    takes a mask)."""
+    takes a mask). This is the SDPA side of ``model.attention``; where flex attention runs (CUDA
+    under ``auto``), :func:`nxd_finetune.models.flex.flex_block_mask` gives the layout instead."""
     windowed = sliding_window is not None and sliding_window < seq_len
     if runs and segment_ids is not None and not windowed and device.type == "cpu" and segment_ids.device.type == "cpu":
         found = segment_runs(segment_ids)
