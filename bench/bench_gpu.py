@@ -36,14 +36,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import torch
+from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import gpu_report  # noqa: E402
 from bench.bench_scale import SHAPE_1B  # noqa: E402
 from bench.common import BENCH, CACHE, DATA, LORA, ROOT, SEED, param_counts, train_flops  # noqa: E402
+from nxd_finetune.data.loader import build_dataloaders  # noqa: E402
+from nxd_finetune.quickstart import ensure_tiny_model  # noqa: E402
 
 WORKER = BENCH / "gpu_worker.py"
 SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -61,6 +67,12 @@ NOT_DONE = [
     "torch.compile of the decoder layers: the project has no recipe key for it yet, so it is not measured",
     "a plot (png): not drawn",
 ]
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one ``error:`` line, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -105,15 +117,13 @@ def ensure_checkpoint(name: str, config: dict[str, Any], args: argparse.Namespac
 def hf_steps(tokenizer: Any, args: argparse.Namespace, samples: int, grad_accum: int, steps: int) -> list[Any]:
     """HF's optimizer steps: ``grad_accum`` micro-batches of ``samples`` samples each, in the order of
     our loader with packing off (the recipe's seeded shuffle, epoch 0)."""
-    from nxd_finetune.data.loader import build_dataloaders
-
     data = build_dataloaders(data_section(args, packing=False), tokenizer, micro_batch_size=samples, seed=SEED)
     ds, rows, sampler = data.train.batch_of.dataset, data.train.batch_of.rows, data.train.sampler
     micro = [[ds[i] for row in b for i in rows[row]] for b in sampler.rank_batches(0)]
     out = [micro[i: i + grad_accum] for i in range(0, len(micro) - grad_accum + 1, grad_accum)][:steps]
     if len(out) < steps:
-        raise SystemExit(f"error: the data holds {len(out)} optimizer steps of {grad_accum} x {samples} samples; "
-                         f"--steps + warm-up asks for {steps}")
+        fail(f"the data holds {len(out)} optimizer steps of {grad_accum} x {samples} samples; "
+             f"--steps + --warmup ask for {steps}")
     return out
 
 
@@ -144,11 +154,7 @@ def derive(row: dict[str, Any], config: dict[str, Any], peak: float | None) -> N
     r["padding"] = 1 - r["tokens"] / r["slots"] if r.get("slots") else None
 
 
-def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: Any) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from nxd_finetune.quickstart import ensure_tiny_model
-
+def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: Callable[[], None]) -> dict[str, Any]:
     tok_dir = ensure_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     config = shape_config(name, args.tiny, tokenizer)
@@ -158,8 +164,6 @@ def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: A
     if "error" in ckpt:
         print(f"{name}: checkpoint failed: {ckpt['error'][-500:]}", flush=True)
         return shape
-    from nxd_finetune.data.loader import build_dataloaders
-
     lengths = build_dataloaders(data_section(args, packing=False), tokenizer, micro_batch_size=1,
                                 seed=SEED).train.batch_of.dataset.lengths.tolist()
     k = args.padded_samples or max(1, round(args.seq_len / statistics.mean(lengths)))
@@ -167,7 +171,7 @@ def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: A
     work = CACHE / "gpu" / "work" / shape["shape"]
     base = {"device": args.device, "precision": args.precision, "model_dir": str(model_dir), "seq_len": args.seq_len,
             "grad_accum": args.grad_accum, "warmup_steps": args.warmup, "timed_steps": args.steps,
-            "data": str(DATA), "cache_dir": str(CACHE / "gpu" / "data"), "work": str(work)}
+            "attention": args.attention, "data": str(DATA), "cache_dir": str(CACHE / "gpu" / "data"), "work": str(work)}
     batches = write_batches(work / f"hf_{k}.json", hf_steps(tokenizer, args, k, args.grad_accum, total))
     shape.update(padded_samples=k, mean_sample_tokens=statistics.mean(lengths))
     print(f"{shape['shape']}: {config['hidden_size']}h x {config['num_hidden_layers']}L, vocab {config['vocab_size']};"
@@ -199,7 +203,7 @@ def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: A
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="directory for gpu_bench.json / gpu_bench.md")
-    ap.add_argument("--shapes", default=None, help="comma-separated: 1b,8b (default; --tiny: 1b)")
+    ap.add_argument("--shapes", default="1b,8b", help="comma-separated: 1b,8b (default)")
     ap.add_argument("--steps", type=int, default=None,
                     help="timed optimizer steps per configuration (default 5; --tiny 2)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first (default 2)")
@@ -211,17 +215,21 @@ def main() -> None:
                     help="samples per HF micro-batch (default: seq-len / mean sample length)")
     ap.add_argument("--precision", choices=("bf16-mixed", "fp32"), default=None,
                     help="default: bf16-mixed on cuda (bf16 weights, fp32 adapters, bf16 autocast); fp32 on cpu")
+    ap.add_argument("--attention", default=None,
+                    help="nxd-finetune's model.attention (auto, sdpa, flex); default: the recipe default, auto")
     ap.add_argument("--peak-n", type=int, default=None, help="matmul peak size n (n^3; default 8192, cpu 512)")
     ap.add_argument("--worker-timeout", type=float, default=300.0, help="seconds per configuration before it is cut")
     args = ap.parse_args()
-    args.shapes = (args.shapes or ("1b" if args.tiny else "1b,8b")).split(",")
+    args.shapes = args.shapes.split(",")
     bad = [s for s in args.shapes if s not in SHAPES]
     if bad or args.grad_accum < 1 or args.warmup < 1:
-        raise SystemExit(f"error: unknown shape(s) {bad} (use 1b, 8b)" if bad else "error: --grad-accum, --warmup >= 1")
+        fail(f"unknown shape(s) {', '.join(bad)} (use 1b, 8b)" if bad else "--grad-accum and --warmup must be >= 1")
     args.steps = args.steps or (2 if args.tiny else 5)
     args.seq_len = args.seq_len or (256 if args.tiny else 2048)
     args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32")
     gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is visible (the CPU smoke check: --device cpu --tiny)")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     peak_spec = {"framework": "peak", "device": args.device, "n": args.peak_n or (8192 if gpu else 512), "reps": 10,

@@ -62,7 +62,7 @@ def _f(v: float | None, fmt: str) -> str:
 def _table(shape: dict[str, Any]) -> list[str]:
     best = best_hf(shape)
     b = best["result"] if best else None
-    out = ["| configuration | micro-batch x steps' micro-batches | tok/s | vs best HF | step (s) | tok/step | padding "
+    out = ["| configuration | micro-batch x per step | tok/s | vs best HF | step (s) | tok/step | padding "
            "| max allocated (GiB) | max reserved (GiB) | reserved vs best HF | MFU | MFU (6N) | step-1 loss "
            "| setup (s) | attention |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -151,8 +151,8 @@ def markdown(res: dict[str, Any]) -> str:
         out += [f"## {shape['shape']}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
                 f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, ffn {c['intermediate_size']}, vocab "
                 f"{c['vocab_size']}{', tied' if c.get('tie_word_embeddings') else ''}; "
-                f"{shape['params']['base'] / 1e9:.2f}B matmul parameters, "
-                f"{shape['params']['lora'] / 1e6:.1f}M LoRA", ""]
+                f"{shape['params']['base']:,} matmul parameters (N_base), "
+                f"{shape['params']['lora']:,} LoRA (N_lora)", ""]
         if "error" in shape.get("checkpoint", {}):
             out += [f"checkpoint failed: {shape['checkpoint']['error'][-300:]}", ""]
             continue

@@ -20,6 +20,9 @@ device memory is its own and an out-of-memory error ends only this configuration
   them); ``liger`` first applies ``liger_kernel``'s Llama kernels (RoPE, RMSNorm, SwiGLU, fused
   linear cross entropy).
 
+The heavy imports happen inside each runner: a process imports only what its configuration uses
+(the HF processes never import nxd-finetune, so nothing of ours can change their torch settings).
+
 Every training configuration runs ``warmup_steps`` untimed optimizer steps, then ``timed_steps``
 timed ones; the device is synchronised at every step boundary. Tokens are the non-padding tokens
 of the timed steps' samples; ``lengths`` lists those samples' lengths (for the FLOP count).
@@ -174,8 +177,11 @@ def run_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
 def recipe_dict(spec: dict[str, Any]) -> dict[str, Any]:
     """nxd-finetune's recipe of the ``ours`` configuration."""
     bf16 = spec["precision"] != "fp32"
+    model: dict[str, Any] = {"path": spec["model_dir"], "dtype": "bf16" if bf16 else "fp32"}
+    if spec.get("attention"):  # model.attention; unset: the recipe's default (auto)
+        model["attention"] = spec["attention"]
     return {
-        "model": {"path": spec["model_dir"], "dtype": "bf16" if bf16 else "fp32"},
+        "model": model,
         "data": {"train": spec["data"], "format": "messages", "max_seq_len": spec["seq_len"], "packing": True,
                  "shuffle": True, "cache_dir": spec["cache_dir"]},
         "lora": dict(LORA),
@@ -230,7 +236,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     clock.mark()
     return {**clock.timing(spec["warmup_steps"]), **memory(spec["device"]), "setup_s": setup_s,
             "allocated_after_setup_gib": after_setup, "losses": [r["train_loss"] for r in records],
-            "validate": estimate, "attention": "nxd-finetune (model.attention default)"}
+            "validate": estimate, "attention": f"model.attention={spec.get('attention') or 'auto (default)'}"}
 
 
 def _liger(spec: dict[str, Any]) -> str | None:
