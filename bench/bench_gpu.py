@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,23 +76,58 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def run_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``gpu_worker.py`` on ``spec`` in its own process; its ``RESULT`` dict, or ``{"error": ...}``
-    (a failed or timed-out configuration does not end the benchmark)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True, text=True,
-                              env=env, cwd=ROOT, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout_s:.0f} s", "process_s": time.perf_counter() - t0}
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        return {"error": (proc.stderr or proc.stdout)[-3000:], "process_s": time.perf_counter() - t0}
-    result: dict[str, Any] = json.loads(line[len("RESULT "):])
-    result["process_s"] = time.perf_counter() - t0
-    return result
+class Interrupted(Exception):
+    """SIGTERM / SIGINT (e.g. a time box around the bench) arrived; the running worker was killed."""
+
+
+class Workers:
+    """Runs ``gpu_worker.py`` processes one at a time, each in its own process group. Each gets at
+    most ``timeout_s`` and what is left of ``budget_s`` (None: no budget); a configuration that
+    fails, runs out of time or finds the budget spent becomes a result that says so, not the end of
+    the benchmark. On SIGTERM / SIGINT the running worker's group is killed at once (so no orphan
+    keeps the GPU) and :class:`Interrupted` is raised in the main thread."""
+
+    MIN_LEFT_S = 10.0  # less budget than this left: do not start another configuration
+
+    def __init__(self, timeout_s: float, budget_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.proc: subprocess.Popen[str] | None = None
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        raise Interrupted(signal.Signals(signum).name)
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """The worker's ``RESULT`` dict, or ``{"error": ...}`` / ``{"skipped": ...}``."""
+        limit = self.timeout_s
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left < self.MIN_LEFT_S:
+                return {"skipped": "not started: the bench's --budget-s was spent"}
+            limit = min(limit, left)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            out, err = self.proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+            return {"error": f"cut after {limit:.0f} s (--worker-timeout / --budget-s)",
+                    "process_s": time.perf_counter() - t0}
+        finally:
+            rc, self.proc = self.proc.returncode, None
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        if rc != 0 or line is None:
+            return {"error": (err or out)[-3000:], "process_s": time.perf_counter() - t0}
+        result: dict[str, Any] = json.loads(line[len("RESULT "):])
+        result["process_s"] = time.perf_counter() - t0
+        return result
 
 
 def shape_config(name: str, tiny: bool, tokenizer: Any) -> dict[str, Any]:
@@ -102,8 +138,8 @@ def shape_config(name: str, tiny: bool, tokenizer: Any) -> dict[str, Any]:
                 pad_token_id=tokenizer.pad_token_id)
 
 
-def ensure_checkpoint(name: str, config: dict[str, Any], args: argparse.Namespace,
-                      tokenizer_dir: Path) -> tuple[Path, dict[str, Any]]:
+def ensure_checkpoint(name: str, config: dict[str, Any], args: argparse.Namespace, tokenizer_dir: Path,
+                      workers: Workers) -> tuple[Path, dict[str, Any]]:
     """The shape's random-init checkpoint under the cache (written on the device once per machine)."""
     model_dir = CACHE / "gpu" / "models" / f"{name}{'-tiny' if args.tiny else ''}"
     spec_file = model_dir / "bench_spec.json"
@@ -111,7 +147,7 @@ def ensure_checkpoint(name: str, config: dict[str, Any], args: argparse.Namespac
         return model_dir, {"cached": True}
     spec = {"framework": "checkpoint", "device": args.device, "model_dir": str(model_dir), "config": config,
             "tokenizer": str(tokenizer_dir)}
-    return model_dir, run_worker(spec, args.worker_timeout)
+    return model_dir, workers.run(spec)
 
 
 def hf_steps(tokenizer: Any, args: argparse.Namespace, samples: int, grad_accum: int, steps: int) -> list[Any]:
@@ -154,16 +190,19 @@ def derive(row: dict[str, Any], config: dict[str, Any], peak: float | None) -> N
     r["padding"] = 1 - r["tokens"] / r["slots"] if r.get("slots") else None
 
 
-def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: Callable[[], None]) -> dict[str, Any]:
+def bench_shape(name: str, args: argparse.Namespace, workers: Workers, res: dict[str, Any],
+                emit: Callable[[], None]) -> None:
+    """One shape's configurations, appended to ``res["shapes"]`` as they finish (``emit`` after each)."""
     tok_dir = ensure_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     config = shape_config(name, args.tiny, tokenizer)
-    model_dir, ckpt = ensure_checkpoint(name, config, args, tok_dir)
+    model_dir, ckpt = ensure_checkpoint(name, config, args, tok_dir, workers)
     shape: dict[str, Any] = {"shape": name + ("-tiny" if args.tiny else ""), "config": config,
                              "params": param_counts(config, LORA["rank"]), "checkpoint": ckpt, "rows": []}
-    if "error" in ckpt:
-        print(f"{name}: checkpoint failed: {ckpt['error'][-500:]}", flush=True)
-        return shape
+    res["shapes"].append(shape)
+    if "error" in ckpt or "skipped" in ckpt:
+        print(f"{name}: no checkpoint: {ckpt.get('error', ckpt.get('skipped'))[-500:]}", flush=True)
+        return
     lengths = build_dataloaders(data_section(args, packing=False), tokenizer, micro_batch_size=1,
                                 seed=SEED).train.batch_of.dataset.lengths.tolist()
     k = args.padded_samples or max(1, round(args.seq_len / statistics.mean(lengths)))
@@ -183,21 +222,20 @@ def bench_shape(name: str, args: argparse.Namespace, peak: float | None, emit: C
         if cfg == "liger" and args.device != "cuda":
             result: dict[str, Any] = {"skipped": "liger-kernel's Triton kernels need a GPU"}
         else:
-            result = run_worker(spec, args.worker_timeout)
+            result = workers.run(spec)
         row = {"config": cfg, "spec": spec, "result": result}
         if cfg == "hf-padded" and "oom" in result and k > 1:
             row["first_try"] = {"micro_batch": spec["micro_batch"], **result}
             half = write_batches(work / f"hf_{k // 2}.json",
                                  hf_steps(tokenizer, args, k // 2, args.grad_accum * 2, total))
             spec = dict(spec, batches=half, grad_accum=args.grad_accum * 2, micro_batch=f"{k // 2} samples")
-            row.update(spec=spec, result=run_worker(spec, args.worker_timeout),
+            row.update(spec=spec, result=workers.run(spec),
                        note=f"out of device memory at {k} samples per micro-batch x {args.grad_accum}; run again "
                             f"with {k // 2} samples x {args.grad_accum * 2} micro-batches per step")
-        derive(row, config, peak)
+        derive(row, config, res["matmul_peak"].get("flops_per_s"))
         shape["rows"].append(row)
         print("  " + gpu_report.progress_line(row), flush=True)
         emit()
-    return shape
 
 
 def main() -> None:
@@ -219,6 +257,9 @@ def main() -> None:
                     help="nxd-finetune's model.attention (auto, sdpa, flex); default: the recipe default, auto")
     ap.add_argument("--peak-n", type=int, default=None, help="matmul peak size n (n^3; default 8192, cpu 512)")
     ap.add_argument("--worker-timeout", type=float, default=300.0, help="seconds per configuration before it is cut")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole bench: configurations that would start later are skipped, and "
+                         "the running one is cut at the limit (default: none; set it below an outer time box)")
     args = ap.parse_args()
     args.shapes = args.shapes.split(",")
     bad = [s for s in args.shapes if s not in SHAPES]
@@ -234,11 +275,10 @@ def main() -> None:
     t0 = time.time()
     peak_spec = {"framework": "peak", "device": args.device, "n": args.peak_n or (8192 if gpu else 512), "reps": 10,
                  "warmup": 3, "dtype": "bfloat16" if args.precision != "fp32" else "float32"}
-    peak = run_worker(peak_spec, args.worker_timeout)
-    print(f"matmul peak: {gpu_report.peak_line(peak)}", flush=True)
+    workers = Workers(args.worker_timeout, args.budget_s)
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": args.device, "tiny": args.tiny,
-        "gpu_result": gpu and not args.tiny, "matmul_peak": peak, "env": peak.get("info", {}),
+        "gpu_result": gpu and not args.tiny, "matmul_peak": {}, "env": {},
         "settings": {"seq_len": args.seq_len, "grad_accum": args.grad_accum, "warmup_steps": args.warmup,
                      "timed_steps": args.steps, "precision": args.precision, "lora": LORA,
                      "data": str(DATA.relative_to(ROOT))},
@@ -250,9 +290,18 @@ def main() -> None:
         (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
         (args.out / "gpu_bench.md").write_text(gpu_report.markdown(res))
 
-    for name in args.shapes:
-        res["shapes"].append(bench_shape(name, args, peak.get("flops_per_s"), emit))
+    try:
+        res["matmul_peak"] = workers.run(peak_spec)
+        res["env"] = res["matmul_peak"].get("info", {})
+        print(f"matmul peak: {gpu_report.peak_line(res['matmul_peak'])}", flush=True)
         emit()
+        for name in args.shapes:
+            bench_shape(name, args, workers, res, emit)
+    except Interrupted as e:
+        res["interrupted"] = f"{e}: the bench was stopped; the configurations after the last row did not run"
+        emit()
+        print(f"interrupted ({e}); results so far in {args.out}", file=sys.stderr)
+        raise SystemExit(1) from None
     emit()
     print((args.out / "gpu_bench.md").read_text())
 

@@ -146,6 +146,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"steps per configuration, packed rows of {s['seq_len']} tokens, data {s['data']}.",
         f"Measured matmul peak: {peak_line(res['matmul_peak'])}.", "",
     ]
+    if res.get("interrupted"):
+        out += [f"**Incomplete: {res['interrupted']}.**", ""]
     for shape in res["shapes"]:
         c = shape["config"]
         out += [f"## {shape['shape']}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
@@ -153,8 +155,9 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{c['vocab_size']}{', tied' if c.get('tie_word_embeddings') else ''}; "
                 f"{shape['params']['base']:,} matmul parameters (N_base), "
                 f"{shape['params']['lora']:,} LoRA (N_lora)", ""]
-        if "error" in shape.get("checkpoint", {}):
-            out += [f"checkpoint failed: {shape['checkpoint']['error'][-300:]}", ""]
+        why = _status(shape.get("checkpoint", {}))
+        if why:
+            out += [f"checkpoint: {why}", ""]
             continue
         out += _table(shape) + [""] + _memory_estimate(shape) + _goals(shape, res["gpu_result"]) + [""]
     out += [
