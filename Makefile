@@ -45,6 +45,23 @@ bench: setup
 bench-gpu-smoke: setup
 	HF_HUB_OFFLINE=1 $(PY) bench/bench_gpu.py --device cpu --tiny --out $${BENCH_GPU_OUT:-/tmp/nxd_gpu_bench_smoke}
 
+# The GPU kit (docs/gpu.md). test-cuda: the CUDA checks (tests/test_cuda.py), on a machine with a GPU
+# (skipped without one; NXD_TEST_DEVICE=cpu runs them on the CPU with tiny shapes).
+# gpu-wheels: .whl/, the wheels the lent GPU machine lacks (cp312), carried to it by bench/gpu/run.sh.
+# gpu-dry-run: bench/gpu/run.sh --cpu-dry-run with the venv's Python and the same wheels for it (~1 min).
+.PHONY: test-cuda gpu-wheels gpu-dry-run
+test-cuda: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -v -m cuda tests/test_cuda.py
+
+gpu-wheels: setup
+	PY=$(PY) bash bench/gpu/wheels.sh
+
+GPU_DRY_WHEELS ?= /tmp/nxd-kit-wheels-$(shell $(PY) -c "import sys; print('cp%d%d' % sys.version_info[:2])" 2>/dev/null)
+gpu-dry-run: setup
+	PY=$(PY) WHEEL_DIR=$(GPU_DRY_WHEELS) PYVER=$$($(PY) -c "import sys; print('%d.%d' % sys.version_info[:2])") \
+	  bash bench/gpu/wheels.sh
+	OUT=$${OUT:-/tmp/nxd-gpu-dry-run} KIT_PYTHON=$(PY) KIT_WHEELS=$(GPU_DRY_WHEELS) bash bench/gpu/run.sh --cpu-dry-run
+
 # The Trainium path on a real XLA device without Trainium: torch-xla 2.9 runs only with torch 2.9,
 # so it gets its own environment (several GB; pulls CUDA wheels from PyPI, unused here), with
 # the project installed from this tree and its other dependencies read from pyproject.toml.
