@@ -199,6 +199,8 @@ def test_bad_version_digits_long_names_and_files_in_the_way(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     line = cli_error(capsys, "adapters", "push", src, tmp_path / "file.txt" / "bot")
     assert "file.txt is a file, not a directory" in line
+    for root in (tmp_path / "file.txt", tmp_path / "file.txt" / "bot"):  # ls: an error, not "no adapters"
+        assert "file.txt is a file, not a directory" in cli_error(capsys, "adapters", "ls", root)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "file.txt", "reg"]  # nothing half-made
 
 

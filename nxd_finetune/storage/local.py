@@ -131,6 +131,8 @@ class LocalStorage(Storage):
         # Walk only the directory that contains the prefix, then filter by the string prefix.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / check_key(base) if base else self.root
+        if _file_in_the_way(self.root):  # a root under (or at) a file: an error, not an empty registry
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.root))
         keys = []
         for dirpath, _dirs, files in os.walk(start, onerror=_walk_error):
             rel = Path(dirpath).relative_to(self.root).as_posix()
