@@ -27,8 +27,9 @@ _SECTION_ORDER = ("model", "data", "objective", "preference", "lora", "parallel"
                   "output", "logging", "neuron")
 
 
-def _multiply(a: float, b: float) -> float:
-    """NeMo's ``multiply`` resolver (registered by NeMo's training scripts, which NxDT builds on)."""
+def _multiply(a: int | float, b: int | float) -> int | float:
+    """NeMo's ``multiply`` resolver (registered by NeMo's training scripts, which NxDT builds on).
+    Integers stay integers (OmegaConf warns where a value does not match these hints)."""
     return a * b
 
 
