@@ -77,7 +77,11 @@ def _matches_name(name: str, entries: list[str]) -> bool:
     return any(name == e or name.endswith("." + e) for e in entries)
 
 
-def _is_target(name: str, module: nn.Module, cfg: LoraConfig) -> bool:
+def _is_target(name: str, module: nn.Module, cfg: LoraConfig, hf_name: str | None = None) -> bool:
+    """Whether ``cfg.target_modules`` selects module ``name``, or its transformers name ``hf_name``
+    (a multimodal model's, which its adapters name: :meth:`DecoderConfig.module_name`)."""
+    if hf_name is not None and hf_name != name and _is_target(hf_name, module, cfg):
+        return True
     if cfg.modules_to_save and any(re.match(rf"(^|.*\.){re.escape(m)}($|\..*)", name) for m in cfg.modules_to_save):
         return False
     targets = cfg.target_modules
@@ -95,10 +99,12 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     name) or when a match is not a linear layer LoRA can wrap.
     """
     found = []
+    config = getattr(model, "config", None)
     for name, module in model.named_modules():
         if not name or isinstance(module, (LoraLinear, ModulesToSaveWrapper)):
             continue
-        if _is_target(name, module, cfg):
+        hf_name = config.module_name(name) if isinstance(config, DecoderConfig) else None
+        if _is_target(name, module, cfg, hf_name):
             if lora_layer_for(module) is None:
                 raise AdapterError(f"lora target {name} is a {type(module).__name__}; LoRA wraps only linear layers")
             found.append(name)

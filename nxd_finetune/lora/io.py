@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -39,16 +40,17 @@ from nxd_finetune.lora.inject import (
     lora_modules,
     saved_modules,
 )
+from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from nxd_finetune.checkpoint.run_state import JsonDict
-    from nxd_finetune.models.config import DecoderConfig
     from nxd_finetune.parallel.state import ParallelState
 
 PEFT_PREFIX = "base_model.model."
+MULTIMODAL_PREFIX = "model.language_model."  # a multimodal model's language model (transformers 5)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 TOKENIZER_FILES = (
@@ -121,20 +123,54 @@ def gather_adapter_state_dict(model: nn.Module, state: ParallelState, bias: str 
 
 
 def _peft_keys(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's file keys: the prefix, ``modules_to_save`` copies under the module's name, and a
+    multimodal model's names for its language model (:meth:`DecoderConfig.module_name`)."""
     wrappers = dict(saved_modules(model))
+    config = getattr(model, "config", None)
     out = {}
     for k, t in tensors.items():
         owner = _owner(k, wrappers)
         if owner is not None:
             k = f"{owner[0]}.{owner[1].removeprefix('modules_to_save.')}"
-        out[PEFT_PREFIX + k] = t
+        out[PEFT_PREFIX + (config.module_name(k) if isinstance(config, DecoderConfig) else k)] = t
     return out
 
 
-def _resolved_targets(cfg: LoraConfig, names: list[str]) -> list[str] | str:
+def _our_key(key: str) -> str:
+    """An adapter key of a multimodal model's language model (``model.language_model.*`` as
+    transformers 5 names it, ``language_model.model.*`` / ``language_model.lm_head`` as 4.x did)
+    under our module name; other keys unchanged."""
+    for theirs, ours in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+        if key.startswith(theirs):
+            return ours + key.removeprefix(theirs)
+    return key
+
+
+def _resolved_targets(cfg: LoraConfig, names: list[str], multimodal: bool = False) -> list[str] | str:
+    """``target_modules`` for ``adapter_config.json``. A multimodal model's: a regex naming exactly
+    the wrapped language-model modules, so PEFT (which matches short names anywhere) and vLLM
+    leave the vision tower alone."""
+    if multimodal:
+        return language_model_regex(names)
     if cfg.target_modules != ALL_LINEAR:
         return cfg.target_modules
     return sorted({name.rpartition(".")[2] for name in names})
+
+
+def language_model_regex(names: list[str]) -> str:
+    r"""A regex that ``re.fullmatch``-es the transformers names of exactly our modules ``names``
+    in a multimodal model: ``model\.language_model\.layers\.(?:0|1)\.(?:mlp\.down_proj|...)``
+    when every listed layer holds the same modules, else the names one by one."""
+    parsed = [re.fullmatch(r"model\.layers\.(\d+)\.(.+)", n) for n in names]
+    pairs = {(m.group(1), m.group(2)) for m in parsed if m}
+    layers = sorted({int(layer) for layer, _ in pairs})
+    suffixes = sorted({suffix for _, suffix in pairs})
+    if all(parsed) and len(pairs) == len(layers) * len(suffixes):
+        return (r"model\.language_model\.layers\.(?:" + "|".join(map(str, layers)) + r")\.(?:"
+                + "|".join(re.escape(s) for s in suffixes) + ")")
+    hf = [("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n for n in names]
+    return "(?:" + "|".join(re.escape(n) for n in sorted(hf)) + ")"
 
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> None:
@@ -202,9 +238,9 @@ def save_adapter(
 
 
 def _adapter_config(cfg: LoraConfig, base_model_name_or_path: str | None, revision: str | None,
-                    target_names: list[str], extra_config: JsonDict | None) -> JsonDict:
+                    target_names: list[str], extra_config: JsonDict | None, multimodal: bool = False) -> JsonDict:
     d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
-    d["target_modules"] = _resolved_targets(cfg, target_names)
+    d["target_modules"] = _resolved_targets(cfg, target_names, multimodal)
     clash = sorted(set(extra_config or {}) & set(d))
     if clash:
         raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
@@ -230,7 +266,8 @@ def write_adapter_files(
     ``identity``: the base's :func:`~nxd_finetune.lora.identity.base_identity`, written into the
     safetensors metadata (with ``config_hash``) where PEFT does not look."""
     out = Path(out_dir)
-    d = _adapter_config(cfg, base_model_name_or_path, revision, target_names, extra_config)
+    multimodal = any(k.startswith(PEFT_PREFIX + MULTIMODAL_PREFIX) for k in tensors)
+    d = _adapter_config(cfg, base_model_name_or_path, revision, target_names, extra_config, multimodal)
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", **(identity or {}), **({CONFIG_HASH_KEY: config_hash} if config_hash else {})}
@@ -339,7 +376,7 @@ def _read_tensors(
     try:
         with _open_weights(path) as f:
             for raw in f.keys():
-                key = raw.removeprefix(PEFT_PREFIX)
+                key = _our_key(raw.removeprefix(PEFT_PREFIX))
                 part = f.get_slice(raw)
                 index = select(key, tuple(part.get_shape())) if select else None
                 out[key] = index.take(part) if index is not None else f.get_tensor(raw)

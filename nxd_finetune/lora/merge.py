@@ -213,6 +213,9 @@ def merge_adapter(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NxdError(f"output directory {out} already exists and is not empty")
     config = DecoderConfig.from_hf(base_dir)
+    if config.multimodal:
+        raise NxdError(f"merge supports text models only; {base_dir} is a multimodal "
+                       f"{config.raw.get('architectures', ['checkpoint'])[0]} (load the adapter onto it with peft)")
     cfg, tensors = read_adapter(adapter_dir)
     index = checkpoint_index(base_dir)
     shapes = _base_shapes(index)

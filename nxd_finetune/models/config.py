@@ -33,12 +33,25 @@ _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # architectures whose attention_bias puts a bias on q, k, v and o
 _ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+# multimodal architectures whose language model is one of ours (``text_config``; images are not modelled)
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_MULTIMODAL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration"}
+# transformers 5.24's Gemma3TextConfig defaults for what a ``text_config`` may leave out (the released
+# Gemma 3 4b/12b/27b configs name only a few keys); the rope keys in their pre-5 flat form
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+    "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    "tie_word_embeddings": True, "_sliding_window_pattern": 6,
+}
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM"}
 # fields of ours that are not HF config keys (never written by to_hf)
 _DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up", "embed_scale",
-            "norm_unit_offset", "sandwich_norms")
+            "norm_unit_offset", "sandwich_norms", "multimodal")
 
 
 @dataclasses.dataclass
@@ -61,6 +74,10 @@ class DecoderConfig:
     ``layer_types`` (``sliding_attention`` layers use ``sliding_window``, ``full_attention`` ones do
     not; None: every layer uses ``sliding_window``), ``rope_local_base_freq`` (Gemma 3: the rope base
     of the sliding layers, which take no rope scaling).
+
+    ``multimodal``: read from a multimodal checkpoint (``Gemma3ForConditionalGeneration``): the fields
+    are its ``text_config``'s, ``raw`` the whole config; :meth:`checkpoint_keys` and
+    :meth:`module_name` name the language model's tensors and modules as that checkpoint does.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -97,6 +114,7 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    multimodal: bool = False
     raw: JsonDict = dataclasses.field(default_factory=dict, repr=False)  # the HF config.json read
 
     def __post_init__(self) -> None:
@@ -133,8 +151,11 @@ class DecoderConfig:
                 raw = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-        archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
+        types = {**_MODEL_TYPES, **_MULTIMODAL_TYPES}
+        archs = raw.get("architectures") or [types.get(raw.get("model_type", ""), "")]
         arch = archs[0] if archs else ""
+        if arch in MULTIMODAL:
+            return cls._from_multimodal(arch, raw)
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ModelLoadError(f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}")
@@ -162,6 +183,38 @@ class DecoderConfig:
         elif arch == "Qwen3ForCausalLM":  # windows on some layers only (max_window_layers): not modelled
             raise ModelLoadError("Qwen3 with use_sliding_window=true is not supported")
         return cls(architecture=arch, raw=raw, **kwargs)
+
+    @classmethod
+    def _from_multimodal(cls, arch: str, raw: JsonDict) -> DecoderConfig:
+        """The language model of a multimodal config: its ``text_config`` over transformers'
+        defaults, the tie of the top level (where transformers reads it), no logit soft-capping
+        (transformers' multimodal head applies none), ``raw`` the whole config."""
+        text = raw.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"{arch} config: text_config is not a mapping")
+        # transformers' multimodal head never soft-caps the logits, whatever text_config says
+        text = {**GEMMA3_TEXT_DEFAULTS, **text, "architectures": [MULTIMODAL[arch]], "final_logit_softcapping": None}
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        config = cls.from_hf(text)
+        config.multimodal, config.raw = True, raw
+        return config
+
+    def checkpoint_keys(self, name: str) -> tuple[str, ...]:
+        """The keys a checkpoint may hold our tensor ``name`` under, in the order to try: itself
+        for a text model; for a multimodal one the layout transformers writes
+        (``language_model.model.*``, ``language_model.lm_head.weight``), then its module names
+        (``model.language_model.*``, ``lm_head.weight``), which it also reads."""
+        if not self.multimodal:
+            return (name,)
+        return ("language_model." + name, self.module_name(name))
+
+    def module_name(self, name: str) -> str:
+        """Our module or parameter ``name`` as transformers' model names it (PEFT's adapter keys):
+        ``model.layers.0...`` is ``model.language_model.layers.0...`` in a multimodal model."""
+        if self.multimodal and name.startswith("model."):
+            return "model.language_model." + name.removeprefix("model.")
+        return name
 
     def to_hf(self) -> JsonDict:
         """The HF ``config.json`` dict (the original one when read from disk)."""

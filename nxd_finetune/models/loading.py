@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -102,6 +102,13 @@ def _read_full(name: str, safe_slice: TensorSlice, target: torch.Tensor) -> torc
     return safe_slice[:]
 
 
+def checkpoint_key(config: DecoderConfig, name: str, index: Mapping[str, object]) -> str:
+    """The key of our tensor ``name`` in a checkpoint whose keys are ``index``: the first of
+    :meth:`DecoderConfig.checkpoint_keys` it holds (the first one when it holds none)."""
+    keys = config.checkpoint_keys(name)
+    return next((k for k in keys if k in index), keys[0])
+
+
 def materialize(
     model: nn.Module,
     model_dir: str | Path,
@@ -113,19 +120,23 @@ def materialize(
     """Replace every meta parameter of ``model`` with its tensor from the checkpoint.
 
     ``name_map`` turns a module parameter name into a checkpoint key (LoRA-wrapped models map
-    ``...q_proj.base_layer.weight`` to ``...q_proj.weight``). Parameters the checkpoint lacks but
+    ``...q_proj.base_layer.weight`` to ``...q_proj.weight``), which :func:`checkpoint_key` turns
+    into the multimodal checkpoint's key when the model's config is one (other tensors there, the
+    vision tower's, are not read). Parameters the checkpoint lacks but
     that are tied (``lm_head.weight`` with tied embeddings) are re-tied afterwards; any other
     missing tensor or a shape mismatch raises ModelLoadError naming the tensor.
     """
     index = checkpoint_index(model_dir)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    config = getattr(model, "config", None)
+    tied = getattr(config, "tie_word_embeddings", False)
     by_file: dict[Path, list[tuple[str, str, nn.Module, str]]] = {}
     for full_name, param in list(model.named_parameters(remove_duplicate=False)):
-        key = name_map(full_name) if name_map else full_name
+        name = name_map(full_name) if name_map else full_name
+        key = checkpoint_key(config, name, index) if isinstance(config, DecoderConfig) else name
         module_name, _, attr = full_name.rpartition(".")
         module = model.get_submodule(module_name)
         if key not in index:
-            if tied and key == "lm_head.weight":
+            if tied and name == "lm_head.weight":
                 continue
             if param.device.type != "meta":
                 continue  # built fresh (e.g. LoRA matrices), not a checkpoint tensor

@@ -13,7 +13,7 @@ from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.lora import LoraConfig, inject_lora
 from nxd_finetune.lora.init_from import check_init_from
-from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index
+from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index, checkpoint_key
 from nxd_finetune.preflight.data import first_line
 from nxd_finetune.registry.fetch import fetch_adapter
 
@@ -45,6 +45,7 @@ def check_weights(model: torch.nn.Module, config: DecoderConfig, model_dir: Path
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    expected = {checkpoint_key(config, n, index): t for n, t in expected.items()}
     missing = [n for n in expected if n not in index]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -30,9 +30,18 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
     - attention heads, vocab and MLP width split evenly over tp;
     - key/value heads: tp divides them, or is a multiple of them (kv heads are then replicated);
     - layers split evenly over ``pp * virtual_stages`` stages unless ``parallel.pp_cuts`` places the
-      cuts, which must then lie inside ``1 .. num_hidden_layers-1``.
+      cuts, which must then lie inside ``1 .. num_hidden_layers-1``;
+    - a multimodal checkpoint (``config.multimodal``: its language model is trained, text only)
+      takes LoRA with an ``adapter`` or ``base_and_adapter`` artefact: full SFT and ``merged`` would
+      write a checkpoint without its vision tower.
     Raises RecipeError with the numbers.
     """
+    if getattr(config, "multimodal", False):
+        what = ("full fine-tuning" if recipe.lora is None else
+                "checkpoint.save_mode=merged" if recipe.checkpoint.save_mode == "merged" else None)
+        if what:
+            raise RecipeError(f"{what} of a multimodal checkpoint is not supported: it trains the language model "
+                              "with LoRA only (save_mode adapter or base_and_adapter)")
     par = recipe.parallel
     tp, stages = par.tp, par.num_stages
     heads = config.num_attention_heads
