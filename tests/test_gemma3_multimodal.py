@@ -197,7 +197,7 @@ def chat_data(tmp_path) -> Path:
 
 def test_lora_run_through_the_cli(mm_dir, chat_data, tmp_path, capsys, quickstart_cache):
     """``validate`` counts the language model; ``run`` trains LoRA and writes an adapter that
-    `peft` loads onto the multimodal model."""
+    `peft` loads onto the multimodal model, and a second run starts from it (``lora.init_from``)."""
     args = _recipe_args(mm_dir, chat_data, tmp_path / "out")
     with pytest.raises(SystemExit) as info:
         main(["validate", *args])
@@ -224,6 +224,10 @@ def test_lora_run_through_the_cli(mm_dir, chat_data, tmp_path, capsys, quickstar
     load_adapter(ours, adapter)
     with torch.no_grad():
         assert (ours(ids) - ref).abs().max() <= 1e-5
+    # lora.init_from reads its target regex back onto our module names
+    with pytest.raises(SystemExit) as info:
+        main(["run", *_recipe_args(mm_dir, chat_data, tmp_path / "again"), f"lora.init_from={adapter}"])
+    assert (info.value.code or 0) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("command", "needle"), [
