@@ -11,15 +11,28 @@ adapter changes the answers.
 - Gemma 3: built here with transformers (fixed seed, norms perturbed), head_dim 32 (vLLM's CPU
   attention takes 32, 64, 80, ...) and a sliding window shorter than the prompts, with the
   quickstart's tokenizer; trained by ``recipes/quickstart.yaml``.
+- Gemma 3 multimodal (``Gemma3ForConditionalGeneration``, text prompts only): the same language
+  model under a tiny SigLIP tower (28 px images of 14 px patches, 2x2 patches pooled to
+  ``mm_tokens_per_image`` 4, as vLLM's projector requires) and transformers' Gemma 3 processor.
+  vLLM's Gemma 3 prompt processing looks up ``"\\n"`` .. ``"\\n\\n\\n\\n"`` as single tokens, so the
+  tokenizer adds them with the image tokens; the weights are stored under the Hub checkpoints'
+  names (``vision_tower.vision_model.*``), the ones vLLM's Gemma 3 loader knows (transformers reads
+  both). The adapter (``model.language_model.*`` names, a regex ``target_modules``) is trained by
+  ``recipes/quickstart.yaml`` and compared with ``peft`` on transformers' multimodal model. vLLM's
+  Gemma 3 module imports transformers' image processor, which needs torchvision: skipped where
+  torchvision does not import (``make setup-vllm`` removes the index's, built for CUDA torch).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, Gemma3Config
 
 pytest.importorskip("vllm")
 pytest.importorskip("openai")
@@ -59,13 +72,46 @@ def _gemma3_dir(path: Path) -> Path:
     return path
 
 
+VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+              patch_size=14)
+MM_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def _gemma3_mm_dir(path: Path) -> Path:
+    """The tiny Gemma 3 language model under a tiny vision tower, with a Gemma 3 processor."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor  # the image processor imports torchvision
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model(), extra_special_tokens=MM_TOKENS)
+    tok.add_tokens(["\n" * n for n in range(1, 5)])
+    ids = {key: tok.convert_tokens_to_ids(token) for key, token in MM_TOKENS.items()}
+    text = dict(**GEMMA3, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)
+    config = Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4,
+                          image_token_index=ids["image_token"], boi_token_index=ids["boi_token"],
+                          eoi_token_index=ids["eoi_token"])
+    build_tiny_hf(config, path, seed=0)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    tensors = load_file(path / "model.safetensors")
+    save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in tensors.items()},
+              path / "model.safetensors", metadata={"format": "pt"})
+    image = Gemma3ImageProcessor(size={"height": VISION["image_size"], "width": VISION["image_size"]})
+    Gemma3Processor(image_processor=image, tokenizer=tok, chat_template=tok.chat_template,
+                    image_seq_length=config.mm_tokens_per_image).save_pretrained(path)
+    return path
+
+
 def _base_and_recipe(family: str, work: Path) -> tuple[Path, Path]:
     if family == "qwen3":
         return ensure_tiny_model(name=TINY_QWEN3), ROOT / "recipes" / "quickstart-qwen3.yaml"
+    if family == "gemma3-mm":
+        if importlib.util.find_spec("torchvision") is None:
+            pytest.skip("vLLM's Gemma3ForConditionalGeneration imports transformers' Gemma 3 image processor, "
+                        "which needs torchvision")
+        return _gemma3_mm_dir(work / "gemma3-mm"), ROOT / "recipes" / "quickstart.yaml"
     return _gemma3_dir(work / "gemma3"), ROOT / "recipes" / "quickstart.yaml"
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "gemma3-mm"])
 def family(request, tmp_path_factory, quickstart_cache):
     """One family's base, trained adapter, prompts and peft's answers, and its vLLM server:
     ``(name, base dir, prompts, expected, client)``."""
@@ -73,6 +119,9 @@ def family(request, tmp_path_factory, quickstart_cache):
     work = tmp_path_factory.mktemp(f"vllm-{name}")
     base, recipe = _base_and_recipe(name, work)
     adapter = train(work, recipe, work / "run", *TRAIN, f"model.path={base}")
+    if name == "gemma3-mm":  # transformers' module names, the language-model linears named by a regex
+        assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"].startswith(
+            r"model\.language_model\.layers\.")
     prompts = chat_prompts(base)
     expected = peft_greedy(base, {name: adapter}, prompts)
     with vllm_server(base, work, work / "vllm-server.log", ["--max-loras", "1", "--lora-modules",
