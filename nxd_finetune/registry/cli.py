@@ -104,6 +104,7 @@ def ls_cmd(
     from nxd_finetune.registry import core
 
     reg = core.open_registry(registry)
+    reg.storage.check_root()
     console = _console()
     if name is None:
         names = reg.list_names()

@@ -96,6 +96,10 @@ class Storage(ABC):
     def list(self, prefix: str = "") -> Keys:
         """All keys under ``prefix`` (a plain string prefix, recursive), sorted."""
 
+    def check_root(self) -> None:  # noqa: B027  (a no-op unless a backend can tell)
+        """Raise StorageError where the root itself is unusable (a local root at or under a file), so
+        that a listing does not report "nothing here" for a wrong path. A no-op by default."""
+
     @abstractmethod
     def list_dirs(self, prefix: str = "") -> Keys:
         """Names of the immediate "subdirectories" of ``prefix`` (which is empty or ends in ``/``), sorted."""

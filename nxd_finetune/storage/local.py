@@ -55,6 +55,13 @@ class LocalStorage(Storage):
         self.root = Path(root).expanduser().absolute()
         self.uri = str(self.root)
 
+    @_os_errors("list")
+    def check_root(self) -> None:
+        """StorageError (one line) when the root is, or lies under, a file: listing it would say
+        "nothing here" where the user gave a wrong path."""
+        if file := _file_in_the_way(self.root):
+            raise StorageError(f"cannot list under {self.uri}: {file} is a file, not a directory")
+
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
@@ -131,8 +138,6 @@ class LocalStorage(Storage):
         # Walk only the directory that contains the prefix, then filter by the string prefix.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / check_key(base) if base else self.root
-        if _file_in_the_way(self.root):  # a root under (or at) a file: an error, not an empty registry
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.root))
         keys = []
         for dirpath, _dirs, files in os.walk(start, onerror=_walk_error):
             rel = Path(dirpath).relative_to(self.root).as_posix()
