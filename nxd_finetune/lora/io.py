@@ -40,7 +40,7 @@ from nxd_finetune.lora.inject import (
     lora_modules,
     saved_modules,
 )
-from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.config import LANGUAGE_MODEL_PREFIX, DecoderConfig, text_model_name
 from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from nxd_finetune.parallel.state import ParallelState
 
 PEFT_PREFIX = "base_model.model."
-MULTIMODAL_PREFIX = "model.language_model."  # a multimodal model's language model (transformers 5)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 TOKENIZER_FILES = (
@@ -136,17 +135,6 @@ def _peft_keys(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def _our_key(key: str) -> str:
-    """An adapter key of a multimodal model's language model (``model.language_model.*`` as
-    transformers 5 names it, ``language_model.model.*`` / ``language_model.lm_head`` as 4.x did)
-    under our module name; other keys unchanged."""
-    for theirs, ours in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                         ("language_model.lm_head.", "lm_head.")):
-        if key.startswith(theirs):
-            return ours + key.removeprefix(theirs)
-    return key
-
-
 def _resolved_targets(cfg: LoraConfig, names: list[str], multimodal: bool = False) -> list[str] | str:
     """``target_modules`` for ``adapter_config.json``. A multimodal model's: a regex naming exactly
     the wrapped language-model modules, so PEFT (which matches short names anywhere) and vLLM
@@ -167,9 +155,9 @@ def language_model_regex(names: list[str]) -> str:
     layers = sorted({int(layer) for layer, _ in pairs})
     suffixes = sorted({suffix for _, suffix in pairs})
     if all(parsed) and len(pairs) == len(layers) * len(suffixes):
-        return (r"model\.language_model\.layers\.(?:" + "|".join(map(str, layers)) + r")\.(?:"
+        return (re.escape(LANGUAGE_MODEL_PREFIX) + r"layers\.(?:" + "|".join(map(str, layers)) + r")\.(?:"
                 + "|".join(re.escape(s) for s in suffixes) + ")")
-    hf = [("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n for n in names]
+    hf = [(LANGUAGE_MODEL_PREFIX + n.removeprefix("model.")) if n.startswith("model.") else n for n in names]
     return "(?:" + "|".join(re.escape(n) for n in sorted(hf)) + ")"
 
 
@@ -266,7 +254,7 @@ def write_adapter_files(
     ``identity``: the base's :func:`~nxd_finetune.lora.identity.base_identity`, written into the
     safetensors metadata (with ``config_hash``) where PEFT does not look."""
     out = Path(out_dir)
-    multimodal = any(k.startswith(PEFT_PREFIX + MULTIMODAL_PREFIX) for k in tensors)
+    multimodal = any(k.startswith(PEFT_PREFIX + LANGUAGE_MODEL_PREFIX) for k in tensors)
     d = _adapter_config(cfg, base_model_name_or_path, revision, target_names, extra_config, multimodal)
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +364,7 @@ def _read_tensors(
     try:
         with _open_weights(path) as f:
             for raw in f.keys():
-                key = _our_key(raw.removeprefix(PEFT_PREFIX))
+                key = text_model_name(raw.removeprefix(PEFT_PREFIX))
                 part = f.get_slice(raw)
                 index = select(key, tuple(part.get_shape())) if select else None
                 out[key] = index.take(part) if index is not None else f.get_tensor(raw)

@@ -36,6 +36,8 @@ ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 # multimodal architectures whose language model is one of ours (``text_config``; images are not modelled)
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 _MULTIMODAL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration"}
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+"""A multimodal model's language model, as transformers 5 names its modules."""
 # transformers 5.24's Gemma3TextConfig defaults for what a ``text_config`` may leave out (the released
 # Gemma 3 4b/12b/27b configs name only a few keys); the rope keys in their pre-5 flat form
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
@@ -211,9 +213,10 @@ class DecoderConfig:
 
     def module_name(self, name: str) -> str:
         """Our module or parameter ``name`` as transformers' model names it (PEFT's adapter keys):
-        ``model.layers.0...`` is ``model.language_model.layers.0...`` in a multimodal model."""
+        ``model.layers.0...`` is ``model.language_model.layers.0...`` in a multimodal model
+        (:func:`text_model_name` is the way back)."""
         if self.multimodal and name.startswith("model."):
-            return "model.language_model." + name.removeprefix("model.")
+            return LANGUAGE_MODEL_PREFIX + name.removeprefix("model.")
         return name
 
     def to_hf(self) -> JsonDict:
@@ -283,3 +286,18 @@ def _gemma_kwargs(arch: str, raw: dict[str, Any], kwargs: dict[str, Any]) -> dic
     if arch == "Gemma3ForCausalLM" and kwargs.get("rope_local_base_freq") is None:
         kwargs["rope_local_base_freq"] = 10000.0  # transformers' default for Gemma 3
     return rope if isinstance(rope, dict) else None
+
+
+_TEXT_MODEL_PREFIXES = ((LANGUAGE_MODEL_PREFIX, "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+
+
+def text_model_name(key: str) -> str:
+    """A multimodal model's language-model name (``model.language_model.*`` as transformers 5
+    names it, ``language_model.model.*`` / ``language_model.lm_head.*`` as its checkpoints and 4.x
+    adapters do) as ours: the inverse of :meth:`DecoderConfig.module_name` and
+    :meth:`DecoderConfig.checkpoint_keys`; other names unchanged."""
+    for theirs, ours in _TEXT_MODEL_PREFIXES:
+        if key.startswith(theirs):
+            return ours + key.removeprefix(theirs)
+    return key
