@@ -41,8 +41,7 @@ the sequence of training rows the checkpoint's data position points into, what i
 
 APPLIED_MODEL_KEYS: tuple[str, ...] = ("model.attention",)
 """Keys of the fixed ``model`` section that only choose how the same numbers are computed: applied
-from the resumed step (a checkpoint saved before a key existed had its default)."""
-MODEL_KEY_DEFAULTS: dict[str, object] = {"model.attention": "auto"}
+from the resumed step."""
 
 IGNORED_KEYS: tuple[str, ...] = (
     "lora.init_from", "lora.allow_other_base", "lora.init_lora_weights", "eval.before", "checkpoint.resume",
@@ -85,11 +84,6 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def _new_key_at_default(change: RecipeChange) -> bool:
-    """A key the saved recipe predates, now at the default its run had."""
-    return change.old is None and change.key in MODEL_KEY_DEFAULTS and change.new == MODEL_KEY_DEFAULTS[change.key]
-
-
 def recipe_changes(saved: RecipeDict, current: RecipeDict) -> list[RecipeChange]:
     """Every dotted key whose value differs (a key present on one side only counts as None on the
     other, so a section switched on or off is a change of its keys)."""
@@ -100,6 +94,15 @@ def recipe_changes(saved: RecipeDict, current: RecipeDict) -> list[RecipeChange]
         if a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
             changes.append(RecipeChange(key, a, b))
     return changes
+
+
+def _with_defaults(saved: RecipeDict) -> RecipeDict:
+    """The saved recipe through today's schema: a key it predates gets the default its run had,
+    so it is no change. One the schema no longer takes is compared as it was written."""
+    try:
+        return recipe_from_dict(saved).to_dict()
+    except (RecipeError, ValueError, TypeError):
+        return saved
 
 
 def _global_batch(data: RecipeDict) -> int | None:
@@ -117,12 +120,13 @@ def check_resume(saved_yaml: str, recipe: Recipe, where: str, step: int) -> list
     saved = yaml.safe_load(saved_yaml)
     if not isinstance(saved, dict):
         return []
+    saved = _with_defaults(saved)
     current = recipe.to_dict()
     if (saved.get("lora") is None) != (current.get("lora") is None):
         kind = "full fine-tuning" if saved.get("lora") is None else "LoRA"
         raise RecipeError(f"cannot resume from {where}: it was trained with {kind} and the recipe changes "
                           "that (lora); put it back, or start fresh with --no-resume or another output.dir")
-    changes = [c for c in recipe_changes(saved, current) if not _new_key_at_default(c)]
+    changes = recipe_changes(saved, current)
     for c in changes:
         if _matches(c.key, FIXED_KEYS) and not _matches(c.key, APPLIED_MODEL_KEYS):
             raise RecipeError(f"cannot resume from {where}: {c.key} changed since the checkpoint "
