@@ -176,7 +176,15 @@ class Attention(nn.Module):
         """``mask``: as :func:`attention_layout` returns (None = causal, a bool mask, or runs), or a
         flex :class:`BlockMask` (:func:`nxd_finetune.models.flex.flex_block_mask`).
         ``keep_index`` (long [N], flat indices into the B*T positions): attention still runs over
-        every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``."""
+        every position, but only these rows of its output go through ``o_proj``: output ``[N, H]``.
+        The three parts, :meth:`qkv`, :meth:`core` and ``o_proj``, are also called one by one
+        (:class:`~nxd_finetune.models.llama.DecoderLayer` compiles all but the core)."""
+        return self.o_proj(_keep(self.core(*self.qkv(x, cos, sin), mask), keep_index))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``[B, T, heads, head_dim]`` of ``x``: projected, per-head normed
+        (Qwen3, Gemma 3) and rotated, in the dtype attention takes."""
         q, k, v = self._project(x)
         b, t = q.shape[:2]  # not x.shape: under sequence parallel x holds T/tp positions
         # Under autocast the projections come out in the autocast dtype while cos/sin stay in the
@@ -190,14 +198,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _rotary_tokens_first(q, cos, sin).to(v.dtype)
         k = _rotary_tokens_first(k, cos, sin).to(v.dtype)
-        v = v.view(b, t, -1, self.head_dim)
+        return q, k, v.view(b, t, -1, self.head_dim)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | SegmentRuns | BlockMask | None) -> torch.Tensor:
+        """Attention of :meth:`qkv`'s outputs under ``mask`` (see :meth:`forward`): ``[B, T, heads * head_dim]``."""
+        b, t = q.shape[:2]
         if isinstance(mask, BlockMask):
-            out = flex_attention_tokens_first(q, k, v, mask, self.scale, self.softcap)
-            return self.o_proj(_keep(out.reshape(b, t, -1), keep_index))
+            return flex_attention_tokens_first(q, k, v, mask, self.scale, self.softcap).reshape(b, t, -1)
         if isinstance(mask, SegmentRuns):
-            return self.o_proj(_keep(_run_attention(q, k, v, mask.lengths, self.scale).reshape(b, t, -1), keep_index))
+            return _run_attention(q, k, v, mask.lengths, self.scale).reshape(b, t, -1)
         if mask is None and q.device.type == "cpu" and self.softcap is None:  # unpacked rows: T varies per batch
-            return self.o_proj(_keep(_padded_causal(q, k, v, self.scale).reshape(b, t, -1), keep_index))
+            return _padded_causal(q, k, v, self.scale).reshape(b, t, -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.softcap is not None:
             out = _softcapped(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap)
@@ -209,7 +221,7 @@ class Attention(nn.Module):
                 rep = q.shape[1] // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return self.o_proj(_keep(out.transpose(1, 2).reshape(b, t, -1), keep_index))
+        return out.transpose(1, 2).reshape(b, t, -1)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, T, heads * head_dim]`` (this rank's heads under TP)."""

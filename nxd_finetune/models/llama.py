@@ -13,6 +13,8 @@ replacing ``nn.Linear``/``nn.Embedding`` modules according to a plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -106,6 +108,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.compiled = False  # model.compile (DecoderForCausalLM.set_compile)
 
     def forward(
         self,
@@ -116,13 +119,53 @@ class DecoderLayer(nn.Module):
         keep_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, T, H]`` -> ``[B, T, H]``, or ``[N, H]`` at the positions of ``keep_index`` only
-        (attention still reads every position's keys and values; see :class:`Attention`)."""
-        h = self.self_attn(self.input_layernorm(x), cos, sin, mask, keep_index)
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            x = _keep(x, keep_index) + h
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = _keep(x, keep_index) + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        (attention still reads every position's keys and values; see :class:`Attention`).
+
+        With :attr:`compiled` the parts before and after the attention kernel run through
+        ``torch.compile`` (:func:`compiled_regions`); the kernel itself, whose mask may be a host-side
+        run list or a block mask, runs as it is."""
+        before, after, after_kept = compiled_regions() if self.compiled else (_layer_before, _layer_after, _layer_after)
+        q, k, v = before(self, x, cos, sin)
+        return (after if keep_index is None else after_kept)(self, x, self.self_attn.core(q, k, v, mask), keep_index)
+
+
+def _layer_before(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's input norm and :meth:`Attention.qkv`."""
+    return layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+
+
+def _layer_after(layer: DecoderLayer, x: torch.Tensor, attention: torch.Tensor,
+                 keep_index: torch.Tensor | None) -> torch.Tensor:
+    """A layer's ``o_proj`` of the ``attention`` output, the residuals, norms and MLP."""
+    h = layer.self_attn.o_proj(_keep(attention, keep_index))
+    if layer.pre_feedforward_layernorm is None or layer.post_feedforward_layernorm is None:
+        x = _keep(x, keep_index) + h
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = _keep(x, keep_index) + layer.post_attention_layernorm(h)
+    return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+
+
+def _layer_after_kept(layer: DecoderLayer, x: torch.Tensor, attention: torch.Tensor,
+                      keep_index: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_layer_after` under its own name: compiled apart, its graphs (with ``keep_index``)
+    do not count against the other's recompile limit."""
+    return _layer_after(layer, x, attention, keep_index)
+
+
+@functools.cache
+def compiled_regions() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """``torch.compile`` of :func:`_layer_before` and of :func:`_layer_after` twice (without and
+    with ``keep_index``, the last layer's), made once per process and shared by every layer: the
+    layer is an argument, so its parameters are graph inputs and layers alike reuse one graph
+    (torch's ``inline_inbuilt_nn_modules``). Sizes that change from batch to batch (rows per
+    micro-batch, unpacked rows' length, ``keep_index``'s) become dynamic after their first change.
+    inductor draws dropout's random numbers as eager does (``fallback_random``), so a compiled run
+    repeats an eager one's LoRA dropout."""
+    options: dict[str, str | int | bool | Callable[..., object]] = {"fallback_random": True}
+    return (torch.compile(_layer_before, options=options), torch.compile(_layer_after, options=options),
+            torch.compile(_layer_after_kept, options=options))
 
 
 class DecoderModel(nn.Module):
@@ -220,6 +263,12 @@ class DecoderForCausalLM(nn.Module):
         if attention not in ATTENTIONS:
             raise NxdError(f"model.attention={attention!r} is not one of {', '.join(ATTENTIONS)}")
         self.model.attention = attention
+
+    def set_compile(self, compiled: bool) -> None:
+        """``model.compile``: run each decoder layer's work around the attention kernel through
+        ``torch.compile`` (:meth:`DecoderLayer.forward`). The same numbers within float rounding."""
+        for layer in self.model.layers.values():
+            cast(DecoderLayer, layer).compiled = compiled
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` (tied-embedding configs)."""

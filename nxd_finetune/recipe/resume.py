@@ -39,7 +39,7 @@ the sequence of training rows the checkpoint's data position points into, what i
 (the objective) or the reference log-probs stored with the pairs. A preference loss setting
 (``beta``, ``loss_type``...) is a hyperparameter like ``lr``: applied from the resumed step."""
 
-APPLIED_MODEL_KEYS: tuple[str, ...] = ("model.attention",)
+APPLIED_MODEL_KEYS: tuple[str, ...] = ("model.attention", "model.compile")
 """Keys of the fixed ``model`` section that only choose how the same numbers are computed: applied
 from the resumed step."""
 

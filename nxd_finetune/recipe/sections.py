@@ -38,11 +38,15 @@ class ModelSection(_Section):
     """``path``: HF model directory (config.json + safetensors) or ``builtin:tiny-llama``.
     ``dtype``: the dtype the base weights are loaded in. ``tokenizer``: defaults to ``path``.
     ``attention``: the attention kernels (``nxd_finetune.models.flex.ATTENTIONS``: ``auto`` is
-    FlexAttention on CUDA for packed rows, windows and soft-capped scores, SDPA otherwise)."""
+    FlexAttention on CUDA for packed rows, windows and soft-capped scores, SDPA otherwise).
+    ``compile``: ``torch.compile`` each decoder layer's work around the attention kernel (norms,
+    projections with their LoRA, rope, MLP), on CPU and CUDA; the first steps then take the compile
+    time."""
 
     path: str = Field(min_length=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     attention: Literal["auto", "sdpa", "flex"] = "auto"
+    compile: bool = False
     revision: str | None = None
     tokenizer: str | None = None
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -296,6 +298,17 @@ def _optimizer(rank_model: RankModel, t: TrainingSection, zero1: bool,
     return optimizer, scheduler
 
 
+def _check_compile(device: torch.device) -> None:
+    """NxdError (one line) where ``model.compile`` cannot run: off CPU and CUDA (torch_xla compiles
+    the whole step's graph itself), or on a CPU without the C++ compiler inductor builds kernels with."""
+    if device.type not in ("cpu", "cuda"):
+        raise NxdError(f"model.compile=true is for CPU and CUDA (training.device resolves to {device.type}, "
+                       "which compiles the step's graph itself); leave model.compile=false")
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+        raise NxdError("model.compile=true on CPU needs a C++ compiler (g++ or clang++, or $CXX) on PATH "
+                       "for torch's inductor; install one or leave model.compile=false")
+
+
 def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_steps: int,
                  state: ParallelState | None = None, host: HostGroups | None = None,
                  objective: Objective = SFT) -> Engine:
@@ -330,8 +343,11 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     if recipe.model.attention == "flex" and device.type != "cuda":
         raise NxdError(f"model.attention=flex trains on CUDA only (training.device resolves to {device.type}): "
                        "torch's FlexAttention has no backward on CPU; use model.attention=auto or sdpa")
+    if recipe.model.compile:
+        _check_compile(device)
     model = build_model(config)
     model.set_attention(recipe.model.attention)
+    model.set_compile(recipe.model.compile)
     rank_model = parallelize_model(model, state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
