@@ -24,7 +24,10 @@ its own process (bench/gpu_worker.py), HF padded first (see ``--padded-samples``
   of device memory, it is run again with ``k / 2`` samples and twice the micro-batches per step
   (the same samples per optimizer step), and the table says so;
 - ``hf-flat``: the same micro-batches as ``hf-padded``, flattened (padding-free);
-- ``liger``: ``hf-flat`` with liger-kernel's fused Llama ops, where liger-kernel imports.
+- ``liger``: ``hf-flat`` with liger-kernel's fused Llama ops, where liger-kernel imports;
+- ``ours-compile``: ``ours`` with ``model.compile: true``, on the ``--compile-shapes`` (default 1b),
+  after every shape's other configurations (the optional row goes first when the budget runs out);
+  the table's note gives the compile time (the warm-up's seconds less its steps at the median).
 """
 
 from __future__ import annotations
@@ -64,10 +67,7 @@ TINY = {  # --tiny: 2 layers, the tokenizer's vocabulary (None), tied as the ful
 }
 SHAPES = {"1b": SHAPE_1B, "8b": SHAPE_8B}
 CONFIGS = ("hf-padded", "ours", "hf-flat", "liger")  # padded first: its micro-batch may need halving
-NOT_DONE = [
-    "torch.compile of the decoder layers: the project has no recipe key for it yet, so it is not measured",
-    "a plot (png): not drawn",
-]
+NOT_DONE = ["a plot (png): not drawn"]
 
 
 def fail(message: str) -> NoReturn:
@@ -215,6 +215,7 @@ def bench_shape(name: str, args: argparse.Namespace, workers: Workers, res: dict
     shape.update(padded_samples=k, mean_sample_tokens=statistics.mean(lengths))
     print(f"{shape['shape']}: {config['hidden_size']}h x {config['num_hidden_layers']}L, vocab {config['vocab_size']};"
           f" HF micro-batches of {k} samples", flush=True)
+    shape["base_spec"] = dict(base, batches=batches)
     for cfg in CONFIGS:
         spec = dict(base, framework=cfg.split("-")[0], packing=cfg != "hf-padded",
                     batches=batches, micro_batch=f"{k} samples" if cfg != "ours" else f"1 row of {args.seq_len}",
@@ -238,6 +239,20 @@ def bench_shape(name: str, args: argparse.Namespace, workers: Workers, res: dict
         emit()
 
 
+def bench_compiled(shape: dict[str, Any], args: argparse.Namespace, workers: Workers, peak: float | None,
+                   emit: Callable[[], None]) -> None:
+    """The ``ours-compile`` row of a shape whose other rows ran (``bench_shape``)."""
+    if "base_spec" not in shape:
+        return
+    spec = dict(shape["base_spec"], framework="ours", packing=True, compile=True,
+                micro_batch=f"1 row of {args.seq_len}", grad_accum=args.grad_accum)
+    row = {"config": "ours-compile", "spec": spec, "result": workers.run(spec)}
+    derive(row, shape["config"], peak)
+    shape["rows"].append(row)
+    print("  " + gpu_report.progress_line(row), flush=True)
+    emit()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="directory for gpu_bench.json / gpu_bench.md")
@@ -255,6 +270,9 @@ def main() -> None:
                     help="default: bf16-mixed on cuda (bf16 weights, fp32 adapters, bf16 autocast); fp32 on cpu")
     ap.add_argument("--attention", default=None,
                     help="nxd-finetune's model.attention (auto, sdpa, flex); default: the recipe default, auto")
+    ap.add_argument("--compile-shapes", default="1b",
+                    help="shapes that also run nxd-finetune with model.compile, after all others (default 1b; "
+                         "'' for none)")
     ap.add_argument("--peak-n", type=int, default=None, help="matmul peak size n (n^3; default 8192, cpu 512)")
     ap.add_argument("--worker-timeout", type=float, default=300.0, help="seconds per configuration before it is cut")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -262,7 +280,8 @@ def main() -> None:
                          "the running one is cut at the limit (default: none; set it below an outer time box)")
     args = ap.parse_args()
     args.shapes = args.shapes.split(",")
-    bad = [s for s in args.shapes if s not in SHAPES]
+    args.compile_shapes = [s for s in args.compile_shapes.split(",") if s]
+    bad = [s for s in args.shapes + args.compile_shapes if s not in SHAPES]
     if bad or args.grad_accum < 1 or args.warmup < 1:
         fail(f"unknown shape(s) {', '.join(bad)} (use 1b, 8b)" if bad else "--grad-accum and --warmup must be >= 1")
     args.steps = args.steps or (2 if args.tiny else 5)
@@ -297,6 +316,9 @@ def main() -> None:
         emit()
         for name in args.shapes:
             bench_shape(name, args, workers, res, emit)
+        for shape in res["shapes"]:
+            if shape["shape"].removesuffix("-tiny") in args.compile_shapes:
+                bench_compiled(shape, args, workers, res["matmul_peak"].get("flops_per_s"), emit)
     except Interrupted as e:
         res["interrupted"] = f"{e}: the bench was stopped; the configurations after the last row did not run"
         emit()

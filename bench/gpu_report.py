@@ -10,6 +10,7 @@ LABELS = {
     "hf-padded": "HF+peft, padded",
     "hf-flat": "HF+peft, padding-free (flattened)",
     "liger": "HF+peft+Liger, padding-free",
+    "ours-compile": "nxd-finetune, packed, model.compile",
 }
 GiB = 2**30
 
@@ -51,7 +52,7 @@ def _ok(r: dict[str, Any]) -> bool:
 
 def best_hf(shape: dict[str, Any]) -> dict[str, Any] | None:
     """The HF configuration with the most tokens/s (None if none ran)."""
-    rows = [row for row in shape["rows"] if row["config"] != "ours" and _ok(row["result"])]
+    rows = [row for row in shape["rows"] if not row["config"].startswith("ours") and _ok(row["result"])]
     return max(rows, key=lambda row: row["result"]["tokens_per_s"], default=None)
 
 
@@ -122,7 +123,23 @@ def _goals(shape: dict[str, Any], gpu: bool) -> list[str]:
     if shape["shape"] == "8b" and ours.get("mfu") is not None:
         out.append(f"- MFU on the 8B shape >= {100 * GOALS['mfu_8b']:.0f}%: {100 * ours['mfu']:.1f}% -- "
                    f"{verdict(ours['mfu'] >= GOALS['mfu_8b'])}")
-    return out
+    return out + _compile_line(shape, ours)
+
+
+def compile_seconds(r: dict[str, Any]) -> float:
+    """The compile time a run's warm-up held: its warm-up seconds less as many steps at the timed
+    median (the compiled steps' own time)."""
+    return float(r["warmup_s"] - r["warmup_steps"] * r["step_s_median"])
+
+
+def _compile_line(shape: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    row = next((row for row in shape["rows"] if row["config"] == "ours-compile"), None)
+    if row is None or not _ok(row["result"]):
+        return []
+    r = row["result"]
+    return [f"- `model.compile`: {r['tokens_per_s'] / ours['tokens_per_s']:.2f}x nxd-finetune's eager tokens/s, "
+            f"{_f(r.get('max_reserved_gib'), '.2f')} GiB reserved; compiling took about {compile_seconds(r):.0f} s "
+            f"of the {r['warmup_s']:.0f} s warm-up ({r['warmup_steps']} steps)"]
 
 
 def markdown(res: dict[str, Any]) -> str:

@@ -180,6 +180,8 @@ def recipe_dict(spec: dict[str, Any]) -> dict[str, Any]:
     model: dict[str, Any] = {"path": spec["model_dir"], "dtype": "bf16" if bf16 else "fp32"}
     if spec.get("attention"):  # model.attention; unset: the recipe's default (auto)
         model["attention"] = spec["attention"]
+    if spec.get("compile"):  # model.compile
+        model["compile"] = True
     return {
         "model": model,
         "data": {"train": spec["data"], "format": "messages", "max_seq_len": spec["seq_len"], "packing": True,
@@ -236,7 +238,9 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     clock.mark()
     return {**clock.timing(spec["warmup_steps"]), **memory(spec["device"]), "setup_s": setup_s,
             "allocated_after_setup_gib": after_setup, "losses": [r["train_loss"] for r in records],
-            "validate": estimate, "attention": f"model.attention={spec.get('attention') or 'auto (default)'}"}
+            "validate": estimate, "warmup_steps": spec["warmup_steps"],
+            "attention": f"model.attention={spec.get('attention') or 'auto (default)'}"
+                         + (", model.compile=true" if spec.get("compile") else "")}
 
 
 def _liger(spec: dict[str, Any]) -> str | None:

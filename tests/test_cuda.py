@@ -14,7 +14,8 @@ nothing about CUDA). What is checked, on the device:
   2: 16 layers in fp32 on the CPU do not fit the GPU session's few minutes);
 - the adapters trained on the device load in ``peft`` on the device, and peft's logits equal ours;
 - a checkpoint saved on the device resumes on the CPU and a CPU one on the device: the resumed
-  steps equal the uninterrupted runs' (the checkpoint format holds no device).
+  steps equal the uninterrupted runs' (the checkpoint format holds no device);
+- the quickstart with ``model.compile=true`` on the device equals the eager CPU curve.
 """
 
 from __future__ import annotations
@@ -237,3 +238,11 @@ def test_checkpoint_resumes_across_devices(direction, runs, qs_device, qs_cpu):
     for reference in (qs_device, qs_cpu):
         assert_same_curve(losses(out, after=CKPT_STEP), losses(reference, after=CKPT_STEP),
                           f"{direction}: steps {CKPT_STEP + 1}-{STEPS} vs {reference.name}")
+
+
+def test_compiled_quickstart_on_the_device_equals_the_cpu(runs, qs_cpu):
+    """``model.compile=true`` on the device (inductor's Triton kernels on CUDA) reproduces the eager
+    CPU curve; last in the module, so a time box that cuts the compile spares the checks above."""
+    out = train(runs / "qs-device-fp32-compiled", DEVICE, "fp32", "model.compile=true")
+    assert_same_curve(losses(out), losses(qs_cpu), f"quickstart train loss, {DEVICE} compiled vs cpu")
+    assert_same_curve(losses(out, "eval_loss"), losses(qs_cpu, "eval_loss"), "quickstart eval loss, compiled")
