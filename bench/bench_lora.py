@@ -44,7 +44,8 @@ from bench.common import BENCH, CACHE, MAX_SEQ_LEN, SEED, SHAPES, ensure_model, 
 
 PADDED_MBS, PACKED_MBS, GRAD_ACCUM = 4, 1, 2  # ~1180 vs ~1000 non-padding tokens per optimizer step
 CONFIGS = (("ours", True), ("hf", False), ("ours", False), ("hf", True), ("trl", True))  # ours / others alternate
-WORKERS = {"ours": "worker.py", "hf": "worker.py", "trl": "trl_sft_worker.py"}
+COMPILED = ("ours-compile", True)  # --compile: ours packed with model.compile (after 3 warm-up steps)
+WORKERS = {"ours": "worker.py", "ours-compile": "worker.py", "hf": "worker.py", "trl": "trl_sft_worker.py"}
 
 
 def prepare_data(shape: str, max_samples: int | None, warmup: int) -> tuple[Path, list[int]]:
@@ -108,25 +109,27 @@ def bench_shape(shape: str, args: argparse.Namespace, peaks: dict[int, dict[str,
     flops_per_token = train_flops(config, 16, lengths) / sum(lengths)
     base = dict(shape=shape, grad_accum=GRAD_ACCUM, warmup_steps=warmup, max_samples=max_samples,
                 threads=args.threads)
+    configs = CONFIGS + ((COMPILED,) if args.compile else ())
     specs = {(fw, packing): dict(base, framework=fw, packing=packing,
                                  micro_batch_size=PACKED_MBS if fw != "hf" and packing else PADDED_MBS,
-                                 **({"batches": str(batches)} if fw == "hf" else {}))
-             for fw, packing in CONFIGS}
+                                 **({"batches": str(batches)} if fw == "hf" else {}),
+                                 **({"warmup_steps": 3} if fw == "ours-compile" else {}))
+             for fw, packing in configs}
     print(f"{shape}: {config['hidden_size']}h x {config['num_hidden_layers']}L, vocab {config['vocab_size']}, "
           f"{len(lengths)} samples, {sum(lengths)} tokens", flush=True)
     runs: dict[tuple[str, bool], list[dict[str, Any]]] = {k: [] for k in specs}
     for rep in range(args.reps):
-        order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         print(f" repeat {rep + 1}/{args.reps}", flush=True)
         for key in order:
             runs[key].append(run_config(specs[key], args))
     peak = peaks[args.threads or os.cpu_count() or 1]
-    rows = [summarise(runs[k], flops_per_token, peak) for k in CONFIGS]
+    rows = [summarise(runs[k], flops_per_token, peak) for k in configs]
     return {"shape": shape, "shape_config": {k: config[k] for k in (
                 "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "vocab_size")},
             "samples": len(lengths), "tokens": sum(lengths), "flops_per_token": flops_per_token,
-            "rows": rows, "runs": [r for k in CONFIGS for r in runs[k]]}
+            "rows": rows, "runs": [r for k in configs for r in runs[k]]}
 
 
 def measure_peaks(before: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--max-busy", type=float, default=0.5,
                     help="before each configuration wait until other processes keep fewer cores busy")
     ap.add_argument("--max-wait", type=float, default=10.0, help="... but at most this many seconds")
+    ap.add_argument("--compile", action="store_true",
+                    help="also run ours packed with model.compile (3 warm-up steps: the compile is not timed)")
     ap.add_argument("--skip-cli", action="store_true", help="skip the --help / quickstart timings")
     ap.add_argument("--out", default=None, help="results basename (default lora_cpu[_quick])")
     args = ap.parse_args()

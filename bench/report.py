@@ -29,6 +29,8 @@ def _label(r: dict[str, Any]) -> str:
         return "TRL SFTTrainer+peft, packed (padding-free)"
     if fw == "hf":
         return "HF+peft, packed (flattened)" if packed else "HF+peft, padded"
+    if fw == "ours-compile":
+        return "nxd-finetune, packed, model.compile"
     return "nxd-finetune, packed" if packed else "nxd-finetune, padded (HF's batches)"
 
 
@@ -57,6 +59,10 @@ def _targets(shape: dict[str, Any]) -> list[str]:
                        ("padded vs HF padded", ours_u, hf_u)):
         m = ratio(a, b, "peak_rss_mb")
         out.append(f"peak RSS {what} <= {TARGETS['rss']}x: {m:.2f}x -- {verdict(m <= TARGETS['rss'])}")
+    compiled = rows.get(("ours-compile", True))
+    if compiled is not None:  # --compile
+        c, w, m = (ratio(compiled, ours_p, k) for k in ("tokens_per_cpu_s", "tokens_per_s", "peak_rss_mb"))
+        out.append(f"model.compile vs eager, packed: {c:.2f}x tok/s CPU-time (wall {w:.2f}x), {m:.2f}x peak RSS")
     trl = rows.get(("trl", True))
     if trl is not None:  # results from before the TRL column have none
         c, w, m = (ratio(ours_p, trl, k) for k in ("tokens_per_cpu_s", "tokens_per_s", "peak_rss_mb"))

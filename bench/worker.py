@@ -2,11 +2,12 @@
 
     python bench/worker.py '<json spec>'      # prints one JSON result line: RESULT {...}
 
-``spec``: ``framework`` (``ours`` | ``hf``), ``shape``, ``packing`` (ours: best-fit rows of
-``max_seq_len`` tokens; hf: ``DataCollatorWithFlattening``, HF's padding-free packing of each
-micro-batch), ``micro_batch_size``, ``grad_accum``, ``warmup_steps``, ``max_samples``, ``threads``
-(``torch.set_num_threads``; None leaves torch's default), ``batches`` (hf: path of the JSON the
-parent wrote, holding the warmup and timed optimizer steps as lists of micro-batches of samples).
+``spec``: ``framework`` (``ours`` | ``ours-compile``, ours with ``model.compile`` | ``hf``), ``shape``,
+``packing`` (ours: best-fit rows of ``max_seq_len`` tokens; hf: ``DataCollatorWithFlattening``,
+HF's padding-free packing of each micro-batch), ``micro_batch_size``, ``grad_accum``,
+``warmup_steps``, ``max_samples``, ``threads`` (``torch.set_num_threads``; None leaves torch's
+default), ``batches`` (hf: path of the JSON the parent wrote, holding the warmup and timed
+optimizer steps as lists of micro-batches of samples).
 
 Both loops run ``warmup_steps`` optimizer steps (not timed), then one timed pass over the whole
 training set (epoch 0 again, from its start), so both frameworks time exactly the same samples.
@@ -87,8 +88,10 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from nxd_finetune.sft.trainer import TrainState, train
 
     rss_imports = _rss_mb()
-    recipe = recipe_from_dict(recipe_dict(spec["shape"], spec["packing"], spec["micro_batch_size"],
-                                          spec["grad_accum"], spec["max_samples"]))
+    raw = recipe_dict(spec["shape"], spec["packing"], spec["micro_batch_size"], spec["grad_accum"],
+                      spec["max_samples"])
+    raw["model"]["compile"] = spec["framework"] == "ours-compile"
+    recipe = recipe_from_dict(raw)
     torch.set_flush_denormal(True)  # as trainer.run_rank() does on CPU
     device = torch.device("cpu")
     model_dir = Path(recipe.model.path)
@@ -197,4 +200,4 @@ def worker_main(runners: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) 
 
 
 if __name__ == "__main__":
-    worker_main({"ours": run_ours, "hf": run_hf})
+    worker_main({"ours": run_ours, "ours-compile": run_ours, "hf": run_hf})
