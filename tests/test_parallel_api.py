@@ -57,7 +57,7 @@ def _reference(model_dir: str) -> tuple[list[float], list[float], dict[str, torc
         loss = causal_lm_loss(ref(ids[s]), labels[s], reduction="sum") / n
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, norms, {k: v.detach().clone() for k, v in ref.named_parameters()}
