@@ -30,9 +30,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from nxd_finetune.lora import load_adapter
 from nxd_finetune.models import load_pretrained
+from nxd_finetune.models.llama import compiled_regions
 from nxd_finetune.quickstart import ensure_tiny_model
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
@@ -243,6 +245,10 @@ def test_checkpoint_resumes_across_devices(direction, runs, qs_device, qs_cpu):
 def test_compiled_quickstart_on_the_device_equals_the_cpu(runs, qs_cpu):
     """``model.compile=true`` on the device (inductor's Triton kernels on CUDA) reproduces the eager
     CPU curve; last in the module, so a time box that cuts the compile spares the checks above."""
+    compiled_regions.cache_clear()
+    before = counters["aot_autograd"]["ok"]
     out = train(runs / "qs-device-fp32-compiled", DEVICE, "fp32", "model.compile=true")
+    # the layers' compiled functions were made and inductor compiled graphs: not an eager run
+    assert compiled_regions.cache_info().currsize == 1 and counters["aot_autograd"]["ok"] >= before + 2
     assert_same_curve(losses(out), losses(qs_cpu), f"quickstart train loss, {DEVICE} compiled vs cpu")
     assert_same_curve(losses(out, "eval_loss"), losses(qs_cpu, "eval_loss"), "quickstart eval loss, compiled")

@@ -304,7 +304,7 @@ def _check_compile(device: torch.device) -> None:
     if device.type not in ("cpu", "cuda"):
         raise NxdError(f"model.compile=true is for CPU and CUDA (training.device resolves to {device.type}, "
                        "which compiles the step's graph itself); leave model.compile=false")
-    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++") if c):
         raise NxdError("model.compile=true on CPU needs a C++ compiler (g++ or clang++, or $CXX) on PATH "
                        "for torch's inductor; install one or leave model.compile=false")
 
