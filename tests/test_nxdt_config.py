@@ -15,6 +15,7 @@ import torch
 import yaml
 from nxdt_helpers import shard_model, write_checkpoint
 from safetensors.torch import load_file
+from test_full_disk import full_disk  # noqa: F401  (the 512 KiB tmpfs fixture)
 
 from nxd_finetune.cli import main
 from nxd_finetune.nxdt.config import flatten, resolve_config
@@ -311,3 +312,31 @@ def test_readme_commands_as_shown(capsys, workdir):
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(hf) and all(torch.equal(got[k], hf[k]) for k in hf)
     assert (out / "tokenizer.json").is_file()  # from the config's data.tokenizer.type
+
+
+def test_out_that_cannot_be_written_is_one_line(capsys, workdir):
+    tmp, _ = workdir
+    (tmp / "a_dir").mkdir()
+    (tmp / "a_file").write_text("x")
+    cases = {tmp / "a_dir": "is a directory", tmp / "a_file" / "r.yaml": "a_file is a file, not a directory",
+             Path("/proc/nxd-recipe.yaml"): "cannot write /proc/nxd-recipe.yaml"}
+    for out, words in cases.items():
+        code, _, err = cli(capsys, "import", "nxdt-config", "dpo.yaml", "-o", out)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+    code, _, err = cli(capsys, "import", "nxdt-config", "dpo.yaml", "-o", tmp / "new" / "dir" / "r.yaml")
+    assert code == 0 and yaml.safe_load((tmp / "new" / "dir" / "r.yaml").read_text())["objective"] == "dpo"
+
+
+def test_full_disk_keeps_the_old_recipe(capsys, workdir, full_disk):  # noqa: F811
+    """-o over an existing recipe on a full disk: one line, the old recipe whole, no temp file left."""
+    tmp, _ = workdir
+    recipe = full_disk / "recipe.yaml"
+    recipe.write_text("# the recipe as it was\n" * 40)
+    with open(full_disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    code, _, err = cli(capsys, "import", "nxdt-config", "dpo.yaml", "-o", recipe)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 1 and lines == [f"error: no space left on device writing {recipe}"], err
+    assert recipe.read_text() == "# the recipe as it was\n" * 40
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler", "recipe.yaml"]

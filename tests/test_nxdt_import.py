@@ -11,6 +11,7 @@ import pytest
 import torch
 from nxdt_helpers import shard_lora, shard_model, write_checkpoint
 from safetensors.torch import load_file
+from test_full_disk import full_disk  # noqa: F401  (the 512 KiB tmpfs fixture)
 
 from nxd_finetune.cli import main
 
@@ -151,14 +152,14 @@ NXD_LORA_CONFIG = {"bias": "none", "init_lora_weights": "default", "lora_alpha":
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def reference_adapter(model, seed: int = 3, targets: list[str] = PEFT_TARGETS):
+def reference_adapter(model, seed: int = 3, targets: list[str] = PEFT_TARGETS, r: int = 4):
     """A PEFT model on ``model`` whose q/k/v share one A and gate/up one A (as NxD's fused layers
     train one A), every LoRA weight random; returns (peft model, its adapter tensors by file key)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, lora_dropout=0.05,
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=r, lora_alpha=16, lora_dropout=0.05,
                                                                  target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -273,3 +274,67 @@ def test_imported_adapter_merges_like_peft(capsys, tmp_path, llama):
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
+
+
+def test_lora_rank_comes_from_the_tensors(capsys, tmp_path, llama):
+    """NxD's saved lora_config says r=4 but the tensors are rank 8 (the config of another run, or
+    NxD's default): the adapter says r=8, peft loads it, and its logits are the reference's."""
+    model, path, cfg = llama
+    peft_model, files = reference_adapter(model, r=8)
+    assert files["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 8
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_lora(files, cfg, 2, 1), extra={"lora_config": NXD_LORA_CONFIG})
+    run_ok(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "adapter", "--config", path)
+    adapter_cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 8 and adapter_cfg["lora_alpha"] == 16
+    ids = torch.randint(0, cfg["vocab_size"], (2, 9))
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    assert torch.equal(load_adapter_logits(model, tmp_path / "adapter", ids), want)
+
+
+def test_unreadable_shards_and_links_out_are_one_line(capsys, tmp_path, llama):
+    """A model file that is text, or a symlink to a file outside the checkpoint (even a valid
+    one), is refused with one line naming the file; a symlink inside the checkpoint is read."""
+    model, path, cfg = llama
+    shards = shard_model(hf_tensors(model), cfg, 2, 1)
+    name = "dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    text = write_checkpoint(tmp_path / "a", "t", shards)
+    (text / "model" / name).write_text("hello, this is not a checkpoint\n")
+    outside = write_checkpoint(tmp_path / "b", "t", shards)
+    (outside / "model" / name).rename(tmp_path / "elsewhere.pt")
+    (outside / "model" / name).symlink_to(tmp_path / "elsewhere.pt")
+    etc = write_checkpoint(tmp_path / "c", "t", shards)
+    (etc / "model" / name).unlink()
+    (etc / "model" / name).symlink_to("/etc/hostname")
+    cases = {text: f"{name}: not a PyTorch checkpoint", outside: f"{name} is a symlink leading out of",
+             etc: f"{name} is a symlink leading out of"}
+    for i, (tag, words) in enumerate(cases.items()):
+        code, _, err = cli(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / f"o{i}", "--config", path)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+        assert not (tmp_path / f"o{i}").exists()
+    inside = write_checkpoint(tmp_path / "d", "t", shards)
+    (inside / "model" / name).rename(inside / "moved.pt")
+    (inside / "model" / name).symlink_to(inside / "moved.pt")
+    run_ok(capsys, "import", "nxdt-checkpoint", inside, "--out", tmp_path / "hf", "--config", path)
+    assert_bit_equal(read_hf(tmp_path / "hf"), hf_tensors(model))
+
+
+def test_out_that_cannot_be_written_is_one_line(capsys, tmp_path, llama):
+    model, path, cfg = llama
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_model(hf_tensors(model), cfg, 1, 1))
+    (tmp_path / "file").write_text("x")
+    cases = {tmp_path / "file" / "out": "is a file", Path("/proc/nxd-out"): "cannot write"}
+    for out, words in cases.items():
+        code, _, err = cli(capsys, "import", "nxdt-checkpoint", tag, "--out", out, "--config", path)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_full_disk_is_one_line(capsys, tmp_path, make_tiny_hf, full_disk):  # noqa: F811
+    """The HF checkpoint (2.5 MB) does not fit a 512 KiB disk: one line, exit 1, nothing left there."""
+    model, path = make_tiny_hf("llama", hidden_size=128, intermediate_size=384, num_hidden_layers=3)
+    cfg = json.loads((path / "config.json").read_text())
+    tag = write_checkpoint(tmp_path / "ckpt", "t", shard_model(hf_tensors(model), cfg, 2, 1))
+    code, _, err = cli(capsys, "import", "nxdt-checkpoint", tag, "--out", full_disk / "hf", "--config", path)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("warning:")]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"error: no space left on device writing {full_disk}")
+    assert list(full_disk.iterdir()) == []

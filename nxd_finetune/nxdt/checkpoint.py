@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def find_tag(path: str | Path) -> Path:
 
 
 def shard_files(tag: Path) -> dict[tuple[int, int], Path]:
-    """(tp_rank, pp_rank) -> model file of ``tag``; every rank of the tp x pp grid must be there."""
+    """(tp_rank, pp_rank) -> model file of ``tag``; every rank of the tp x pp grid must be there,
+    and none may be a symlink leading out of ``tag``."""
     found: dict[tuple[int, int], Path] = {}
     for f in sorted((tag / "model").iterdir()):
         m = SHARD.match(f.name)
@@ -75,7 +77,7 @@ def shard_files(tag: Path) -> dict[tuple[int, int], Path]:
             raise ModelLoadError(f"{f.name}: expert-parallel (MoE) checkpoints are not supported")
         if int(m.group(1)) != 0:
             continue  # model files are written by dp rank 0
-        found[(int(m.group(3)), int(m.group(4)))] = f
+        found[(int(m.group(3)), int(m.group(4)))] = inside(f, tag)
     if not found:
         raise ModelLoadError(f"{tag / 'model'} holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt file")
     tp = 1 + max(t for t, _ in found)
@@ -93,27 +95,44 @@ def grid(files: Mapping[tuple[int, int], Path]) -> tuple[int, int]:
 
 def _load(file: Path) -> Any:
     try:
+        with open(file, "rb") as f:
+            pickled = f.read(1) == b"\x80"  # a legacy torch.save (pickle protocol 2+)
+        if not (pickled or zipfile.is_zipfile(file)):
+            raise ModelLoadError(f"{file}: not a PyTorch checkpoint (neither torch.save's zip archive nor a pickle)")
         with torch.serialization.safe_globals([TensorReference]):
             return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        first = next((ln for ln in lines if "Unsupported" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
+        first = next((ln for ln in lines if "Unsupported" in ln or "WeightsUnpickler" in ln), None)
+        if first is None:
+            raise ModelLoadError(f"{file}: unreadable ({' '.join(lines)[:200]})") from None
         raise ModelLoadError(f"{file}: needs a full unpickler, which is never used on checkpoints "
                              f"(only tensors and plain containers are read): {first}") from None
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ModelLoadError(f"{file}: unreadable ({' '.join(str(e).split())[:200]})") from None
+    except ModelLoadError:
+        raise
+    except Exception as e:  # a damaged file: the weights-only unpickler's errors are of many types
+        raise ModelLoadError(f"{file}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
-def _resolve_refs(obj: Any, folder: Path) -> Any:
+def inside(file: Path, root: Path) -> Path:
+    """``file`` if it, symlinks followed, lies under ``root``; ModelLoadError where a symlink
+    leads out of the checkpoint (a file elsewhere is never read as one of its shards)."""
+    if not file.resolve().is_relative_to(root.resolve()):
+        raise ModelLoadError(f"{file.name} is a symlink leading out of the checkpoint {root} "
+                             f"(to {file.resolve()}): refused")
+    return file
+
+
+def _resolve_refs(obj: Any, folder: Path, root: Path) -> Any:
     if isinstance(obj, TensorReference):
-        t = _load(folder / f"tensor_{obj.tid}.pt")
+        t = _load(inside(folder / f"tensor_{obj.tid}.pt", root))
         if not isinstance(t, torch.Tensor):
             raise ModelLoadError(f"{folder}/tensor_{obj.tid}.pt does not hold a tensor")
         return t
     if isinstance(obj, dict):
-        return {k: _resolve_refs(v, folder) for k, v in obj.items()}
+        return {k: _resolve_refs(v, folder, root) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_resolve_refs(v, folder) for v in obj)
+        return type(obj)(_resolve_refs(v, folder, root) for v in obj)
     return obj
 
 
@@ -125,7 +144,7 @@ def read_shard(file: Path) -> tuple[dict[str, torch.Tensor], SavedLoraConfig | N
     obj = _load(file)
     folder = file.with_name(file.name + ".tensors")
     if folder.is_dir():
-        obj = _resolve_refs(obj, folder)
+        obj = _resolve_refs(obj, folder, file.parent)
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and not any(
             isinstance(v, torch.Tensor) for v in obj.values()):
         obj = obj["model"]

@@ -33,14 +33,16 @@ def nxdt_config(
     from nxd_finetune.nxdt.config import translate_config
 
     translation = translate_config(config, model_path=model)
-    for line in translation.report_lines():
-        typer.echo(line, err=True)
     text = translation.to_yaml()
+    if out is not None:
+        from nxd_finetune.storage.atomic import publish_file
+
+        publish_file(out, text.encode())  # beside it, then renamed: an existing recipe is never cut
+    for line in translation.report_lines():  # after the write: a failed one is its error line alone
+        typer.echo(line, err=True)
     if out is None:
         typer.echo(text, nl=False)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
     typer.echo(f"wrote {out}: {len(translation.mapped)} key(s) mapped, {len(translation.dropped)} not carried over",
                err=True)
 

@@ -24,7 +24,7 @@ from nxd_finetune.nxdt.checkpoint import find_tag, grid, read_shard, shard_files
 from nxd_finetune.nxdt.config import resolve_config
 from nxd_finetune.nxdt.layout import KvLayout, Tensors, unite_model
 from nxd_finetune.nxdt.lora import lora_config_from, o_proj_order, split_base, unite_adapter
-from nxd_finetune.storage.atomic import publish_dir
+from nxd_finetune.storage.atomic import publish_dir, write_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,24 +96,26 @@ def import_checkpoint(directory: str | Path, out: str | Path, source: ModelSourc
         raise ModelLoadError(f"{tag}: the model files hold no tensors")
     tokenizer = tokenizer or source.tokenizer
     where = f"{tag.name} (tp={tp}, pp={pp})"
-    with publish_dir(out) as tmp:
-        base_dir = out / "base" if has_lora else out
-        if has_base:
-            _write_base(unite_model(base_shards, source.config, kv_layout), tmp / "base" if has_lora else tmp,
-                        source, tokenizer)
-        if not has_lora:
-            return f"imported the model of {where} -> {out} (HF checkpoint)"
-        tensors, targets = unite_adapter(lora_shards, source.config, kv_layout,
-                                         o_proj_order(source.config, tp, source.kv_replicator, kv_layout))
-        r = next(t for k, t in tensors.items() if k.endswith("lora_A.weight")).shape[0]
-        cfg = lora_config_from(lora_saved, r)
-        cfg.target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})
-        adapter_out = tmp / "adapter" if has_base else tmp
-        identity_dir = tmp / "base" if has_base else Path(base) if base else source.config_dir
-        base_name = str(base_dir) if has_base else base or str(source.config_dir)
-        identity = base_identity(source.config, identity_dir) if _has_weights(identity_dir) else None
-        write_adapter_files(adapter_out, cfg, tensors, targets, base_name,
-                            config_hash=source.config.config_hash(), identity=identity)
-        if has_base:
-            return f"imported {where}: base -> {out / 'base'}, LoRA adapter -> {out / 'adapter'}"
+    try:
+        with publish_dir(out) as tmp:
+            base_dir = out / "base" if has_lora else out
+            if has_base:
+                _write_base(unite_model(base_shards, source.config, kv_layout), tmp / "base" if has_lora else tmp,
+                            source, tokenizer)
+            if not has_lora:
+                return f"imported the model of {where} -> {out} (HF checkpoint)"
+            tensors, targets = unite_adapter(lora_shards, source.config, kv_layout,
+                                             o_proj_order(source.config, tp, source.kv_replicator, kv_layout))
+            cfg = lora_config_from(lora_saved, tensors)
+            cfg.target_modules = sorted({t.rsplit(".", 1)[-1] for t in targets})
+            adapter_out = tmp / "adapter" if has_base else tmp
+            identity_dir = tmp / "base" if has_base else Path(base) if base else source.config_dir
+            base_name = str(base_dir) if has_base else base or str(source.config_dir)
+            identity = base_identity(source.config, identity_dir) if _has_weights(identity_dir) else None
+            write_adapter_files(adapter_out, cfg, tensors, targets, base_name,
+                                config_hash=source.config.config_hash(), identity=identity)
+            if has_base:
+                return f"imported {where}: base -> {out / 'base'}, LoRA adapter -> {out / 'adapter'}"
+    except OSError as e:  # a full disk (named), or an --out that cannot be written
+        raise write_error(e, out) from None
     return f"imported the LoRA adapter of {where} -> {out} (PEFT, {len(targets)} modules)"

@@ -12,7 +12,7 @@ replicated. With ``merge_sharded_lora`` every rank holds the gathered tensors in
 PEFT has no fused modules: ``qkv_proj``'s one A becomes the A of ``q_proj``, ``k_proj`` and
 ``v_proj`` (the same tensor thrice: ``x A^T`` is shared, so every ``B_i A`` is unchanged), its B
 is split into theirs; ``gate_up_proj`` likewise. Scaling (``lora_alpha / r``, or rsLoRA's) is
-PEFT's, so ``r`` and ``lora_alpha`` carry over as they are.
+PEFT's, so ``lora_alpha`` carries over as it is and ``r`` is the rank of the tensors.
 """
 
 from __future__ import annotations
@@ -55,15 +55,23 @@ def split_base(tensors: Tensors) -> tuple[Tensors, Tensors]:
     return base, lora
 
 
-def lora_config_from(saved: SavedLoraConfig | None, fallback_rank: int) -> LoraConfig:
-    """PEFT settings from the ``lora_config`` NxD saved (r, lora_alpha, dropout, bias, rsLoRA,
-    init); without one, NxD's defaults (alpha 8) with the rank the tensors have."""
+def lora_config_from(saved: SavedLoraConfig | None, tensors: Tensors) -> LoraConfig:
+    """PEFT settings from the ``lora_config`` NxD saved (lora_alpha, dropout, bias, rsLoRA, init;
+    NxD's default alpha 8 without one) and the rank the tensors have: a saved ``r`` / ``lora_rank``
+    that differs describes another adapter (PEFT could not load the tensors under it), and the
+    layers' scaling is ``lora_alpha`` over their own rank. AdapterError where the layers' ranks differ."""
     saved = saved or {}
     modules_to_save = saved.get("modules_to_save") or []
     if modules_to_save:
         raise AdapterError(f"the NxD adapter trains whole modules too (modules_to_save={modules_to_save}); "
                            "only LoRA layers are imported")
-    rank = saved["r"] if "r" in saved else saved.get("lora_rank", fallback_rank)
+    ranks = {k.removeprefix("base_model.model.").rsplit(".lora_A", 1)[0]: t.shape[0]
+             for k, t in tensors.items() if k.endswith("lora_A.weight")}
+    low, high = min(ranks.items(), key=lambda x: x[1]), max(ranks.items(), key=lambda x: x[1])
+    if low[1] != high[1]:
+        raise AdapterError(f"the NxD adapter's LoRA layers have different ranks ({low[0]}: {low[1]}, {high[0]}: "
+                           f"{high[1]}); only adapters of one rank are imported")
+    rank = low[1]
     try:
         return LoraConfig(r=int(rank),
                           lora_alpha=float(saved.get("lora_alpha", 8)),

@@ -1,4 +1,5 @@
-"""Publish a local directory atomically: the one helper every writer of a whole directory uses.
+"""Publish a local directory (or one file) atomically: the one helper every writer of a whole
+directory uses, and :func:`publish_file` for a command's output file (``-o``).
 
 A reader of ``dest`` sees nothing (or an empty directory) until the writer is done, then the
 complete directory; a writer that fails or is killed leaves at most a hidden temp sibling
@@ -12,9 +13,14 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from nxd_finetune.storage.errors import StorageError
+from nxd_finetune.storage.local import _file_in_the_way
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -102,3 +108,44 @@ def publish_dir(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_file(dest: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to the file ``dest`` atomically: into a temp sibling (``.<name>.partial-*``,
+    synced), renamed onto ``dest``, so ``dest`` is the old file or the new one at every instant (a
+    full disk leaves the old one whole) and keeps its mode. Missing parent directories are made.
+
+    Raises StorageError (one line) where ``dest`` cannot be written (a directory, under a file, no
+    permission...); a full disk raises ``OSError`` ENOSPC / EDQUOT naming ``dest``.
+    """
+    dest = Path(dest)
+    try:
+        if dest.is_dir():
+            raise StorageError(f"cannot write {dest}: it is a directory (name a file)")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        mode = stat.S_IMODE(dest.stat().st_mode) if dest.is_file() else None
+        tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise write_error(e, dest) from None
+
+
+def write_error(e: OSError, dest: Path) -> OSError | StorageError:
+    """What to raise for ``e``, met while writing ``dest``: a full disk stays ``OSError`` (ENOSPC /
+    EDQUOT) naming ``dest`` (a failed ``write(2)`` names no file); anything else becomes one
+    StorageError line ("cannot write DEST: reason", or the file that stands where a directory must)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(e.errno, e.strerror, str(dest))
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and (file := _file_in_the_way(e.filename)):
+        return StorageError(f"cannot write {dest}: {file} is a file, not a directory")
+    return StorageError(f"cannot write {dest}: {e.strerror or e}")
