@@ -116,8 +116,8 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     engine = build_engine(recipe, model_dir, torch.device("cpu"), steps)
     rss_build = _rss_mb()
     st = engine.state
-    data = build_dataloaders(recipe.data, load_tokenizer(recipe, model_dir), micro_batch_size=1, dp_rank=st.dp_rank,
-                             dp_world=st.dp_size, seed=0)
+    data = build_dataloaders(recipe.data, load_tokenizer(recipe, model_dir), micro_batch_size=1, dp_rank=st.coord("dp"),
+                             dp_world=st.size("dp"), seed=0)
     batches = step_batches(data.train, recipe.grad_accum_steps, True)
     grads_mb, t0 = 0.0, time.perf_counter()
     for _ in range(steps):
@@ -132,7 +132,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     optim = [v for s in stepper.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
     optim += [f.master for f in inner.flats if f.param_buffer is None] if zero1 else []  # not views
     return {
-        "rank": backend.rank, "tp_rank": st.tp_rank, "dp_rank": st.dp_rank,
+        "rank": backend.rank, "tp_rank": st.coord("tp"), "dp_rank": st.coord("dp"),
         "params_mb": _mb(engine.parameters()), "trainable_mb": _mb(engine.trainable()),
         "grads_mb": grads_mb, "optim_mb": _mb(optim),
         "rss_start_mb": rss_start, "rss_after_build_mb": rss_build,

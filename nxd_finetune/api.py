@@ -21,7 +21,7 @@ changes. Example (one script, run by ``torchrun --nproc-per-node 4`` or through
     model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf("/models/llama3-8b"))
     optimizer = initialize_parallel_optimizer(
         config, torch.optim.AdamW, [p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    for batch in loader:                     # this dp rank's batches (config.state.dp_rank / dp_size)
+    for batch in loader:                     # this dp rank's batches (config.state.coord("dp") / dp_size)
         loss = loss_fn(model(batch["input_ids"]), batch["labels"])
         loss.backward()
         optimizer.step()                     # tp grad sync, dp reduction, clipping, step
@@ -78,7 +78,7 @@ from nxd_finetune.parallel.parallelize import (
     parallelize_model,
 )
 from nxd_finetune.parallel.pipeline import LossFn
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.parallel.zero1 import Hyperparameter
 
 __all__ = [
@@ -201,7 +201,7 @@ def neuronx_distributed_config(
     pipeline = cast(PipelineConfig, _merge("pipeline_config", pipeline_config, PIPELINE_DEFAULTS))
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else 1
-    state = ParallelState(ParallelDims.for_world(world, tp=tensor_parallel_size, pp=pipeline_parallel_size))
+    state = ParallelState(Layout.for_world(world, tp=tensor_parallel_size, pp=pipeline_parallel_size))
     on_cuda = initialised and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     return NxDConfig(tensor_parallel_size, pipeline_parallel_size, pipeline, opt, activation_checkpoint_config,

@@ -89,12 +89,12 @@ def _unite_stages(rank_model: RankModel, pp_group: dist.ProcessGroup | None, loc
     global rank 0; None elsewhere. Only the (dp 0, tp 0) rank of every stage sends, as pickled CPU
     tensors over ``pp_group`` (a gloo group: the host groups' ``pp``)."""
     state = rank_model.state
-    if state.pp_size == 1:
+    if state.size("pp") == 1:
         return local if state.rank == 0 else None
-    if state.dp_rank != 0 or state.tp_rank != 0:
+    if state.coord("dp") != 0 or state.coord("tp") != 0:
         return None
-    parts: list[Any] | None = [None] * state.pp_size if state.pp_rank == 0 else None
-    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.pp_ranks[0], group=pp_group)
+    parts: list[Any] | None = [None] * state.size("pp") if state.coord("pp") == 0 else None
+    dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.ranks("pp")[0], group=pp_group)
     if parts is None:
         return None
     return {k: v for part in parts for k, v in part.items()}
@@ -109,7 +109,7 @@ def gather_to_writer(rank_model: RankModel, lora: LoraConfig | None,
         return _unite_stages(rank_model, pp_group, dict(_streamed_model(rank_model)))
     local: Tensors = {}
     for m in rank_model.modules:
-        local.update(adapter_state_dict(m, lora.bias) if state.tp_size == 1
+        local.update(adapter_state_dict(m, lora.bias) if state.size("tp") == 1
                      else gather_adapter_state_dict(m, state, lora.bias))
     return _unite_stages(rank_model, pp_group, local)
 
@@ -166,7 +166,7 @@ def _streamed_model(rank_model: RankModel) -> Iterator[tuple[str, torch.Tensor]]
     for m in rank_model.modules:
         specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
         for name, t in m.state_dict().items():
-            yield name, gather_shards(t, specs[name], state.tp_group) if name in specs else t.detach()
+            yield name, gather_shards(t, specs[name], state.group("tp")) if name in specs else t.detach()
 
 
 def export_model(rank_model: RankModel, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,
@@ -178,7 +178,7 @@ def export_model(rank_model: RankModel, out_dir: Path, spec: ExportSpec, *, conf
     Full SFT at tp > 1 and pp = 1 streams instead: each tensor is gathered when the writer's
     current shard asks for it, so no rank holds the whole gathered model."""
     state = rank_model.state
-    if lora is None and state.tp_size > 1 and state.pp_size == 1:
+    if lora is None and state.size("tp") > 1 and state.size("pp") == 1:
         stream = _streamed_model(rank_model)
         if state.rank != 0:
             for _ in stream:  # the other TP ranks take part in the gathers

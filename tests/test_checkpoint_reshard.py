@@ -34,7 +34,8 @@ from nxd_finetune.lora import LoraConfig, inject_lora
 from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.loss import vocab_parallel_cross_entropy as vp_cross_entropy
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM
-from nxd_finetune.parallel import ParallelDims, ParallelState, gather_shards, iter_shard_specs
+from nxd_finetune.parallel import Layout as ParallelLayout
+from nxd_finetune.parallel import ParallelState, gather_shards, iter_shard_specs
 from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 
@@ -88,7 +89,7 @@ class Layout:
     def __init__(self, kind: str, variant: str) -> None:
         self.kind = kind
         if kind == "pp2":
-            self.state = ParallelState(ParallelDims(pp=2))
+            self.state = ParallelState(ParallelLayout.of(pp=2))
             model = make_model(variant)
             self.modules = build_stages(model, self.state)
             self.runner = PipelineRunner(self.modules, self.state, "1f1b", n_microbatches=2)
@@ -111,9 +112,9 @@ class Layout:
             self.runner.step(mbs, N_TARGETS)
         elif self.kind == "tp2":
             logits = self.modules[0](IDS)
-            (vp_cross_entropy(logits[:, :-1], LABELS[:, 1:], st.tp_group).sum() / N_TARGETS).backward()
+            (vp_cross_entropy(logits[:, :-1], LABELS[:, 1:], st.group("tp")).sum() / N_TARGETS).backward()
         else:  # dp2: one row per rank, losses over the global target count, gradients summed
-            rows = slice(st.dp_rank, st.dp_rank + 1)
+            rows = slice(st.coord("dp"), st.coord("dp") + 1)
             (causal_lm_loss(self.modules[0](IDS[rows]), LABELS[rows], reduction="sum") / N_TARGETS).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +126,7 @@ class Layout:
         specs = {n: s for m in self.modules for n, _, _, s in iter_shard_specs(m)}
 
         def full(name: str, t: torch.Tensor) -> torch.Tensor:
-            return (gather_shards(t, specs[name], self.state.tp_group) if name in specs else t).detach().clone()
+            return (gather_shards(t, specs[name], self.state.group("tp")) if name in specs else t).detach().clone()
 
         out = {f"param/{n}": full(n, p) for n, p in params.items()}
         inner = getattr(self.optimizer, "optimizer", self.optimizer)

@@ -214,7 +214,7 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
 
     from nxd_finetune.checkpoint.training import TrainingCheckpoints
     from nxd_finetune.data.sampler import ResumableSampler
-    from nxd_finetune.parallel import ParallelDims, ParallelState
+    from nxd_finetune.parallel import Layout, ParallelState
     from nxd_finetune.recipe import load_recipe
     from nxd_finetune.sft.trainer import TrainState
 
@@ -223,7 +223,7 @@ def test_training_hooks_save_every_n_resume_a_given_step_and_drop_later_ones(tmp
         recipe = load_recipe(QUICKSTART, [f"output.dir={tmp_path}", f"checkpoint.dir={ckpt_dir}",
                                           "checkpoint.keep_last=3", "checkpoint.every_n_steps=2",
                                           f"checkpoint.resume={resume}"])
-        engine = SimpleNamespace(state=ParallelState(ParallelDims()), modules=[model], optimizer=opt, scheduler=sched,
+        engine = SimpleNamespace(state=ParallelState(Layout.of()), modules=[model], optimizer=opt, scheduler=sched,
                                  device=torch.device("cpu"))
         sampler = ResumableSampler(50, 4, seed=1)
         return TrainingCheckpoints(recipe, engine, tmp_path, sampler), engine, sampler, model

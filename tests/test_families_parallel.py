@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxd_finetune.loss import ce_sum, shift_labels
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
-from nxd_finetune.parallel import ParallelDims, ParallelState, allreduce_replicated_grads, apply_tp_plan, tp_plan_for
+from nxd_finetune.parallel import Layout, ParallelState, allreduce_replicated_grads, apply_tp_plan, tp_plan_for
 from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.plan import make_slice_reader
@@ -122,7 +122,7 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
     ``.../loss`` the loss's (relative)."""
     torch.set_num_threads(1)
     init_distributed("gloo")
-    state = ParallelState(ParallelDims.for_world(2, tp=2))
+    state = ParallelState(Layout.for_world(2, tp=2))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     labels = ids.clone()
     labels[:, :3] = -100
@@ -135,11 +135,12 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
             config = DecoderConfig.from_hf(model_dir)
             model = apply_tp_plan(build_model(config), tp_plan_for(config), state, sequence_parallel=sp)
             materialize(model, model_dir, reader=make_slice_reader(model))
-            loss = ce_sum(model(ids), shift_labels(labels), state.tp_group)
+            loss = ce_sum(model(ids), shift_labels(labels), state.group("tp"))
             loss.backward()
             tag = f"{family}/sp={sp}"
             if config.fused_qkv:  # split by head: this rank's q heads, then its k heads and its v heads
-                r, d, nq, nkv = state.tp_rank, config.head_dim, config.num_attention_heads, config.num_key_value_heads
+                r, d = state.coord("tp"), config.head_dim
+                nq, nkv = config.num_attention_heads, config.num_key_value_heads
                 full = ref.model.layers["0"].self_attn.qkv_proj.weight
                 rows = [full[r * nq * d // 2:(r + 1) * nq * d // 2]]
                 rows += [full[nq * d + i * nkv * d + r * nkv * d // 2:][:nkv * d // 2] for i in (0, 1)]
@@ -156,7 +157,7 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
                     out[f"{tag}/{name}/before-sync"] = (p.grad - ref.get_parameter(name).grad).abs().max().item()
             allreduce_replicated_grads(model, state)
             for name, p in model.named_parameters():
-                full = gather_shards(p.grad, specs[name], state.tp_group) if name in specs else p.grad
+                full = gather_shards(p.grad, specs[name], state.group("tp")) if name in specs else p.grad
                 want = ref.get_parameter(name).grad
                 # relative to the gradient's scale where it exceeds 1 (Gemma's embedding scale and
                 # 1 + weight norms make gradients of ~60: fp32 summation order moves them by ~1e-6 of that)

@@ -36,7 +36,7 @@ from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.models.attention import _run_attention, _softcapped, attention_layout
 from nxd_finetune.models.flex import _softcap_mod, flex_attention_tokens_first, flex_block_mask, uses_flex
-from nxd_finetune.parallel import ParallelDims, ParallelState, apply_tp_plan, make_slice_reader, tp_plan_for
+from nxd_finetune.parallel import Layout, ParallelState, apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.mappings import all_gather
 from nxd_finetune.preflight.memory import layer_tensors
 from nxd_finetune.recipe import load_recipe
@@ -229,7 +229,7 @@ def test_memory_estimate_has_no_soft_capped_scores_under_flex():
 def _tp_worker(rank: int, world: int, model_dir: str) -> dict:
     """Gemma 2 (GQA, soft-capped scores, sliding and full layers) sharded on heads over ``world`` ranks,
     with and without sequence parallel: flex logits (each rank's heads) against the whole model's."""
-    state = ParallelState(ParallelDims.for_world(world, tp=world))
+    state = ParallelState(Layout.for_world(world, tp=world))
     config = DecoderConfig.from_hf(model_dir)
     ids, pos, seg = packed_rows(t=64)
     with torch.no_grad():
@@ -240,7 +240,7 @@ def _tp_worker(rank: int, world: int, model_dir: str) -> dict:
         materialize(model, model_dir, reader=make_slice_reader(model))
         model.set_attention("flex")
         with torch.no_grad():
-            logits = all_gather(model(ids, pos, seg), -1, state.tp_group)
+            logits = all_gather(model(ids, pos, seg), -1, state.group("tp"))
         out[f"sp={sp} logits"] = ("close", logits, expected)
     return out
 

@@ -86,7 +86,7 @@ def _worker(model_dir: str) -> dict:
         norms.append(float(opt.grad_norm))
     stage = model.stages[0]
     specs = {n: sp for n, _, _, sp in iter_shard_specs(stage)}
-    weights = {n: (gather_shards(p, specs[n], state.tp_group) if n in specs else p.detach()).clone()
+    weights = {n: (gather_shards(p, specs[n], state.group("tp")) if n in specs else p.detach()).clone()
                for n, p in stage.named_parameters()}
 
     # param_init_fn: each rank draws its own values; the tied lm_head copy gets stage 0's embedding
@@ -100,7 +100,7 @@ def _worker(model_dir: str) -> dict:
     copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
     dist.all_gather(copies, tied.detach().contiguous())
     dist.destroy_process_group()
-    return {"rank": (state.pp_rank, state.tp_rank), "losses": losses, "norms": norms, "weights": weights,
+    return {"rank": (state.coord("pp"), state.coord("tp")), "losses": losses, "norms": norms, "weights": weights,
             "tied copies": copies}
 
 
@@ -212,7 +212,7 @@ def _save_worker(model_dir: str, root: str) -> tuple[list[str], dict[str, torch.
         events, ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor)
     CheckpointManager(root, state=config.state).save(1, [model], opt, {"step": 1})
     specs = {n: sp for n, _, _, sp in iter_shard_specs(model)}
-    params = {n: (gather_shards(p, specs[n], config.state.tp_group) if n in specs else p).detach().clone()
+    params = {n: (gather_shards(p, specs[n], config.state.group("tp")) if n in specs else p).detach().clone()
               for n, p in model.named_parameters()}
     dist.destroy_process_group()
     return events, params
@@ -276,7 +276,7 @@ def test_config_validation_and_backends():
     with pytest.raises(NxdError, match="pad_model=True is not supported"):
         neuronx_distributed_config(pad_model=True)
     config = neuronx_distributed_config(pipeline_parallel_size=1)
-    assert config["optimizer_config"]["grad_clipping"] is True and config.state.dp_size == 1
+    assert config["optimizer_config"]["grad_clipping"] is True and config.state.size("dp") == 1
     with pytest.raises(NxdError, match="set model_init_config 'checkpoint' or 'param_init_fn'"):
         initialize_parallel_model(neuronx_distributed_config(model_init_config={"meta_device_init": True}),
                                   build_model, SMALL)

@@ -30,7 +30,7 @@ from nxd_finetune.loss import causal_lm_loss, vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
-    ParallelDims,
+    Layout,
     ParallelState,
     RowParallelLinear,
     gather_shards,
@@ -86,19 +86,19 @@ def _bucket_checks(state: ParallelState, out: dict) -> None:
     expected = [a + b for a, b in zip(grads_of(0), grads_of(1), strict=True)]
     for bucket_bytes, n_expected in ((25 * 1024 * 1024, 2), (40, 4)):  # 40 B: 3 fp32 + 1 bf16
         params = [nn.Parameter(torch.zeros(s, dtype=dt)) for s, dt in shapes]
-        for p, g in zip(params, grads_of(state.dp_rank), strict=True):
+        for p, g in zip(params, grads_of(state.coord("dp")), strict=True):
             p.grad = g.clone()
         frozen = nn.Parameter(torch.zeros(3))  # no grad: skipped
-        n = allreduce_gradients([*params, frozen, params[0]], state.dp_group, bucket_bytes=bucket_bytes)
+        n = allreduce_gradients([*params, frozen, params[0]], state.group("dp"), bucket_bytes=bucket_bytes)
         out[f"collectives bucket={bucket_bytes}"] = ("equal", n, n_expected, 0)
         for i, (p, e) in enumerate(zip(params, expected, strict=True)):
             out[f"bucketed sum bucket={bucket_bytes} #{i}"] = ("equal", p.grad, e, 0)
         out[f"frozen grad bucket={bucket_bytes}"] = ("equal", frozen.grad is None, True, 0)
     p = nn.Parameter(torch.zeros(4))
-    p.grad = torch.full((4,), float(state.dp_rank + 1))
-    allreduce_gradients([p], state.dp_group, average=True)
+    p.grad = torch.full((4,), float(state.coord("dp") + 1))
+    allreduce_gradients([p], state.group("dp"), average=True)
     out["average"] = ("close", p.grad, torch.full((4,), 1.5), 0)
-    total = allreduce_scalar_sum(torch.tensor(state.dp_rank + 3), state.dp_group)
+    total = allreduce_scalar_sum(torch.tensor(state.coord("dp") + 3), state.group("dp"))
     out["scalar sum (long)"] = ("equal", total, torch.tensor(7), 0)
 
 
@@ -142,14 +142,14 @@ def _lambda(opt):
 
 
 def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
-    rows = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
+    rows = slice(4 * state.coord("dp"), 4 * state.coord("dp") + 4)
     ref = _mlp()
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
     _train(ref, ref_opt, 10, slice(None), sched=_lambda(ref_opt))
 
     model = _mlp()
     start = [p.detach().clone() for p in model.parameters()]
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     _train(model, opt, 10, rows, sched=_lambda(opt))
     for (name, p), r, s in zip(model.named_parameters(), ref.parameters(), start, strict=True):
         out[f"zero1 fp32 {name}"] = ("close", p.detach(), r.detach(), 1e-6)
@@ -164,14 +164,14 @@ def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
     # plain data parallel: bucketed all-reduce + AdamW reproduces the same run
     model = _mlp()
     opt2 = torch.optim.AdamW(_groups(model), lr=1e-2)
-    dp_clip = lambda m: allreduce_gradients(m.parameters(), state.dp_group, bucket_bytes=64)
+    dp_clip = lambda m: allreduce_gradients(m.parameters(), state.group("dp"), bucket_bytes=64)
     _train(model, opt2, 10, rows, clip=dp_clip, sched=_lambda(opt2))
     for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
         out[f"plain dp fp32 {name}"] = ("close", p.detach(), r.detach(), 1e-6)
 
     # state_dict round trip: 5 steps, save, fresh optimizer + scheduler, load, 5 more == 10 straight
     model = _mlp()
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     sched = _lambda(opt)
     _train(model, opt, 5, rows, sched=sched)
     buf = io.BytesIO()
@@ -180,7 +180,7 @@ def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
     saved = torch.load(buf)
     model = _mlp()
     model.load_state_dict(saved["model"])
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     sched = _lambda(opt)
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
@@ -189,14 +189,14 @@ def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
         out[f"zero1 resumed {name}"] = ("close", p.detach(), r.detach(), 1e-6)
     layout = saved["opt"]["zero1"]
     out["zero1 layout"] = ("equal", (layout["dp_size"], [f["numel"] for f in layout["flats"]]), (2, [48, 9]), 0)
-    other = Zero1Optimizer(list(_mlp().parameters()), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    other = Zero1Optimizer(list(_mlp().parameters()), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     with pytest.raises(NxdError, match=r"does not match the optimizer's parameters: saved \[\(0, 'float32', 48\)"):
         other.load_state_dict(saved["opt"])
 
     # bf16 parameters, fp32 master: reference = fp32 master stepped by AdamW on the fp32 sum of
     # the two ranks' bf16 gradients (computed here for both halves with the same bf16 weights)
     model = _mlp(torch.bfloat16)
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     _train(model, opt, 10, rows)
     ref_bf16 = _mlp(torch.bfloat16)
     master = [p.detach().float().clone() for p in ref_bf16.parameters()]
@@ -226,7 +226,7 @@ def _zero1_mlp_checks(state: ParallelState, out: dict) -> None:
             out[f"zero1 bf16 {name} dtype"] = ("equal", p.dtype, torch.bfloat16, 0)
     full_master = torch.cat([f.master for f in opt.flats])
     gathered = [torch.zeros_like(full_master) for _ in range(2)]
-    dist.all_gather(gathered, full_master, group=state.dp_group)
+    dist.all_gather(gathered, full_master, group=state.group("dp"))
     mine = torch.cat([torch.cat([m.reshape(-1) for m, t in zip(master, trainable, strict=True) if t and m.ndim == d])
                       for d in (2, 1)])
     shards = [torch.cat([g[:24] for g in gathered]), torch.cat([g[24:] for g in gathered])[:9]]
@@ -272,10 +272,10 @@ def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
     model = _TiedLM()
-    rows = slice(4 * state.dp_rank, 4 * state.dp_rank + 4)
-    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.dp_group, lr=1e-2, inner_chunk_numel=8)
+    rows = slice(4 * state.coord("dp"), 4 * state.coord("dp") + 4)
+    opt = Zero1Optimizer(_groups(model), torch.optim.AdamW, state.group("dp"), lr=1e-2, inner_chunk_numel=8)
     twin = _TiedLM()
-    twin_opt = Zero1Optimizer(_groups(twin), torch.optim.AdamW, state.dp_group, lr=1e-2)
+    twin_opt = Zero1Optimizer(_groups(twin), torch.optim.AdamW, state.group("dp"), lr=1e-2)
     # flat spaces: embed/head 44 + mid.weight 16 = 60 (shards 30 = 8 + 8 + 8 + 6), mid.bias 4 (shards 2)
     out["buffer sizes"] = ("equal", [(f.numel, f.shard_size, len(f.chunks)) for f in opt.flats],
                            [(60, 30, 4), (4, 2, 1)], 0)
@@ -305,7 +305,7 @@ def _zero1_buffer_checks(state: ParallelState, out: dict) -> None:
         for (_, st), (_, st2) in zip(exported, twin_opt.export_param_states(), strict=True)), True, 0)
     again = _TiedLM()
     again.load_state_dict(model.state_dict())
-    again_opt = Zero1Optimizer(_groups(again), torch.optim.AdamW, state.dp_group, lr=1e-2, inner_chunk_numel=8)
+    again_opt = Zero1Optimizer(_groups(again), torch.optim.AdamW, state.group("dp"), lr=1e-2, inner_chunk_numel=8)
     by_name = {n: st for p, st in exported for n, q in model.named_parameters() if q is p}
     names = {id(q): n for n, q in again.named_parameters()}
     again_opt.import_param_states(lambda p: by_name[names[id(p)]])
@@ -367,7 +367,7 @@ def _lora_api_checks(state: ParallelState, out: dict) -> None:
         ref_norms.append(torch.nn.utils.clip_grad_norm_(trainable, 0.05))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-    rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
+    rows = slice(2 * state.coord("dp"), 2 * state.coord("dp") + 2)
     for zero1 in (True, False):
         config = neuronx_distributed_config(
             optimizer_config={"zero_one_enabled": zero1, "max_grad_norm": 0.05, "grad_reduction": "sum"},
@@ -376,7 +376,7 @@ def _lora_api_checks(state: ParallelState, out: dict) -> None:
         opt = initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=2e-2)
         for s in range(4):
             local = (labels[s][rows, 1:] != -100).sum()
-            n = allreduce_scalar_sum(local, state.dp_group)
+            n = allreduce_scalar_sum(local, state.group("dp"))
             (causal_lm_loss(model(ids[s][rows]), labels[s][rows], reduction="sum") / n).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -390,7 +390,7 @@ def _lora_api_checks(state: ParallelState, out: dict) -> None:
 def _dp_worker() -> dict:
     init_distributed()
     torch.set_num_threads(1)
-    state = ParallelState(ParallelDims(dp=dist.get_world_size()))
+    state = ParallelState(Layout.of(dp=dist.get_world_size()))
     out: dict = {}
     _bucket_checks(state, out)
     _zero1_mlp_checks(state, out)
@@ -422,11 +422,11 @@ def _clip_models(state: ParallelState):
     ref = nn.ModuleDict({"col": nn.Linear(8, 12), "row": nn.Linear(12, 6), "kv": nn.Linear(8, 4), "norm": _Norm(6)})
     for p in ref.parameters():
         p.grad = torch.randn_like(p)
-    g = state.tp_group
+    g = state.group("tp")
     par = nn.ModuleDict({
         "col": ColumnParallelLinear.from_linear(ref["col"], g),
         "row": RowParallelLinear.from_linear(ref["row"], g, input_is_parallel=True),
-        "kv": ColumnParallelLinear.from_linear(ref["kv"], g, replicas=state.tp_size),
+        "kv": ColumnParallelLinear.from_linear(ref["kv"], g, replicas=state.size("tp")),
         "norm": copy.deepcopy(ref["norm"]),
     })
     par["norm"].weight.grad = ref["norm"].weight.grad.clone()
@@ -441,18 +441,18 @@ def _name(root: nn.Module, module: nn.Module) -> str:
 
 
 def _clip_checks(out: dict) -> None:
-    state = ParallelState(ParallelDims(tp=2, dp=2))
+    state = ParallelState(Layout.of(tp=2, dp=2))
     ref, par = _clip_models(state)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     naive = torch.stack([p.grad.norm() for p in par.parameters()]).square().sum()
-    dist.all_reduce(naive, group=state.tp_group)
+    dist.all_reduce(naive, group=state.group("tp"))
     out["naive tp norm counts replicas twice"] = ("differ", naive.sqrt(), ref_norm, 0)
     norm = clip_grad_norm(par, 1.0, state)
     out["tp2 norm"] = ("close", norm, ref_norm, 1e-5)
     specs = {n: s for n, _, _, s in iter_shard_specs(par)}
     for name, p in par.named_parameters():
         spec = specs.get(name)
-        full = gather_shards(p.grad, spec, state.tp_group) if spec else p.grad
+        full = gather_shards(p.grad, spec, state.group("tp")) if spec else p.grad
         out[f"tp2 clipped grad {name}"] = ("close", full, ref.get_parameter(name).grad, 1e-6)
     with pytest.raises(ValueError, match="needs the sharding metadata"):
         clip_grad_norm(list(par.parameters()), 1.0, state)
@@ -461,11 +461,11 @@ def _clip_checks(out: dict) -> None:
     ref, par = _clip_models(state)
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    share = 0.25 if state.dp_rank == 0 else 0.75
+    share = 0.25 if state.coord("dp") == 0 else 0.75
     for p in par.parameters():
         p.grad = p.grad * share
     before = {n: p.detach().clone() for n, p in par.named_parameters()}
-    opt = Zero1Optimizer(par.parameters(), torch.optim.SGD, state.dp_group, lr=1.0)
+    opt = Zero1Optimizer(par.parameters(), torch.optim.SGD, state.group("dp"), lr=1.0)
     opt.reduce_gradients()
     norm = clip_grad_norm_zero1(opt, 1.0, state, specs=par)
     out["zero1 tp2 dp2 norm"] = ("close", norm, ref_norm, 1e-5)
@@ -474,15 +474,15 @@ def _clip_checks(out: dict) -> None:
     for name, p in par.named_parameters():
         spec = specs.get(name)
         delta = before[name] - p.detach()
-        full = gather_shards(delta, spec, state.tp_group) if spec else delta
+        full = gather_shards(delta, spec, state.group("tp")) if spec else delta
         out[f"zero1 clipped update {name}"] = ("close", full, ref.get_parameter(name).grad, 1e-6)
     out["zero1 unclipped grads differ"] = ("differ", ref_grads["col.weight"], ref.get_parameter("col.weight").grad, 0)
 
     # pipeline: stage 0 holds col + kv, stage 1 row + norm; the norm is summed over pp
-    state = ParallelState(ParallelDims(tp=2, pp=2))
+    state = ParallelState(Layout.of(tp=2, pp=2))
     ref, par = _clip_models(state)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    mine = ("col", "kv") if state.pp_rank == 0 else ("row", "norm")
+    mine = ("col", "kv") if state.coord("pp") == 0 else ("row", "norm")
     params = [p for k in mine for p in par[k].parameters()]
     out["tp2 pp2 norm"] = ("close", clip_grad_norm(params, None, state, specs=par), ref_norm, 1e-5)
     # a tied copy on another stage is clipped but not counted
@@ -516,18 +516,18 @@ def _tp_dp_api_checks(model_dir: str, out: dict) -> None:
         state = config.state
         model = initialize_parallel_model(config, build_model, DecoderConfig.from_hf(model_dir))
         opt = initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=1e-2, eps=1e-4)
-        rows = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
+        rows = slice(2 * state.coord("dp"), 2 * state.coord("dp") + 2)
         for s in range(3):
-            n = allreduce_scalar_sum((labels[s][rows, 1:] != -100).sum(), state.dp_group)
+            n = allreduce_scalar_sum((labels[s][rows, 1:] != -100).sum(), state.group("dp"))
             logits = model(ids[s][rows])
-            loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[s][rows, 1:], state.tp_group).sum() / n
+            loss = vocab_parallel_cross_entropy(logits[:, :-1], labels[s][rows, 1:], state.group("tp")).sum() / n
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             out[f"tp2 dp2 zero1={zero1} grad norm step {s}"] = ("close", opt.grad_norm, ref_norms[s], 1e-5)
         specs = {n: s for n, _, _, s in iter_shard_specs(model)}
         for name, p in model.named_parameters():
-            full = gather_shards(p, specs[name], state.tp_group) if name in specs else p.detach()
+            full = gather_shards(p, specs[name], state.group("tp")) if name in specs else p.detach()
             out[f"tp2 dp2 zero1={zero1} {name}"] = ("close", full, ref.get_parameter(name).detach(), 2e-6)
     out["tp2 clipping was active"] = ("equal", bool(min(ref_norms) > 0.5), True, 0)
 
@@ -560,7 +560,7 @@ def test_clipping_and_tp_dp_zero1_match_unsharded_world4(tmp_path):
 def test_single_process_paths_need_no_process_group():
     assert not dist.is_initialized()
     assert init_distributed().world_size == 1
-    state = ParallelState(ParallelDims())
+    state = ParallelState(Layout.of())
     ref, model = _mlp(), _mlp()
     ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2)
     torch_clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)

@@ -26,7 +26,7 @@ from nxd_finetune.loss import vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
-    ParallelDims,
+    Layout,
     ParallelState,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -63,7 +63,7 @@ pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write 
 
 def _mapping_checks(state: ParallelState, out: dict) -> None:
     """Each collective's forward and backward on rank-dependent values."""
-    g, r, tp = state.tp_group, state.tp_rank, state.tp_size
+    g, r, tp = state.group("tp"), state.coord("tp"), state.size("tp")
     tot = sum(range(1, tp + 1))
     x = torch.ones(2, 3, requires_grad=True)
     (copy_to_tp(x, g) * (r + 1)).sum().backward()
@@ -132,7 +132,7 @@ def _grads_vs(ref: nn.Module, par: nn.Module, group, tag: str, out: dict) -> Non
 
 
 def _linear_checks(state: ParallelState, out: dict) -> None:
-    g, r, tp = state.tp_group, state.tp_rank, state.tp_size
+    g, r, tp = state.group("tp"), state.coord("tp"), state.size("tp")
     B, T, H, Dout = 2, 2 * tp, 8, 4 * tp
     for kind, sp, bias, opt in [
         ("column", False, True, False),
@@ -190,7 +190,7 @@ def _linear_checks(state: ParallelState, out: dict) -> None:
 
 
 def _embedding_and_ce_checks(state: ParallelState, out: dict) -> None:
-    g, r, tp = state.tp_group, state.tp_rank, state.tp_size
+    g, r, tp = state.group("tp"), state.coord("tp"), state.size("tp")
     B, T, V, H = 2, 2 * tp, 8 * tp, 6
     torch.manual_seed(3)
     ids = torch.randint(0, V, (B, T))
@@ -240,12 +240,12 @@ def _plan_error_checks(state: ParallelState) -> None:
     with pytest.raises(NxdError, match=r"q_proj is Sequential, expected Linear \(apply the TP plan before LoRA"):
         apply_tp_plan(model, tp_plan_for(cfg), state)
     odd = DecoderConfig(hidden_size=24, intermediate_size=32, num_attention_heads=3, vocab_size=32)
-    with pytest.raises(NxdError, match=f"num_attention_heads=3 is not divisible by tp={state.tp_size}"):
+    with pytest.raises(NxdError, match=f"num_attention_heads=3 is not divisible by tp={state.size('tp')}"):
         apply_tp_plan(build_model(odd), tp_plan_for(odd), state)
 
 
 def _layers_worker(rank: int, world: int) -> dict:
-    state = ParallelState(ParallelDims(tp=world))
+    state = ParallelState(Layout.of(tp=world))
     out: dict = {}
     _plan_error_checks(state)
     _mapping_checks(state, out)
@@ -261,22 +261,23 @@ def _state_worker(rank: int, world: int) -> dict:
     def members_sum(group) -> torch.Tensor:
         return all_reduce_sum(torch.tensor([float(rank)]), group)
 
-    for dims in (ParallelDims(tp=2, dp=2), ParallelDims(tp=2, pp=2), ParallelDims(tp=4), ParallelDims(dp=4)):
+    for dims in (Layout.of(tp=2, dp=2), Layout.of(tp=2, pp=2), Layout.of(tp=4), Layout.of(dp=4)):
         s = ParallelState(dims)
-        tag = f"tp={dims.tp} pp={dims.pp} dp={dims.dp}"
-        assert dims.rank_of(s.pp_rank, s.dp_rank, s.tp_rank) == rank
+        tag = f"tp={dims.degree('tp')} pp={dims.degree('pp')} dp={dims.degree('dp')}"
+        assert dims.rank_of({axis: s.coord(axis) for axis in ("pp", "dp", "tp")}) == rank
         for axis in ("tp", "dp", "pp"):
-            ranks = getattr(s, f"{axis}_ranks")
-            assert rank in ranks and len(ranks) == getattr(dims, axis) == getattr(s, f"{axis}_size")
-            assert ranks.index(rank) == getattr(s, f"{axis}_rank")
+            ranks = s.ranks(axis)
+            assert rank in ranks and len(ranks) == dims.degree(axis) == s.size(axis)
+            assert ranks.index(rank) == s.coord(axis)
             expect = torch.tensor([float(sum(ranks))])
-            out[f"{tag} {axis} group"] = ("close", members_sum(getattr(s, f"{axis}_group")), expect)
-        if dims.tp == 4:
+            out[f"{tag} {axis} group"] = ("close", members_sum(s.group(axis)), expect)
+        if dims.degree("tp") == 4:
             expect = torch.tensor([float(sum(range(rank // 2 * 2, rank // 2 * 2 + 2)))])
-            out["tp=4 subgroup of 2"] = ("close", members_sum(s.tp_subgroup(2)), expect)
-    s = ParallelState(ParallelDims(tp=2, dp=2))
+            out["tp=4 subgroup of 2"] = ("close", members_sum(s.subgroup("tp", 2)), expect)
+    s = ParallelState(Layout.of(tp=2, dp=2))
     expected_layout = {0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 0), 3: (0, 1, 1)}[rank]
-    out["layout tp fastest"] = ("close", torch.tensor((s.pp_rank, s.dp_rank, s.tp_rank)), torch.tensor(expected_layout))
+    got = torch.tensor([s.coord(axis) for axis in ("pp", "dp", "tp")])
+    out["layout tp fastest"] = ("close", got, torch.tensor(expected_layout))
     return out
 
 
@@ -284,8 +285,8 @@ def _llama_worker(rank: int, world: int, tp: int, variants: list[tuple[str, str,
     """Tiny decoders with the TP plan (``variants``: label, HF dir, sequence-parallel settings),
     slices loaded from the HF checkpoint, against the unsharded model loaded whole: logits,
     loss, every weight and every gradient (gathered from the shards)."""
-    state = ParallelState(ParallelDims.for_world(world, tp=tp))
-    g = state.tp_group
+    state = ParallelState(Layout.for_world(world, tp=tp))
+    g = state.group("tp")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
     labels = ids.clone()
     labels[:, :3] = -100
@@ -370,8 +371,8 @@ def test_decoder_tp_plan_matches_unsharded_and_hf(tp, tmp_path, make_tiny_hf):
 
 def test_single_process_state_and_layers_need_no_process_group():
     assert not dist.is_initialized()
-    s = ParallelState(ParallelDims())
-    assert (s.tp_size, s.dp_size, s.pp_size, s.tp_group, s.rank) == (1, 1, 1, None, 0)
+    s = ParallelState(Layout.of())
+    assert (s.size("tp"), s.size("dp"), s.size("pp"), s.group("tp"), s.rank) == (1, 1, 1, None, 0)
     torch.manual_seed(0)
     ref = nn.Linear(8, 6)
     x = torch.randn(3, 8)
@@ -389,7 +390,7 @@ def test_single_process_state_and_layers_need_no_process_group():
 def test_apply_tp_plan_is_a_noop_at_tp1(make_tiny_hf):
     _, model_dir = make_tiny_hf("llama")
     model = build_model(DecoderConfig.from_hf(model_dir))
-    assert apply_tp_plan(model, tp_plan_for(model.config), ParallelState(ParallelDims())) is model
+    assert apply_tp_plan(model, tp_plan_for(model.config), ParallelState(Layout.of())) is model
     assert type(model.lm_head) is nn.Linear
 
 
@@ -423,14 +424,16 @@ def test_check_tp_config_errors_name_the_numbers(tp, overrides, message):
 
 def test_dims_validation_and_layout():
     with pytest.raises(NxdError, match="world size 6 is not divisible by tp\\*pp = 4\\*1 = 4"):
-        ParallelDims.for_world(6, tp=4)
+        Layout.for_world(6, tp=4)
     with pytest.raises(NxdError, match="parallel.tp must be a positive integer, got 0"):
-        ParallelDims(tp=0)
+        Layout.of(tp=0)
     with pytest.raises(NxdError, match="tp\\*pp\\*dp = 2\\*1\\*1 = 2 ranks, but the world has 1"):
-        ParallelState(ParallelDims(tp=2))
-    d = ParallelDims(tp=2, pp=2, dp=2)
-    assert [d.coords(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
-    assert (d.tp_ranks(1, 0), d.dp_ranks(0, 1), d.pp_ranks(1, 1)) == ([4, 5], [1, 3], [3, 7])
+        ParallelState(Layout.of(tp=2))
+    d = Layout.of(tp=2, pp=2, dp=2)
+    coords = [tuple(d.coords(r)[a] for a in ("pp", "dp", "tp")) for r in (0, 1, 2, 5, 7)]
+    assert coords == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert (d.group_ranks("tp", 4), d.group_ranks("dp", 1), d.group_ranks("pp", 3)) == ([4, 5], [1, 3], [3, 7])
+    assert d.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]] and d.blocks("tp", 1) == [[r] for r in range(8)]
 
 
 def test_slice_reader_checks_the_full_shape(tmp_path):

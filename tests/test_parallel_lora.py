@@ -45,7 +45,7 @@ from nxd_finetune.loss import vocab_parallel_cross_entropy
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.parallel import (
     ColumnParallelLinear,
-    ParallelDims,
+    Layout,
     ParallelState,
     RowParallelLinear,
     allreduce_replicated_grads,
@@ -125,7 +125,7 @@ def _grad_checks(tag, model, ref, state, differ: list[str], out: dict) -> None:
     names = [n for n, _ in trainable_parameters(model)]
     assert names == [n for n, _ in trainable_parameters(ref)] and any(".lora_A." in n for n in names)
     for name, p in trainable_parameters(model):
-        full = gather_shards(p.grad, specs[name], state.tp_group) if name in specs else p.grad
+        full = gather_shards(p.grad, specs[name], state.group("tp")) if name in specs else p.grad
         out[f"{tag} grad {name}"] = ("close", full, ref.get_parameter(name).grad)
 
 
@@ -135,7 +135,7 @@ def _merge_checks(tag, model, ref_logits, state, out: dict) -> None:
     with torch.no_grad():
         for _, m in lora_modules(model):
             m.merge()
-        merged = all_gather(model(IDS), -1, state.tp_group)
+        merged = all_gather(model(IDS), -1, state.group("tp"))
         for _, m in lora_modules(model):
             m.unmerge()
     out[f"{tag} merged logits"] = ("close", merged, ref_logits)
@@ -145,8 +145,8 @@ def _merge_checks(tag, model, ref_logits, state, out: dict) -> None:
 
 def _lora_worker(rank: int, world: int, tp: int, variants: list, save_dir: str) -> dict:
     """``variants``: (label, HF dir, PEFT adapter dir, sequence-parallel settings, dropout check)."""
-    state = ParallelState(ParallelDims.for_world(world, tp=tp))
-    g, out = state.tp_group, {}
+    state = ParallelState(Layout.for_world(world, tp=tp))
+    g, out = state.group("tp"), {}
     for label, base, adapter, sp_settings, with_dropout in variants:
         cfg = read_adapter(adapter)[0]
         ref = _ref_model(base, cfg, adapter)
@@ -283,7 +283,7 @@ def test_load_errors_name_full_shapes_and_tp_save_refusals(make_tiny_hf, tmp_pat
     save_adapter(other, bad, tmp_path / "bad", base_model_name_or_path=None)
     with pytest.raises(AdapterError, match=r"q_proj.lora_A.weight' has shape \(2, 64\), the model expects \(4, 64\)"):
         load_adapter(model, tmp_path / "bad", inject=False)
-    pp = types.SimpleNamespace(pp_size=2, tp_size=1, tp_rank=0, dp_rank=0)
+    pp = types.SimpleNamespace(size={"pp": 2, "tp": 1, "dp": 1}.__getitem__, coord=lambda axis: 0)
     with pytest.raises(AdapterError, match="pipeline parallel: union the stages"):
         save_adapter(model, cfg, tmp_path / "pp", None, state=pp)
     assert not (tmp_path / "pp").exists()

@@ -23,7 +23,7 @@ from nxd_finetune.lora import LoraConfig, inject_lora
 from nxd_finetune.loss import IGNORE_INDEX, causal_lm_loss, shift_labels
 from nxd_finetune.models import DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
-from nxd_finetune.parallel import ParallelDims, ParallelState
+from nxd_finetune.parallel import Layout, ParallelState
 from nxd_finetune.parallel.pipeline import (
     PipelineRunner,
     build_stage_module,
@@ -164,8 +164,8 @@ def run_pp2(fn, tmp_path, monkeypatch, *args, timeout: float = 120.0) -> list[di
 
 def pipeline(case: tuple, rank: int) -> tuple[PipelineRunner, list[torch.nn.Module]]:
     schedule, virtual, lora, tied, _, *chunk = case
-    state = ParallelState(ParallelDims(pp=2))
-    assert state.pp_rank == rank
+    state = ParallelState(Layout.of(pp=2))
+    assert state.coord("pp") == rank
     stages = build_stages(make_model(lora, tied), state, virtual)
     runner = PipelineRunner(stages, state, schedule, n_microbatches=4, loss_chunk_rows=chunk[0] if chunk else None)
     assert getattr(stages[-1], "return_hidden", False) == (bool(chunk) and rank == 1)  # the head runs in the loss
@@ -226,13 +226,13 @@ def test_stage_modules_keep_names_and_compose_to_the_model():
 
 
 def test_runner_refuses_bad_layouts():
-    state = ParallelState(ParallelDims())
+    state = ParallelState(Layout.of())
     stage = build_stage_module(make_model(), [0, 1, 2, 3], True, True)
     with pytest.raises(NxdError, match="schedule 'zb' is not supported"):
         PipelineRunner([stage], state, "zb", 4)
     with pytest.raises(NxdError, match=r"needs pp >= 2 \(pp=1\)"):
         PipelineRunner([stage], state, "1f1b", 4)
-    pp2 = SimpleNamespace(pp_size=2)  # the layout checks come before any process group is used
+    pp2 = SimpleNamespace(size={"pp": 2, "tp": 1, "dp": 1}.__getitem__)  # the layout checks come before any process group is used
     with pytest.raises(NxdError, match="interleaved_1f1b needs at least 2 stage modules per rank, got 1"):
         PipelineRunner([stage], pp2, "interleaved_1f1b", 4)
     with pytest.raises(NxdError, match="gpipe needs exactly 1 stage module per rank, got 2"):

@@ -424,20 +424,21 @@ def _host_groups_worker(out_dir: str) -> dict:
     from nxd_finetune import export
     from nxd_finetune.checkpoint.manager import CheckpointManager
     from nxd_finetune.checkpoint.training import StopSignals, TrainingCheckpoints, rng_state
-    from nxd_finetune.parallel.host import HostGroups
     from nxd_finetune.parallel.launch import init_distributed
     from nxd_finetune.parallel.parallelize import RankModel
-    from nxd_finetune.parallel.state import ParallelDims, ParallelState
+    from nxd_finetune.parallel.state import Layout, ParallelState
     from nxd_finetune.sft import setup, trainer
 
     backend = init_distributed("gloo")
     rank = backend.rank
-    state = ParallelState(ParallelDims.for_world(2, tp=1, pp=2))
-    shared = HostGroups.for_state(state)  # gloo: the main groups serve
-    host = HostGroups.for_state(state, separate=True)
-    out: dict = {"shared": (shared.world is None, shared.pp is state.pp_group, shared.tp is state.tp_group),
+    state = ParallelState(Layout.for_world(2, tp=1, pp=2))
+    # gloo: the main groups serve; separate_host: gloo groups of their own, as xla and nccl get
+    sep = ParallelState(Layout.for_world(2, tp=1, pp=2), separate_host=True)
+    host = SimpleNamespace(**{axis or "world": sep.host_group(axis) for axis in (None, "tp", "pp", "dp")})
+    out: dict = {"shared": (state.host_group() is None, state.host_group("pp") is state.group("pp"),
+                            state.host_group("tp") is state.group("tp")),
                  "backends": [dist.get_backend(g) for g in (host.world, host.tp, host.pp, host.dp)],
-                 "separate": host.pp is not state.pp_group and host.world is not None}
+                 "separate": host.pp is not sep.group("pp") and host.world is not None}
     allowed = {id(g) for g in (host.world, host.tp, host.pp, host.dp)}
     used: list[str] = []
 
@@ -463,7 +464,7 @@ def _host_groups_worker(out_dir: str) -> dict:
     signals.restore()
     rows = rng_state(state, host.world)["torch_cpu"]
     out["rng_rows_are_each_ranks"] = rows.shape[0] == 2 and torch.equal(rows[rank], torch.get_rng_state())
-    engine = SimpleNamespace(state=state, modules=[], runner=None, host=host)
+    engine = SimpleNamespace(state=sep, modules=[], runner=None)
     out["count"] = trainer._count(engine, [torch.nn.Parameter(torch.ones(3 + rank))])
     united = export._unite_stages(RankModel([], state), host.pp, {f"stage{rank}.w": torch.full((2,), float(rank))})
     out["united"] = None if united is None else {k: v.tolist() for k, v in sorted(united.items())}

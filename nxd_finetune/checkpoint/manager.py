@@ -110,7 +110,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager in a world of {world} processes needs state=ParallelState")
         if world > 1 and group is None and dist.get_backend() != "gloo":
             raise CheckpointError(f"CheckpointManager on the {dist.get_backend()} backend needs group= a gloo group "
-                                  "for its collectives on CPU tensors (parallel.host.HostGroups.world)")
+                                  "for its collectives on CPU tensors (ParallelState.host_group())")
         self.group = group
         self.uri = os.fspath(uri).rstrip("/")
         self.storage = open_storage(self.uri, **storage_options)
@@ -148,16 +148,16 @@ class CheckpointManager:
         st = self.state
         # A synchronous save at tp > 1 gathers one tensor at a time while the writer streams it to
         # its file; otherwise the stage is collected at once (copied for a background write).
-        stream = StageTensors(params, opt, st) if not self.async_save and st is not None and st.tp_size > 1 else None
+        stream = StageTensors(params, opt, st) if not self.async_save and st is not None and st.size("tp") > 1 else None
         tensors = collect(params, opt, st, copy=self.async_save) if stream is None else None
         if stream is not None and not stream.writes:
             for _ in stream.tensors(copy=False):  # the other TP ranks take part in the gathers
                 pass
         job = SaveJob(
             storage=self.storage, name=name, step=step, save_id=f"{save_id:016x}",
-            pp_rank=st.pp_rank if st is not None else 0, n_stages=st.pp_size if st is not None else 1,
+            pp_rank=st.coord("pp") if st is not None else 0, n_stages=st.size("pp") if st is not None else 1,
             tensors=tensors, groups=groups, finalize=self.rank == 0, extra=extra_enc,
-            layout={"tp": st.tp_size if st else 1, "pp": st.pp_size if st else 1, "dp": st.dp_size if st else 1,
+            layout={**{axis: st.size(axis) if st else 1 for axis in ("tp", "pp", "dp")},
                     "zero1": isinstance(opt, Zero1Optimizer)},
             keep_last=self.keep_last, stream=stream if stream is not None and stream.writes else None)
         self._pending_step = step

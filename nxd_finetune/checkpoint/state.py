@@ -165,8 +165,8 @@ class StageTensors:
                  state: ParallelState | None) -> None:
         states = _per_param_states(unwrap(optimizer))
         self.state = state
-        self.tp_rank = state.tp_rank if state is not None else 0
-        self.takes_part = state is None or state.dp_rank == 0
+        self.tp_rank = state.coord("tp") if state is not None else 0
+        self.takes_part = state is None or state.coord("dp") == 0
         self.writes = self.takes_part and self.tp_rank == 0
         self.entries: list[_Entry] = []
         for lp in params:
@@ -195,7 +195,7 @@ class StageTensors:
         was needed. Collective over tp: every TP rank must consume the iterator to the end."""
         if not self.takes_part:
             return
-        group = self.state.tp_group if self.state is not None else None
+        group = self.state.group("tp") if self.state is not None else None
         for e in self.entries:
             full = gather_shards(e.local, e.spec, group) if e.spec is not None else e.local
             yield e.key, (_cpu(full, copy) if self.writes else None)

@@ -86,7 +86,7 @@ class NxdModelModule(NxdModuleBase):
         if self.scheduler_cls is not None:
             self._scheduler = self.scheduler_cls(self._optimizer, *self.scheduler_args, **self.scheduler_kwargs)
         self._state = config.state
-        self._tp_group = config.state.tp_group if config.state.tp_size > 1 else None
+        self._tp_group = config.state.group("tp") if config.state.size("tp") > 1 else None
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
         assert self._optimizer is not None, "configure_model builds the optimizer first"

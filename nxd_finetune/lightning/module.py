@@ -130,9 +130,9 @@ class NxdLightningModule(NxdModuleBase):
             raise NxdError("output.registry is not published under Lightning: push the exported adapter with "
                            "`nxd-finetune adapters push <output.dir>/final ...` after trainer.fit")
         recipe = self.recipe = self._recipe_for(strategy, device)
-        layout, host = strategy.parallel_state, strategy.host
+        layout = strategy.parallel_state
         assert layout is not None
-        rr = setup_rank(recipe, device=device, layout=layout, host=host)
+        rr = setup_rank(recipe, device=device, layout=layout)
         attach_reference(recipe, rr.engine, rr.data, rr.model_dir)  # preference: reference log-probs, before training
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
@@ -219,7 +219,7 @@ class NxdLightningModule(NxdModuleBase):
         assert e is not None and self._model_dir is not None
         export_model(e.rank_model, Path(self.recipe.output.dir) / "final",
                      export_spec(self.recipe, self._model_dir, self._tokenizer), config=e.config,
-                     lora=e.lora_config, lora_targets=e.lora_targets, pp_group=e.host.pp)
+                     lora=e.lora_config, lora_targets=e.lora_targets, pp_group=e.state.host_group("pp"))
 
     # ------------------------------------------------------------------ checkpoints (strategy's hooks)
 

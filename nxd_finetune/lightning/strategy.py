@@ -6,7 +6,7 @@ other external launchers are detected by Lightning as usual; gloo on CPU, nccl o
 changes:
 
 - after the default group exists it builds the layout's groups (``ParallelState``: tp x pp x dp,
-  and the host groups of :class:`~nxd_finetune.parallel.host.HostGroups`); one process makes no
+  with its host groups for CPU tensors); one process makes no
   process group at all, as ``nxd-finetune run`` at ``nproc=1``;
 - the model is not wrapped in ``DistributedDataParallel``: the module's
   :class:`~nxd_finetune.parallel.optimizer.ParallelOptimizer` sums the TP-replicated gradients,
@@ -46,8 +46,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning import checkpoint as nxd_checkpoint
 from nxd_finetune.lightning.base import NxdModuleBase
 from nxd_finetune.lightning.precision import NxdPrecision
-from nxd_finetune.parallel.host import HostGroups
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -92,7 +91,6 @@ class NxdStrategy(DDPStrategy):
         self.sequence_parallel = sequence_parallel
         self.parallel_state: ParallelState | None = None
         self.nxd_config: NxDConfig | None = None  # built from nxd_config once the processes are up
-        self.host = HostGroups()
 
     # ------------------------------------------------------------------ processes and groups
 
@@ -121,24 +119,28 @@ class NxdStrategy(DDPStrategy):
             self.nxd_config = neuronx_distributed_config(**self._nxd_kwargs)
             self.parallel_state = self.nxd_config.state
         else:
-            self.parallel_state = ParallelState(ParallelDims.for_world(world, tp=tp, pp=pp))
-        self.host = HostGroups.for_state(self.parallel_state)
+            self.parallel_state = ParallelState(Layout.for_world(world, tp=tp, pp=pp))
+
+    @property
+    def _host_world(self) -> torch.distributed.ProcessGroup | None:
+        """The world's host group (None: the default group, or no process group at all)."""
+        return self.parallel_state.host_group() if self.parallel_state is not None else None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Plain ``DataLoader`` s are split over the data-parallel ranks (TP ranks see the same data)."""
         st = self.parallel_state
-        return {"num_replicas": st.dp_size, "rank": st.dp_rank} if st else {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": st.size("dp"), "rank": st.coord("dp")} if st else {"num_replicas": 1, "rank": 0}
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self.world_size > 1:
-            torch.distributed.barrier(group=self.host.world)
+            torch.distributed.barrier(group=self._host_world)
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         if self.world_size == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=self.host.world)
+        torch.distributed.broadcast_object_list(box, src, group=self._host_world)
         return box[0]
 
     # ------------------------------------------------------------------ model and optimizer
@@ -202,12 +204,12 @@ class NxdStrategy(DDPStrategy):
                         storage_options: object = None) -> None:
         """Write nxd-finetune's checkpoint (collective: every rank calls it, as Lightning does). See
         :func:`nxd_finetune.lightning.checkpoint.save` for where ``filepath`` puts it."""
-        nxd_checkpoint.save(self._nxd_module(), checkpoint, filepath, self.parallel_state, self.host.world)
+        nxd_checkpoint.save(self._nxd_module(), checkpoint, filepath, self.parallel_state, self._host_world)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> JsonDict:
         """Load nxd-finetune's checkpoint (one written by this strategy or by ``nxd-finetune run``,
         in any layout) into the live modules and optimizer; returns what Lightning restores next."""
-        return nxd_checkpoint.load(self._nxd_module(), checkpoint_path, self.parallel_state, self.host.world)
+        return nxd_checkpoint.load(self._nxd_module(), checkpoint_path, self.parallel_state, self._host_world)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero and Path(filepath).exists():

@@ -111,13 +111,13 @@ def gather_adapter_state_dict(model: nn.Module, state: ParallelState, bias: str 
     """:func:`adapter_state_dict` of a tensor-parallel model with every sharded tensor gathered: the
     keys, shapes and values of a tp=1 model with the same adapter, on every TP rank (rank 0 writes).
 
-    Collective over ``state.tp_group`` (one all-gather per sharded tensor, in module order): every
+    Collective over ``state.group("tp")`` (one all-gather per sharded tensor, in module order): every
     TP rank calls it. Replicated tensors are the local copy. DP replicas get equal dicts. Pipeline
     parallel: each stage's dict holds only its layers' keys; union the stages' dicts before writing.
     """
     specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
     local = lora_state_dict(model, bias)
-    full = {k: gather_shards(t, specs[k], state.tp_group) if k in specs else t for k, t in local.items()}
+    full = {k: gather_shards(t, specs[k], state.group("tp")) if k in specs else t for k, t in local.items()}
     return _peft_keys(model, full)
 
 
@@ -203,12 +203,12 @@ def save_adapter(
     (:func:`gather_adapter_state_dict`, collective: every rank of the TP group calls this) and
     only TP rank 0 of data-parallel rank 0 writes, so the files equal a tp=1 run's; other ranks
     return without writing (a caller that reads the files on them barriers first). Raises
-    AdapterError with ``state.pp_size > 1`` (a stage holds only part of the adapter). The files
+    AdapterError with ``state.size("pp") > 1`` (a stage holds only part of the adapter). The files
     are written by :func:`write_adapter_files`, the exporter's writer (full tensors in, files out).
     """
     if next(lora_modules(model), None) is None:
         raise AdapterError("the model has no LoRA layers to save; call inject_lora first")
-    if state is not None and state.pp_size > 1:
+    if state is not None and state.size("pp") > 1:
         raise AdapterError(
             "save_adapter with pipeline parallel: union the stages' gather_adapter_state_dict before writing"
         )
@@ -295,7 +295,7 @@ def adapter_config_hash(adapter_dir: str | Path) -> str | None:
 
 
 def _is_writer(state: ParallelState | None) -> bool:
-    return state is None or (state.tp_rank == 0 and state.dp_rank == 0)
+    return state is None or (state.coord("tp") == 0 and state.coord("dp") == 0)
 
 
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:

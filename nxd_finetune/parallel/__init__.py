@@ -1,6 +1,6 @@
 """Process groups, autograd collectives and tensor/sequence-parallel layers.
 
-- :mod:`.state`: ``ParallelDims`` (tp, pp, dp) and ``ParallelState`` (the groups; rank layout tp
+- :mod:`.state`: ``Layout`` (tp, pp, dp) and ``ParallelState`` (the groups; rank layout tp
   fastest, then dp, then pp).
 - :mod:`.mappings`: collectives as autograd functions with one-line contracts.
 - :mod:`.layers`: Column/Row-parallel linears, vocab-parallel embedding (the vocab-parallel cross
@@ -33,13 +33,13 @@ from nxd_finetune.parallel.plan import (
     make_slice_reader,
     tp_plan_for,
 )
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 
 __all__ = [
     "LLAMA_TP_PLAN",
     "TP_PLANS",
     "ColumnParallelLinear",
-    "ParallelDims",
+    "Layout",
     "ParallelState",
     "RowParallelLinear",
     "ShardSpec",

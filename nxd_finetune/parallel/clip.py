@@ -65,7 +65,7 @@ def counts_on_rank(spec: ShardSpec | None, tp_rank: int) -> bool:
 def _specs(specs: dict[int, ShardSpec] | nn.Module | None, state: ParallelState) -> dict[int, ShardSpec] | None:
     if isinstance(specs, nn.Module):
         return shard_spec_map(specs)
-    if specs is None and state.tp_size > 1:
+    if specs is None and state.size("tp") > 1:
         raise ValueError("with tp > 1 the norm needs the sharding metadata: pass the model or shard_spec_map(model)")
     return specs
 
@@ -125,11 +125,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float |
         if p.grad is None:
             continue
         grads.append(p.grad)
-        if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.tp_rank):
+        if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.coord("tp")):
             counted.append(p.grad)
     device = grads[0].device if grads else None
-    total = _allreduce(_sum_of_squares(counted, device), [(state.tp_group, state.tp_size),
-                                                          (state.pp_group, state.pp_size)]).sqrt()
+    total = _allreduce(_sum_of_squares(counted, device), [(state.group("tp"), state.size("tp")),
+                                                          (state.group("pp"), state.size("pp"))]).sqrt()
     if max_norm is not None and max_norm > 0 and grads:
         _scale(grads, total, max_norm)
     return total
@@ -149,10 +149,10 @@ def clip_grad_norm_zero1(optimizer: GradShards, max_norm: float | None, state: P
     spec_map = _specs(specs, state) or {}
     skip = {id(p) for p in not_counted}
     counted = [g for p, g in optimizer.local_grad_slices()
-               if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.tp_rank)]
+               if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.coord("tp"))]
     shards = optimizer.master_grads()
     device = shards[0].device if shards else None
-    groups = [(state.dp_group, state.dp_size), (state.tp_group, state.tp_size), (state.pp_group, state.pp_size)]
+    groups = [(state.group(axis), state.size(axis)) for axis in ("dp", "tp", "pp")]
     total = _allreduce(_sum_of_squares(counted, device), groups).sqrt()
     if max_norm is not None and max_norm > 0:
         _scale(shards, total, max_norm)

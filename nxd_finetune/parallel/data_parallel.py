@@ -26,10 +26,10 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 def dp_sum(t: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """``t`` summed over ``state``'s data-parallel group, as a new tensor (``t`` itself at dp == 1;
     no autograd): the step's counts and logged losses of the trainer and the Lightning modules."""
-    if state.dp_size == 1:
+    if state.size("dp") == 1:
         return t
     out = t.detach().clone()
-    dist.all_reduce(out, group=state.dp_group)
+    dist.all_reduce(out, group=state.group("dp"))
     return out
 
 

@@ -44,7 +44,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     """Size of ``group``; 1 for ``None``, which is only valid without a multi-rank world."""
     if group is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("group=None in a multi-process world: pass the group explicitly (state.tp_group)")
+            raise ValueError("group=None in a multi-process world: pass the group explicitly (state.group('tp'))")
         return 1
     return dist.get_world_size(group)
 

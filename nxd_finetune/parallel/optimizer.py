@@ -61,7 +61,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         # no Optimizer.__init__: everything is delegated to the wrapped optimizer
         if grad_reduction not in ("mean", "sum"):
             raise NxdError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
-        if model is None and state.tp_size > 1:
+        if model is None and state.size("tp") > 1:
             raise NxdError("tensor parallel needs the model: build it before the optimizer")
         self.parallel_state = state
         self.model = model
@@ -73,7 +73,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.optimizer: torch.optim.Optimizer
         if zero1:
             # mypy cannot tell the hyperparameters in ``defaults`` from Zero1Optimizer's own keywords
-            self.optimizer = Zero1Optimizer(params, optimizer_class, state.dp_group, average=self.average,
+            self.optimizer = Zero1Optimizer(params, optimizer_class, state.group("dp"), average=self.average,
                                             **defaults)  # type: ignore[arg-type]
         else:
             self.optimizer = optimizer_class(params, **defaults)
@@ -125,7 +125,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                                                       not_counted=self.not_counted)
         else:
             params = [p for g in self.param_groups for p in g["params"]]
-            allreduce_gradients(params, state.dp_group, average=self.average)
+            allreduce_gradients(params, state.group("dp"), average=self.average)
             if self.max_norm is not None:
                 self.grad_norm = clip_grad_norm(params, self.max_norm, state, specs=model,
                                                 not_counted=self.not_counted)

@@ -37,7 +37,7 @@ from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.pipeline import LossFn, PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.recompute import checkpointed
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 
 CheckpointSpec = None | Literal["full"] | type[nn.Module] | tuple[type[nn.Module], ...]
 StatsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,7 +74,7 @@ class WeightSource:
 @dataclasses.dataclass(frozen=True)
 class ParallelizeSpec:
     """The layout choices of a rank's model. ``tp_plan``: module pattern -> style (None: the plan of
-    ``model.config.architecture``). Pipeline (``state.pp_size > 1``): ``virtual_stages``,
+    ``model.config.architecture``). Pipeline (``state.size("pp") > 1``): ``virtual_stages``,
     ``pp_cuts`` (first layer of every stage after the first; None: even), ``pp_schedule``,
     ``n_microbatches`` (None: pp). ``activation_checkpointing``: None, ``"full"`` (every decoder
     layer) or module classes."""
@@ -107,7 +107,7 @@ class RankModel:
     @classmethod
     def single(cls, model: nn.Module) -> RankModel:
         """A whole model in a one-process layout (no process group needed)."""
-        return cls([model], ParallelState(ParallelDims.for_world(1, tp=1, pp=1)))
+        return cls([model], ParallelState(Layout.for_world(1, tp=1, pp=1)))
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, de-duplicated, in module order."""
@@ -205,12 +205,12 @@ def parallelize_model(
     without a TP plan, a meta model with no weight source, a pipeline layout the model or schedule
     cannot take."""
     hooks = hooks or ModelHooks()
-    if state.tp_size > 1:
+    if state.size("tp") > 1:
         plan = spec.tp_plan or tp_plan_for(getattr(model, "config", None))
         apply_tp_plan(model, plan, state, sequence_parallel=spec.sequence_parallel)
     if hooks.inject is not None:
         hooks.inject(model)
-    if state.pp_size > 1:
+    if state.size("pp") > 1:
         if getattr(model, "config", None) is None:
             raise NxdError("pipeline parallel needs a decoder with .config (num_hidden_layers) to cut into stages")
         modules = build_stages(model, state, spec.virtual_stages, spec.pp_cuts)
@@ -223,10 +223,10 @@ def parallelize_model(
     for m in modules:
         apply_activation_checkpointing(m, spec.activation_checkpointing)
         m.to(device)
-    if state.pp_size == 1:
+    if state.size("pp") == 1:
         return RankModel(modules, state)
     chunk_rows = None if spec.sequence_parallel else spec.loss_chunk_rows
-    runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.pp_size,
+    runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.size("pp"),
                             loss_fn=loss_fn, stats_fn=stats_fn, loss_chunk_rows=chunk_rows, objective=spec.objective)
     if weights.checkpoint is None:
         runner.sync_tied_weights()  # param_init_fn drew the tied copies independently

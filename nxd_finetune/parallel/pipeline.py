@@ -171,11 +171,11 @@ def build_stages(model: nn.Module, state: ParallelState, virtual_stages: int = 1
     ``DecoderForCausalLM``; NxdError otherwise)."""
     if not isinstance(model, DecoderForCausalLM):
         raise NxdError(f"pipeline parallel cuts a DecoderForCausalLM into stages, got {type(model).__name__}")
-    pp = state.pp_size
+    pp = state.size("pp")
     split = split_layers(model.config.num_hidden_layers, pp, virtual_stages, cuts)
     n = len(split)
     return [build_stage_module(model, split[s], s == 0, s == n - 1)
-            for s in stage_ids_of_rank(state.pp_rank, pp, virtual_stages)]
+            for s in stage_ids_of_rank(state.coord("pp"), pp, virtual_stages)]
 
 
 def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, torch.Tensor]:
@@ -199,7 +199,7 @@ class PipelineRunner:
 
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
-    (``pp_size >= 2``; the pipeline runs over ``state.pp_group``). The last stage's loss and eval
+    (``pp_size >= 2``; the pipeline runs over ``state.group("pp")``). The last stage's loss and eval
     statistics are the ``objective``'s (:mod:`nxd_finetune.objective`; default supervised cross
     entropy) over this rank's vocabulary shard; ``loss_fn(logits, labels, n_targets)`` /
     ``stats_fn(logits, targets)`` replace them (the NxD-style API's custom loss).
@@ -216,26 +216,26 @@ class PipelineRunner:
                  loss_chunk_rows: int | None = None, objective: Objective = SFT) -> None:
         if schedule not in SCHEDULES:
             raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
-        if state.pp_size < 2:
-            raise NxdError(f"PipelineRunner needs pp >= 2 (pp={state.pp_size}); run micro-batches directly")
+        if state.size("pp") < 2:
+            raise NxdError(f"PipelineRunner needs pp >= 2 (pp={state.size('pp')}); run micro-batches directly")
         chunks = len(stage_modules)
         interleaved = schedule == "interleaved_1f1b"
         if interleaved and chunks < 2 or not interleaved and chunks != 1:
             need = "at least 2 stage modules per rank" if interleaved else "exactly 1 stage module per rank"
             raise NxdError(f"pipeline schedule {schedule} needs {need}, got {chunks}")
-        pp = state.pp_size
+        pp = state.size("pp")
         if (n_microbatches < 1 or schedule == "1f1b" and n_microbatches < pp
                 or interleaved and n_microbatches % max(1, n_microbatches // pp)):
             raise NxdError(f"{n_microbatches} micro-batches do not fit pipeline schedule {schedule} with pp={pp} "
                            "(1f1b needs n >= pp; interleaved_1f1b needs n divisible by max(1, n // pp))")
         self.state, self.schedule_name, self.n_microbatches = state, schedule, n_microbatches
         self.stage_modules = list(stage_modules)
-        self.num_stages = state.pp_size * chunks
-        self.stage_ids = stage_ids_of_rank(state.pp_rank, state.pp_size, chunks)
+        self.num_stages = state.size("pp") * chunks
+        self.stage_ids = stage_ids_of_rank(state.coord("pp"), state.size("pp"), chunks)
         self.objective = objective
         self._mb_stats: dict[int, torch.Tensor] = {}  # this step's objective metrics by micro-batch target
         self.stats_fn = stats_fn
-        self._tp_group = state.tp_group if state.tp_size > 1 else None
+        self._tp_group = state.group("tp") if state.size("tp") > 1 else None
         self._head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._rows = 0
         if loss_chunk_rows is not None and state.is_last_stage and loss_fn is None and stats_fn is None:
@@ -280,13 +280,11 @@ class PipelineRunner:
         config = getattr(self.stage_modules[0], "config", None)
         if not getattr(config, "tie_word_embeddings", False):
             return None
-        dims, mine = self.state.dims, None
-        for d in range(dims.dp):
-            for t in range(dims.tp):
-                ranks = dims.pp_ranks(d, t)
-                group = dist.new_group([ranks[0], ranks[-1]])
-                if self.state.rank in (ranks[0], ranks[-1]):
-                    mine = group
+        mine = None
+        for ranks in self.state.layout.groups("pp"):
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if self.state.rank in (ranks[0], ranks[-1]):
+                mine = group
         return mine
 
     def _tied_weight(self) -> nn.Parameter | None:
@@ -309,7 +307,7 @@ class PipelineRunner:
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
                 self._schedules.pop(next(iter(self._schedules)))
             stages: list[_PipelineStageBase] = [
-                PipelineStage(m, sid, self.num_stages, self.device, group=self.state.pp_group)
+                PipelineStage(m, sid, self.num_stages, self.device, group=self.state.group("pp"))
                 for m, sid in zip(self.stage_modules, self.stage_ids, strict=True)
             ]
             multi = len(stages) > 1
@@ -343,7 +341,7 @@ class PipelineRunner:
     def _from_last(self, value: torch.Tensor | None, size: tuple[int, ...] = ()) -> torch.Tensor:
         """Broadcast ``value`` (given on the last stage) to every rank of the pipeline group."""
         out = value.detach().float() if value is not None else torch.zeros(size, device=self.device)
-        dist.broadcast(out, src=self.state.pp_ranks[-1], group=self.state.pp_group)
+        dist.broadcast(out, src=self.state.ranks("pp")[-1], group=self.state.group("pp"))
         return out
 
     def step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]],
@@ -412,7 +410,7 @@ class PipelineRunner:
         groups (every rank calls it); no-op without tied embeddings."""
         weight = self._tied_weight() if self._tied_group is not None else None
         if weight is not None:
-            src = self.state.dims.pp_ranks(self.state.dp_rank, self.state.tp_rank)[0]
+            src = self.state.ranks("pp")[0]
             dist.broadcast(weight.data, src=src, group=self._tied_group)
 
     @torch.no_grad()
@@ -437,7 +435,7 @@ class PipelineRunner:
     def grad_norm_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters of this rank that count towards the global gradient norm: the
         last stage's tied ``lm_head`` copy is left out (stage 0 counts it). Sum the squared norms
-        over ``state.pp_group`` for the model's norm (and over tp for sharded parameters)."""
+        over ``state.group("pp")`` for the model's norm (and over tp for sharded parameters)."""
         skip = self._tied_weight() if self._tied_group is not None and self.state.is_last_stage else None
         seen, out = set(), []
         for module in self.stage_modules:

@@ -222,13 +222,13 @@ def apply_tp_plan(
     embedding reduce-scatters, column layers all-gather their input, row layers reduce-scatter
     their output; ``lm_head`` all-gathers, so logits are ``[B, T, V/tp]``.
     """
-    tp = state.tp_size
+    tp = state.size("tp")
     if tp == 1:
         return model
     config: HeadConfig = model.config  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
     check_tp_config(config, tp)
     replicas = kv_replication(config, tp)
-    group, sp = state.tp_group, sequence_parallel
+    group, sp = state.group("tp"), sequence_parallel
     compiled = _compile(plan)
     for name, module in list(model.named_modules()):
         style = _style_of(name, compiled)
@@ -262,7 +262,7 @@ def apply_tp_plan(
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
     if replicas > 1:
-        state.tp_subgroup(replicas)  # collective: create the KV-sharing groups on every rank now
+        state.subgroup("tp", replicas)  # collective: create the KV-sharing groups on every rank now
     tie_weights = getattr(model, "tie_weights", None)
     if tie_weights is not None:
         tie_weights()
@@ -312,7 +312,7 @@ def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
     clipping, on every TP rank. One flat all-reduce per (group size, dtype); parameters without
     a gradient (frozen) are skipped. A no-op at tp == 1.
     """
-    if state.tp_size == 1:
+    if state.size("tp") == 1:
         return
     buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     seen: set[int] = set()
@@ -325,7 +325,7 @@ def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
         buckets.setdefault((spec.grad_sync, param.grad.dtype), []).append(param.grad)
     for (size, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=state.tp_subgroup(size))
+        dist.all_reduce(flat, group=state.subgroup("tp", size))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -1,25 +1,31 @@
-"""Parallel dimensions and the process groups that realise them.
+"""Named parallel axes (:class:`Layout`) and the process groups that realise them (:class:`ParallelState`).
 
-Rank layout (as Megatron-LM and NeuronX Distributed): tensor-parallel ranks vary fastest, then
-data-parallel, then pipeline::
+A layout is an ordered list of named axes with a degree each, outermost first. A global rank is
+the row-major index of its coordinates, so the last axis varies fastest. The default order is
+Megatron-LM's and NeuronX Distributed's, ``pp``, ``dp``, ``tp``::
 
     global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
 so the ranks of one TP group are consecutive (one node / one NeuronLink ring holds them), the
 ranks of one DP group are ``tp`` apart and those of one PP group ``dp * tp`` apart. Example,
 world 8 with tp=2, pp=2, dp=2: tp groups [0,1] [2,3] [4,5] [6,7]; dp groups [0,2] [1,3] [4,6]
-[5,7]; pp groups [0,4] [1,5] [2,6] [3,7].
+[5,7]; pp groups [0,4] [1,5] [2,6] [3,7]. Every question about the layout is asked by axis name
+(``layout.degree("tp")``, ``state.group("dp")``), so a new axis (experts, context) is one more
+entry in :data:`AXES`, not a new attribute on every reader.
 
 :class:`ParallelState` owns the groups and is passed to whoever needs them; nothing here is a
-module-level global. Groups of size one are real (size-one) process groups when a default group
-is initialised, so collectives on them are well defined; the collectives in
-:mod:`nxd_finetune.parallel.mappings` skip size-one groups entirely. With no process group
-initialised (a plain single process) every group is ``None`` and every size is 1.
+module-level global. The device groups come from a torch :class:`~torch.distributed.device_mesh.DeviceMesh`
+over the layout's axes (group bookkeeping only, no DTensor). Groups of size one are real (size-one)
+process groups when a default group is initialised, so collectives on them are well defined; the
+collectives in :mod:`nxd_finetune.parallel.mappings` skip size-one groups entirely. With no
+process group initialised (a plain single process) every group is ``None`` and every size is 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
@@ -27,135 +33,210 @@ from nxd_finetune.errors import NxdError
 
 ProcessGroup = dist.ProcessGroup
 
+AXES: tuple[str, ...] = ("pp", "dp", "tp")
+"""The parallel axes, outermost first (the last varies fastest over global ranks)."""
+SHOWN: tuple[str, ...] = ("tp", "pp", "dp")
+"""The order messages name axes in (the recipe's ``parallel`` section's)."""
+
 
 @dataclasses.dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism.
+class Layout:
+    """The degree of each named parallel axis, outermost first (``axes``: ``((name, degree), ...)``).
 
-    Raises NxdError (one line, with the numbers) when a degree is not a positive integer.
+    Build it with :meth:`of` (degrees by name, 1 where not given) or :meth:`for_world`. Raises
+    NxdError (one line, with the numbers) when a degree is not a positive integer or an axis name
+    is unknown.
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    axes: tuple[tuple[str, int], ...]
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
-            value = getattr(self, name)
+        for name, value in self.axes:
+            if name not in AXES:
+                raise NxdError(f"unknown parallel axis {name!r} (known: {', '.join(AXES)})")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise NxdError(f"parallel.{name} must be a positive integer, got {value!r}")
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+    @classmethod
+    def of(cls, **degrees: int) -> Layout:
+        """The layout with these degrees (``Layout.of(tp=2, dp=2)``); axes not named have degree 1."""
+        unknown = sorted(set(degrees) - set(AXES))
+        if unknown:
+            raise NxdError(f"unknown parallel axis {unknown[0]!r} (known: {', '.join(AXES)})")
+        return cls(tuple((name, degrees.get(name, 1)) for name in AXES))
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> ParallelDims:
-        """Dims with ``dp = world_size / (tp * pp)``; NxdError when that does not divide."""
-        cls(tp=tp, pp=pp)  # validates the degrees
-        if world_size % (tp * pp):
-            raise NxdError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+    def for_world(cls, world_size: int, **degrees: int) -> Layout:
+        """The layout with these degrees and ``dp`` taking the rest of ``world_size``; NxdError when
+        the product of the given degrees does not divide it."""
+        fixed = cls.of(**degrees)  # validates the degrees
+        others = math.prod(d for name, d in fixed.axes if name != "dp")
+        if world_size % others:
+            raise NxdError(f"world size {world_size} is not divisible by {fixed.product(skip='dp')} = {others}")
+        return cls.of(**{**degrees, "dp": world_size // others})
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of a global rank (see the module docstring)."""
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+    def product(self, skip: str | None = None) -> str:
+        """``tp*pp*dp = 2*1*2`` for messages: the axes in the recipe's order (``parallel.tp``, ``pp``,
+        ``dp``, then the others), ``skip`` left out."""
+        order = sorted((n for n in self.names if n != skip), key=lambda n: (SHOWN + AXES).index(n))
+        return "*".join(order) + " = " + "*".join(str(self.degree(n)) for n in order)
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        """Global rank at the given coordinates (inverse of :meth:`coords`)."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
 
-    def tp_ranks(self, pp_rank: int, dp_rank: int) -> list[int]:
-        return [self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp)]
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(degree for _, degree in self.axes)
 
-    def dp_ranks(self, pp_rank: int, tp_rank: int) -> list[int]:
-        return [self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp)]
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
 
-    def pp_ranks(self, dp_rank: int, tp_rank: int) -> list[int]:
-        return [self.rank_of(p, dp_rank, tp_rank) for p in range(self.pp)]
+    def degree(self, axis: str) -> int:
+        """The degree of ``axis`` (KeyError for an axis this layout does not have)."""
+        return dict(self.axes)[axis]
+
+    def _stride(self, axis: str) -> int:
+        names = self.names
+        return math.prod(self.shape[names.index(axis) + 1:])
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of global ``rank`` on every axis."""
+        return {name: (rank // self._stride(name)) % degree for name, degree in self.axes}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """The global rank at ``coords`` (missing axes: 0); inverse of :meth:`coords`."""
+        return sum(coords.get(name, 0) * self._stride(name) for name in self.names)
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """The global ranks of ``rank``'s group along ``axis`` (same coordinates on every other
+        axis), in group-rank order."""
+        base = rank - self.coords(rank)[axis] * self._stride(axis)
+        return [base + i * self._stride(axis) for i in range(self.degree(axis))]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, in increasing order of their first rank."""
+        return [ranks for rank in range(self.world_size)
+                if (ranks := self.group_ranks(axis, rank))[0] == rank]
+
+    def blocks(self, axis: str, size: int) -> list[list[int]]:
+        """Every group along ``axis`` cut into blocks of ``size`` consecutive coordinates."""
+        if size < 1 or self.degree(axis) % size:
+            raise ValueError(f"{axis} subgroup size {size} does not divide {axis}={self.degree(axis)}")
+        return [ranks[i:i + size] for ranks in self.groups(axis) for i in range(0, len(ranks), size)]
+
+
+def _make_groups(blocks: list[list[int]], rank: int, backend: str | None = None) -> ProcessGroup:
+    """``dist.new_group`` for every block (collective: every rank, same order); this rank's group."""
+    mine = None
+    for ranks in blocks:
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine = group
+    assert mine is not None  # the blocks cover the world
+    return mine
 
 
 class ParallelState:
-    """The tp / dp / pp process groups of this rank, built from the initialised default group.
+    """This rank's place in a :class:`Layout` and its process groups, looked up by axis name.
+
+    ``group(axis)``: the device group (collectives on the device's tensors); ``host_group(axis)``
+    (``axis=None``: the whole world) the group for collectives on CPU tensors and pickled objects
+    (parameter counts, the stop-signal flag, RNG states, checkpoint ids and barriers, pipeline
+    stages' adapter parts). ``coord(axis)`` / ``size(axis)`` / ``ranks(axis)``: this rank's
+    coordinate, the axis degree and the global ranks of this rank's group in group-rank order
+    (pipeline send/recv needs them).
+
+    Under gloo the host groups are the device groups. The ``xla`` backend takes XLA tensors only (a
+    CPU tensor raises ``Expected XLA tensor``) and its barrier returns at once, nccl takes CUDA
+    tensors only: under those backends gloo groups over the same ranks are made beside the device
+    ones (as Megatron-LM's ``*_GLOO`` groups). ``separate_host``: make them (True), never (False),
+    or unless the default backend is gloo (None).
 
     Construction is collective: every rank of the world must build its ``ParallelState`` with the
-    same dims, in the same order relative to other group creation (``dist.new_group`` rule).
-    Raises NxdError when ``dims.world_size`` differs from the world size. Without an initialised
+    same layout, in the same order relative to other group creation (``dist.new_group`` rule).
+    Raises NxdError when ``layout.world_size`` differs from the world size. Without an initialised
     default group, only ``world_size == 1`` is accepted and all groups are ``None``.
-
-    Attributes: ``dims``, ``rank``, ``world_size``; for each of ``tp``, ``dp``, ``pp``:
-    ``<x>_rank`` (rank inside the group), ``<x>_size``, ``<x>_group`` and ``<x>_ranks`` (the
-    global ranks of this rank's group, in group-rank order; pipeline send/recv needs them).
     """
 
-    def __init__(self, dims: ParallelDims) -> None:
+    def __init__(self, layout: Layout, separate_host: bool | None = None) -> None:
         initialised = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialised else 1
-        if dims.world_size != world:
-            raise NxdError(
-                f"tp*pp*dp = {dims.tp}*{dims.pp}*{dims.dp} = {dims.world_size} ranks, "
-                f"but the world has {world} process(es)"
-            )
-        self.dims = dims
+        if layout.world_size != world:
+            raise NxdError(f"{layout.product()} = {layout.world_size} ranks, "
+                           f"but the world has {world} process(es)")
+        self.layout = layout
         self.world_size = world
         self.rank = dist.get_rank() if initialised else 0
-        self.pp_rank, self.dp_rank, self.tp_rank = dims.coords(self.rank)
-        self.tp_size, self.dp_size, self.pp_size = dims.tp, dims.dp, dims.pp
-        self.tp_ranks = dims.tp_ranks(self.pp_rank, self.dp_rank)
-        self.dp_ranks = dims.dp_ranks(self.pp_rank, self.tp_rank)
-        self.pp_ranks = dims.pp_ranks(self.dp_rank, self.tp_rank)
+        self._coords = layout.coords(self.rank)
         self._initialised = initialised
-        # new_group must be called by every rank for every group, in the same order
-        self.tp_group = self._make_groups([dims.tp_ranks(p, d) for p in range(dims.pp) for d in range(dims.dp)])
-        self.dp_group = self._make_groups([dims.dp_ranks(p, t) for p in range(dims.pp) for t in range(dims.tp)])
-        self.pp_group = self._make_groups([dims.pp_ranks(d, t) for d in range(dims.dp) for t in range(dims.tp)])
-        self._tp_subgroups: dict[int, ProcessGroup | None] = {dims.tp: self.tp_group}
+        self._groups: dict[str, ProcessGroup | None] = dict.fromkeys(layout.names)
+        self._host: dict[str | None, ProcessGroup | None] = dict.fromkeys((None, *layout.names))
+        self._subgroups: dict[tuple[str, int], ProcessGroup | None] = {}
+        if not initialised:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
 
-    def _make_groups(self, all_ranks: list[list[int]]) -> ProcessGroup | None:
-        if not self._initialised:
-            return None
-        mine = None
-        for ranks in all_ranks:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
+        backend = dist.get_backend()
+        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", layout.shape, mesh_dim_names=layout.names)
+        self._groups = {name: mesh.get_group(name) for name in layout.names}
+        self._host = {None: None}
+        self._host.update(self._groups)
+        if separate_host if separate_host is not None else backend != "gloo":
+            self._host = {None: dist.new_group(backend="gloo")}
+            for name in layout.names:
+                self._host[name] = _make_groups(layout.groups(name), self.rank, backend="gloo")
+        for name in layout.names:
+            self._subgroups[(name, layout.degree(name))] = self._groups[name]
 
-    def tp_subgroup(self, size: int) -> ProcessGroup | None:
-        """The group of ``size`` consecutive TP ranks holding this rank (``size`` divides tp).
+    def group(self, axis: str) -> ProcessGroup | None:
+        """This rank's device group along ``axis`` (None without a default group)."""
+        return self._groups[axis]
+
+    def host_group(self, axis: str | None = None) -> ProcessGroup | None:
+        """This rank's group for CPU tensors along ``axis``; ``None``: the world's (None without a
+        separate one: the default group)."""
+        return self._host[axis]
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate on ``axis`` (its rank inside ``group(axis)``)."""
+        return self._coords[axis]
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis``."""
+        return self.layout.degree(axis)
+
+    def ranks(self, axis: str) -> list[int]:
+        """The global ranks of this rank's group along ``axis``, in group-rank order."""
+        return self.layout.group_ranks(axis, self.rank)
+
+    def subgroup(self, axis: str, size: int) -> ProcessGroup | None:
+        """The group of ``size`` consecutive ``axis`` ranks holding this rank (``size`` divides the
+        axis degree).
 
         Used for tensors replicated over a block of TP ranks (KV heads when tp exceeds the KV head
         count). Collective on the first call for a given ``size``: every rank of the world must
         make it (``apply_tp_plan`` does, for the sizes the plan needs); later calls are cached.
-        Raises ValueError when ``size`` does not divide tp.
+        Raises ValueError when ``size`` does not divide the degree.
         """
-        if size < 1 or self.tp_size % size:
-            raise ValueError(f"TP subgroup size {size} does not divide tp={self.tp_size}")
-        if size not in self._tp_subgroups:
-            d = self.dims
-            blocks = [
-                [d.rank_of(p, q, b * size + i) for i in range(size)]
-                for p in range(d.pp)
-                for q in range(d.dp)
-                for b in range(d.tp // size)
-            ]
-            self._tp_subgroups[size] = self._make_groups(blocks)
-        return self._tp_subgroups[size]
+        blocks = self.layout.blocks(axis, size)  # validates size
+        if (axis, size) not in self._subgroups:
+            self._subgroups[(axis, size)] = _make_groups(blocks, self.rank) if self._initialised else None
+        return self._subgroups[(axis, size)]
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.coord("pp") == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.coord("pp") == self.size("pp") - 1
 
     def describe(self) -> str:
-        """One line for logs: ``rank 3/8: tp 1/2, dp 1/2, pp 0/2``."""
-        return (
-            f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
-            f"dp {self.dp_rank}/{self.dp_size}, pp {self.pp_rank}/{self.pp_size}"
-        )
+        """One line for logs: ``rank 3/8: tp 1/2, dp 1/2, pp 0/2`` (fastest axis first)."""
+        axes = ", ".join(f"{name} {self.coord(name)}/{self.size(name)}" for name in reversed(self.layout.names))
+        return f"rank {self.rank}/{self.world_size}: {axes}"
 
     def __repr__(self) -> str:
         return f"ParallelState({self.describe()})"

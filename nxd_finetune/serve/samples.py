@@ -47,7 +47,7 @@ class EvalSamples:
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
         engine = self.engine
-        tensors = gather_to_writer(engine.rank_model, engine.lora_config, engine.host.pp)
+        tensors = gather_to_writer(engine.rank_model, engine.lora_config, engine.state.host_group("pp"))
         return None if tensors is None else {k: v.detach().to("cpu") for k, v in tensors.items()}
 
     def _device(self) -> torch.device:

@@ -41,7 +41,6 @@ from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, sh
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
-from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
     CheckpointSpec,
@@ -52,7 +51,7 @@ from nxd_finetune.parallel.parallelize import (
     parallelize_model,
 )
 from nxd_finetune.parallel.pipeline import PipelineRunner
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.sft.init_from import init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
 
@@ -78,8 +77,8 @@ class Engine:
     ``full_logits``: the loss takes the logits of every position (``[B, T, V(/tp)]`` against the
     shifted labels, -100 ignored) instead of gathering the target positions first. The two give
     the same loss; sequence parallel needs every position, and XLA needs shapes that do not depend
-    on the data (``XlaRuntime.prepare`` sets it). ``host``: the process groups for collectives on
-    CPU tensors and Python objects (:class:`HostGroups`). ``lineage``: the pinned registry REF
+    on the data (``XlaRuntime.prepare`` sets it).
+    ``lineage``: the pinned registry REF
     ``lora.init_from`` pulled, None otherwise. ``loss_chunk_rows``: target positions whose logits
     the loss computes at once (None: all of a micro-batch's)."""
 
@@ -89,7 +88,6 @@ class Engine:
     config: DecoderConfig
     optimizer: ParallelOptimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    host: HostGroups
     lora_config: LoraConfig | None = None
     lora_targets: list[str] = dataclasses.field(default_factory=list)
     lineage: str | None = None
@@ -122,7 +120,7 @@ class Engine:
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
         """The group the logits' vocabulary is sharded over (None without tensor parallel)."""
-        return self.state.tp_group if self.state.tp_size > 1 else None
+        return self.state.group("tp") if self.state.size("tp") > 1 else None
 
     @property
     def is_logger(self) -> bool:
@@ -310,17 +308,16 @@ def _check_compile(device: torch.device) -> None:
 
 
 def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_steps: int,
-                 state: ParallelState | None = None, host: HostGroups | None = None,
+                 state: ParallelState | None = None,
                  objective: Objective = SFT) -> Engine:
     """This rank's :class:`Engine` (see the module docstring). Collective when a process group is
-    initialised: every rank calls it with the same recipe. ``state`` / ``host``: the layout's
-    groups when the caller has made them already (the trainer needs them before the engine), else
+    initialised: every rank calls it with the same recipe. ``state``: the layout's
+    groups (device and host) when the caller has made them already (the trainer needs them before the engine), else
     they are made here. Raises NxdError (one line) for layouts the model or precision cannot take."""
     par, tcfg = recipe.parallel, recipe.training
     if state is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        state = ParallelState(ParallelDims.for_world(world, tp=par.tp, pp=par.pp))
-    host = host if host is not None else HostGroups.for_state(state)
+        state = ParallelState(Layout.for_world(world, tp=par.tp, pp=par.pp))
     config = DecoderConfig.from_hf(model_dir)
     precision = tcfg.precision
     dtype = torch.bfloat16 if precision == "bf16" else resolve_dtype(recipe.model.dtype)
@@ -335,7 +332,7 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     if recipe.lora is not None:
         lora_cfg = LoraConfig.from_section(recipe.lora)
         hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
-    rows = chunk_rows(config.vocab_size // state.tp_size, tcfg.loss_chunk_tokens)
+    rows = chunk_rows(config.vocab_size // state.size("tp"), tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
                            activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows,
@@ -351,6 +348,6 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     rank_model = parallelize_model(model, state, spec=spec, weights=WeightSource(model_dir, dtype),
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
-    return Engine(rank_model, device, precision, config, optimizer, scheduler, host, lora_cfg, targets,
+    return Engine(rank_model, device, precision, config, optimizer, scheduler, lora_cfg, targets,
                   lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows,
                   objective=objective)

@@ -156,9 +156,9 @@ def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_di
                                  row_logps(engine, (b for _, b in pairs_and_batches), reference), strict=True):
             ids.append(pair_ids)
             logps.append(got)
-        if engine.state.dp_size > 1:
-            gathered: list[object] = [None] * engine.state.dp_size
-            dist.all_gather_object(gathered, (ids, logps), group=engine.host.dp)
+        if engine.state.size("dp") > 1:
+            gathered: list[object] = [None] * engine.state.size("dp")
+            dist.all_gather_object(gathered, (ids, logps), group=engine.state.host_group("dp"))
             ids = [t for part in gathered for t in part[0]]  # type: ignore[index]
             logps = [t for part in gathered for t in part[1]]  # type: ignore[index]
         values[split] = assemble_ref_logps(len(batches.pairs), ids, logps)

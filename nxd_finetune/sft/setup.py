@@ -26,9 +26,8 @@ from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
 from nxd_finetune.objective import SFT, Objective
-from nxd_finetune.parallel.host import HostGroups
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
-from nxd_finetune.parallel.state import ParallelDims, ParallelState
+from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.preference import preference_objective
 from nxd_finetune.sft.engine import Engine, build_engine
 from nxd_finetune.sft.step import StepItem, step_batches
@@ -47,7 +46,6 @@ class RankRun:
     recipe: Recipe
     device: torch.device
     layout: ParallelState
-    host: HostGroups
     runtime: StepRuntime
     model_dir: Path
     tokenizer: PreTrainedTokenizerBase
@@ -113,10 +111,10 @@ def objective_of(recipe: Recipe) -> Objective:
 
 
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
-               host: HostGroups | None = None, objective: Objective | None = None,
+               objective: Objective | None = None,
                write_recipe: bool = True, checkpoints: bool = False) -> RankRun:
     """This process's :class:`RankRun`. ``objective``: the recipe's (:func:`objective_of`) unless
-    given. Without ``device`` / ``layout`` / ``host`` the Neuron
+    given. Without ``device`` / ``layout`` the Neuron
     environment is applied, the device picked (``training.device``) and the process group
     initialised from the launcher's environment (world size 1 included). ``write_recipe``: rank 0
     writes ``<output.dir>/recipe.yaml``. Collective."""
@@ -126,8 +124,7 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
         device = pick_device(recipe.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     if layout is None:
         backend = init_distributed(dist_backend_for(device.type))
-        layout = ParallelState(ParallelDims.for_world(backend.world_size, tp=par.tp, pp=par.pp))
-    host = host if host is not None else HostGroups.for_state(layout)  # collectives on CPU tensors (gloo)
+        layout = ParallelState(Layout.for_world(backend.world_size, tp=par.tp, pp=par.pp))
     runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
     if write_recipe and layout.rank == 0:
         out_dir = Path(recipe.output.dir)
@@ -139,21 +136,22 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
         torch.set_flush_denormal(True)
         share_cores()
     tcfg = recipe.training
-    with rank0_first(layout.rank, host.world):
+    with rank0_first(layout.rank, layout.host_group()):
         model_dir = resolve_model_dir(recipe.model.path)
         tokenizer = load_tokenizer(recipe, model_dir)
         data = build_dataloaders(DataSpec.from_recipe(recipe), tokenizer, micro_batch_size=tcfg.micro_batch_size,
-                                 dp_rank=layout.dp_rank, dp_world=par.dp, seed=tcfg.seed,
+                                 dp_rank=layout.coord("dp"), dp_world=par.dp, seed=tcfg.seed,
                                  fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
     total_steps = total_steps_of(recipe, data.train.batches_per_epoch)
-    engine = build_engine(recipe, model_dir, device, total_steps, layout, host,
+    engine = build_engine(recipe, model_dir, device, total_steps, layout,
                           objective if objective is not None else objective_of(recipe))
     runtime.prepare(engine)
-    rr = RankRun(recipe, device, layout, host, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
+    rr = RankRun(recipe, device, layout, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
                    total_steps, engine)
     if checkpoints:
         rr.steps = runtime.batches(step_batches(data.train, rr.grad_accum, recipe.data.packing),
                                    snapshot=data.train.state_dict, restore=data.train.load_state_dict)
         # checkpoints record the position of the batches handed out, not of those prefetched
-        rr.checkpoints = TrainingCheckpoints(recipe, engine, Path(recipe.output.dir), rr.steps, group=host.world)
+        rr.checkpoints = TrainingCheckpoints(recipe, engine, Path(recipe.output.dir), rr.steps,
+                                             group=layout.host_group())
     return rr

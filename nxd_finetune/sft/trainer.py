@@ -267,7 +267,7 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     t0 = time.perf_counter()
     par = recipe.parallel
     rr = setup_rank(recipe, checkpoints=True)
-    engine, runtime, host, device, rank = rr.engine, rr.runtime, rr.host, rr.device, rr.rank
+    engine, runtime, device, rank = rr.engine, rr.runtime, rr.device, rr.rank
     model_dir, tokenizer, data, total_steps = rr.model_dir, rr.tokenizer, rr.data, rr.total_steps
     out_dir = Path(recipe.output.dir)
 
@@ -319,8 +319,8 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
 
     runtime.wait()
     export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer), config=engine.config,
-                 lora=engine.lora_config, lora_targets=engine.lora_targets, pp_group=engine.host.pp)
-    memory = gather_peak_memory(rank_memory(rank, device, train_peak), host.world)
+                 lora=engine.lora_config, lora_targets=engine.lora_targets, pp_group=engine.state.host_group("pp"))
+    memory = gather_peak_memory(rank_memory(rank, device, train_peak), rr.layout.host_group())
     if not engine.is_logger:
         return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
@@ -358,11 +358,11 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     for m in engine.modules:
         specs.update(shard_spec_map(m))
     st = engine.state
-    mine = sum(p.numel() for p in params if counts_on_rank(specs.get(id(p)), st.tp_rank))
+    mine = sum(p.numel() for p in params if counts_on_rank(specs.get(id(p)), st.coord("tp")))
     skip = {id(p) for p in (engine.runner.not_counted_parameters() if engine.runner else [])}
-    mine -= sum(p.numel() for p in params if id(p) in skip and counts_on_rank(specs.get(id(p)), st.tp_rank))
+    mine -= sum(p.numel() for p in params if id(p) in skip and counts_on_rank(specs.get(id(p)), st.coord("tp")))
     total = torch.tensor(float(mine), dtype=torch.float64)
-    for group, size in ((engine.host.tp, st.tp_size), (engine.host.pp, st.pp_size)):
+    for group, size in ((engine.state.host_group("tp"), st.size("tp")), (engine.state.host_group("pp"), st.size("pp"))):
         if size > 1:
             dist.all_reduce(total, group=group)
     return int(total)

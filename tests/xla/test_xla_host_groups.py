@@ -1,7 +1,7 @@
 """Collectives on CPU tensors and objects under the ``xla`` process-group backend, in worker
 processes started as ``nxd-finetune run`` starts them (torch's elastic agent, ``xla://``).
 
-- The xla backend takes XLA tensors only; the gloo host groups (``HostGroups.for_state``) that the
+- The xla backend takes XLA tensors only; the gloo host groups (``ParallelState.host_group``) that the
   trainer, checkpoints and export use for CPU tensors and objects work beside it. A world of one
   process skips the collectives (torch_xla returns at once), so the workers set
   ``XLA_ALWAYS_ALLREDUCE=1`` to make the default group try them.
@@ -22,9 +22,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from nxd_finetune.errors import NxdError  # noqa: E402
-from nxd_finetune.parallel.host import HostGroups  # noqa: E402
 from nxd_finetune.parallel.launch import init_distributed, launch  # noqa: E402
-from nxd_finetune.parallel.state import ParallelDims, ParallelState  # noqa: E402
+from nxd_finetune.parallel.state import Layout, ParallelState  # noqa: E402
 
 CALLS = {
     "all_reduce": lambda g: dist.all_reduce(torch.ones(1), group=g),
@@ -37,10 +36,9 @@ CALLS = {
 def _cpu_collectives_worker() -> dict:
     os.environ["XLA_ALWAYS_ALLREDUCE"] = "1"
     backend = init_distributed("xla")
-    state = ParallelState(ParallelDims.for_world(backend.world_size))
-    host = HostGroups.for_state(state)
+    state = ParallelState(Layout.for_world(backend.world_size))
     out: dict = {"default": dist.get_backend(),
-                 "host": [dist.get_backend(g) for g in (host.world, host.tp, host.pp, host.dp)],
+                 "host": [dist.get_backend(state.host_group(a)) for a in (None, "tp", "pp", "dp")],
                  "on_xla": {}}
     for name, call in CALLS.items():
         try:
@@ -48,7 +46,7 @@ def _cpu_collectives_worker() -> dict:
             out["on_xla"][name] = "ok"
         except RuntimeError as e:
             out["on_xla"][name] = str(e).strip().splitlines()[0]
-        call(host.world)  # gloo: fine
+        call(state.host_group())  # gloo: fine
     dist.destroy_process_group()
     return out
 
