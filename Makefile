@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup quickstart test test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
+.PHONY: setup quickstart test test-fast test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ quickstart: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# unit and single-process tests only (a few minutes on 2 cores); `make test` runs the whole suite
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
 
 # the randomized SIGKILL test with 20 trials (make test runs 5); a few minutes
 test-soak: setup
