@@ -232,7 +232,8 @@ def test_runner_refuses_bad_layouts():
         PipelineRunner([stage], state, "zb", 4)
     with pytest.raises(NxdError, match=r"needs pp >= 2 \(pp=1\)"):
         PipelineRunner([stage], state, "1f1b", 4)
-    pp2 = SimpleNamespace(size={"pp": 2, "tp": 1, "dp": 1}.__getitem__)  # the layout checks come before any process group is used
+    # the layout checks come before any process group is used
+    pp2 = SimpleNamespace(size={"pp": 2, "tp": 1, "dp": 1}.__getitem__)
     with pytest.raises(NxdError, match="interleaved_1f1b needs at least 2 stage modules per rank, got 1"):
         PipelineRunner([stage], pp2, "interleaved_1f1b", 4)
     with pytest.raises(NxdError, match="gpipe needs exactly 1 stage module per rank, got 2"):
