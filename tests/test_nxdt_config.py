@@ -1,7 +1,10 @@
 """``nxd-finetune import nxdt-config``: NxD Training configs written here from NxDT's documented keys
 (config overview, SFT/LoRA/DPO tutorials) translated into recipes that ``validate`` accepts; every
 key reported once, mapped or not carried over with its reason; ``${...}`` resolved as OmegaConf
-resolves it. Also the README's "Coming from NxD Training" commands, run as shown."""
+resolves it, ``${oc.env:...}`` refused without its value shown. NxDT's own example configs imported
+with ``--model`` on a machine without the file they name. Values of the wrong type or shape, and
+``-o`` where nothing can be written, are one line. Also the README's "Coming from NxD Training"
+commands, run as shown."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from nxdt_example_configs import EDITS, example_config
 from nxdt_helpers import shard_model, write_checkpoint
 from safetensors.torch import load_file
 from test_full_disk import full_disk  # noqa: F401  (the 512 KiB tmpfs fixture)
@@ -44,7 +48,7 @@ exp_manager:
   log_local_rank_0_only: True
   create_tensorboard_logger: True
   explicit_log_dir: null
-  exp_dir: ${oc.env:NXDT_TEST_EXP_DIR}
+  exp_dir: nemo_experiments
   name: ${name}
   resume_if_exists: True
   resume_ignore_no_checkpoint: True
@@ -192,7 +196,6 @@ def workdir(tmp_path, monkeypatch, quickstart_cache):
     for name, text in (("sft_lora.yaml", SFT_LORA), ("dpo.yaml", DPO)):
         (tmp_path / name).write_text(text.replace("MODEL_DIR", str(model_dir)))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("NXDT_TEST_EXP_DIR", str(tmp_path / "nemo_experiments"))
     return tmp_path, model_dir
 
 
@@ -227,7 +230,7 @@ def test_sft_lora_config_to_valid_recipe(capsys, workdir):
     assert recipe["data"]["fields"] == {"prompt": "input", "completion": "output"}
     assert recipe["data"]["train"] == str(tmp / "data" / "train.jsonl")
     assert recipe["checkpoint"]["every_n_steps"] == 10 and recipe["checkpoint"]["keep_last"] == 3  # ${trainer...}
-    assert recipe["output"]["dir"] == str(tmp / "nemo_experiments" / "tiny_sft_lora")  # ${oc.env:...}/${name}
+    assert recipe["output"]["dir"] == str(tmp / "nemo_experiments" / "tiny_sft_lora")  # exp_dir/${name}
     assert recipe["neuron"]["model_type"] == "transformer"
     assert recipe["neuron"]["cc_flags"] == ["--retry_failed_compilation"]
     assert recipe["model"]["path"] == str(model_dir)
@@ -274,6 +277,19 @@ def test_preference_tuning_maps_to_the_dpo_objective(capsys, workdir):
     (("max_steps: ${trainer.max_steps}", "max_steps: ${trainer.no_such_key}"), "no_such_key"),
     (("model_source: hf", "model_source: megatron"), "only NxDT's HF models"),
     (("tensor_model_parallel_size: 2", "tensor_model_parallel_size: 3"), "not divisible by tp*pp"),
+    (("lr: 1.5e-4", "lr: abc"), "model.optim.lr: expected a number, found 'abc'"),
+    (("lora_rank: 16", "lora_rank: sixteen"), "peft.lora_rank: expected an integer, found 'sixteen'"),
+    (("devices: 8", "devices: eight"), "trainer.devices: expected an integer, found 'eight'"),
+    (("betas:\n    - 0.9\n    - 0.95", "betas: 0.9"), "model.optim.betas: expected a list of numbers, found 0.9"),
+    (("max_steps: 20", "max_steps: 2.5"), "trainer.max_steps: expected an integer, found 2.5"),
+    (("lr: 1.5e-4", "lr: .inf"), "model.optim.lr: expected a number, found inf"),
+    (("zero1: False", "zero1: maybe"), "distributed_strategy.zero1: expected true or false"),
+    (("target_modules: [", "target_modules: [[a], "), "peft.target_modules: expected a name or a list of names"),
+    (("compiler_flags: '", "compiler_flags: '\"unclosed "), "compiler_flags: "),
+    (("name: tiny_sft_lora", "name: ${multiply:'ab', 1000000000}"), "multiply takes two numbers, not str and int"),
+    (("name: tiny_sft_lora", "big: " + "x" * 3000 + "\nname: ${big}${big}"),
+     ": name is 6000 characters long once interpolated"),
+    (("max_steps: 20", "max_steps: ${multiply:${trainer.log_every_n_steps}, 1e308}"), "out of range"),
 ])
 def test_bad_configs_are_one_line(capsys, workdir, edit, words):
     tmp, _ = workdir
@@ -340,3 +356,72 @@ def test_full_disk_keeps_the_old_recipe(capsys, workdir, full_disk):  # noqa: F8
     assert code == 1 and lines == [f"error: no space left on device writing {recipe}"], err
     assert recipe.read_text() == "# the recipe as it was\n" * 40
     assert sorted(p.name for p in full_disk.iterdir()) == ["filler", "recipe.yaml"]
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_nxdt_example_configs_import_with_model(capsys, tmp_path, quickstart_cache, name):
+    """NxD Training's own configs name /home/ubuntu/config.json; --model is enough on any machine."""
+    from nxd_finetune.quickstart import ensure_tiny_model
+
+    model_dir = ensure_tiny_model()
+    assert not Path("/home/ubuntu/config.json").exists()
+    (tmp_path / name).write_text(example_config(name))
+    out = tmp_path / "r.yaml"
+    code, _, err = cli(capsys, "import", "nxdt-config", tmp_path / name, "--model", model_dir, "-o", out)
+    assert code == 0, err
+    lines = reported(err)
+    assert set(lines) == set(flatten(resolve_config(tmp_path / name)))  # every key, once
+    assert lines["model.model_config"] == f"mapped: model.model_config -> --model {model_dir} (its config.json) " \
+                                          "takes its place"
+    assert "overrides config.json's hidden_size=256 with " in lines["model.hidden_size"]  # compared with --model's
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["model"]["path"] == str(model_dir) and recipe["parallel"]["tp"] in (16, 32)
+    code, _, err = cli(capsys, "import", "nxdt-config", tmp_path / name)  # without --model: one line that says it
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == ("error: model.model_config: /home/ubuntu/config.json does not exist here: pass --model DIR, the HF "
+                   "checkpoint to train (its config.json defines the model)\n")
+
+
+@pytest.mark.parametrize("value", ["${oc.env:NXDT_TEST_SECRET}", "${oc.env:NXDT_TEST_SECRET,/tmp}",
+                                   "/data/${oc.env:NXDT_TEST_SECRET}", "${oc.decode:'${a}${b}'}"])
+def test_environment_values_are_never_imported(capsys, workdir, monkeypatch, value):
+    """A config that reads an environment variable (a secret key here) is refused in one line that
+    names the variable; its value is neither in the output nor in a recipe."""
+    tmp, _ = workdir
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    monkeypatch.setenv("NXDT_TEST_SECRET", secret)
+    text = (tmp / "sft_lora.yaml").read_text().replace("exp_dir: nemo_experiments", f'exp_dir: "{value}"')
+    (tmp / "env.yaml").write_text("a: $\nb: '{oc.env:NXDT_TEST_SECRET}'\n" + text)  # `a` + `b`: built in two parts
+    for out in (["-o", tmp / "r.yaml"], []):
+        code, stdout, err = cli(capsys, "import", "nxdt-config", "env.yaml", *out)
+        assert code == 2 and err.count("\n") == 1 and "reads an environment variable" in err, err
+        assert "NXDT_TEST_SECRET" in err and secret not in stdout + err
+        assert not (tmp / "r.yaml").exists()
+
+
+def mutated(text: str, key: str, value: object) -> str:
+    tree = yaml.safe_load(text)
+    *parents, last = key.split(".")
+    node = tree
+    for p in parents:
+        node = node[p]
+    node[last] = value
+    return yaml.safe_dump(tree)
+
+
+def test_no_value_of_a_wrong_type_is_a_traceback(capsys, workdir):
+    """Every key of the SFT config set in turn to a word and to a list: imported (the key is not read
+    as a number) or refused in one line, never a traceback."""
+    tmp, _ = workdir
+    text = (tmp / "sft_lora.yaml").read_text()
+    keys = list(flatten(yaml.safe_load(text)))
+    refused = 0
+    for key in keys:
+        for value in ("abc", [1, [2]]):
+            (tmp / "m.yaml").write_text(mutated(text, key, value))
+            code, _, err = cli(capsys, "import", "nxdt-config", "m.yaml", "-o", tmp / "m-recipe.yaml")
+            assert code in (0, 2), (key, value, err)
+            if code == 2:
+                refused += 1
+                assert err.startswith("error: ") and err.count("\n") == 1, (key, value, err)
+    assert refused > len(keys)  # most keys are read, and typed

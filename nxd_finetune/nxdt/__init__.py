@@ -3,7 +3,8 @@
 - :mod:`.config`: an NxDT YAML config (``trainer``, ``exp_manager``, ``distributed_strategy``,
   ``data``, ``model``, ``model_alignment_strategy``, ``precision``, ``compiler_flags``, ...), its
   ``${...}`` interpolations resolved by OmegaConf as NxDT resolves them, translated into a recipe;
-  every key is either mapped or listed as not carried over, with the reason (:mod:`.keys`).
+  every key is either mapped or listed as not carried over, with the reason (:mod:`.keys`), each
+  value read with its type checked (:mod:`.walk`); ``${oc.env:...}`` is refused.
 - :mod:`.checkpoint`: NxD's sharded model checkpoint
   (``<dir>/<tag>/model/dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt``, a ``done`` marker) read with
   ``torch.load(weights_only=True)`` and united into HF tensors (:mod:`.layout`: NxD's parameter

@@ -21,11 +21,13 @@ def nxdt_config(
     out: Annotated[Path | None, typer.Option(
         "-o", "--out", help="Write the recipe here (default: print it on stdout).")] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", help="HF checkpoint to train (model.path); default: the directory of model.model_config.")] = None,
+        "--model", help="HF checkpoint directory to train (model.path); its config.json defines the model and "
+                        "model.model_config is not read. Default: the directory of model.model_config.")] = None,
 ) -> None:
     """Translate an NxD Training YAML config into a recipe.
 
-    `${...}` interpolations are resolved by OmegaConf, as NxD Training resolves them. Every key is
+    `${...}` interpolations are resolved by OmegaConf, as NxD Training resolves them; `${oc.env:...}`
+    is refused (an environment value may be a secret) and its value never read. Every key is
     reported on stderr: `mapped: KEY -> recipe key` or `not carried over: KEY: reason`; the keys
     not carried over are also written as comments at the top of the recipe. The recipe is
     validated before it is written.

@@ -21,9 +21,10 @@ from nxd_finetune.lora import save_tokenizer, write_adapter_files
 from nxd_finetune.lora.identity import base_identity
 from nxd_finetune.models import DecoderConfig, checkpoint_index, copy_generation_config, save_pretrained
 from nxd_finetune.nxdt.checkpoint import find_tag, grid, read_shard, shard_files
-from nxd_finetune.nxdt.config import resolve_config
+from nxd_finetune.nxdt.config import flatten, resolve_config
 from nxd_finetune.nxdt.layout import KvLayout, Tensors, unite_model
 from nxd_finetune.nxdt.lora import lora_config_from, o_proj_order, split_base, unite_adapter
+from nxd_finetune.nxdt.walk import KeyWalk
 from nxd_finetune.storage.atomic import publish_dir, write_error
 
 
@@ -44,15 +45,15 @@ def model_source(path: str | Path) -> ModelSource:
     and ``data.tokenizer.type`` are read)."""
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
-        cfg = resolve_config(p)
-        model_cfg = (cfg.get("model") or {}).get("model_config")
+        walk = KeyWalk(flat=flatten(resolve_config(p)), base=Path.cwd())
+        model_cfg = walk.text("model.model_config")
         if not model_cfg:
             raise NxdError(f"{p}: model.model_config is not set; pass the HF config.json with --config")
-        kv = (cfg.get("distributed_strategy") or {}).get("kv_replicator")
-        tok = ((cfg.get("data") or {}).get("tokenizer") or {}).get("type")
-        json_path = Path(str(model_cfg)).expanduser()
+        kv = walk.integer("distributed_strategy.kv_replicator", 0)
+        tok = walk.text("data.tokenizer.type")
+        json_path = Path(model_cfg).expanduser()
         return ModelSource(DecoderConfig.from_hf(json_path), json_path.parent,
-                           int(kv) if kv else None, Path(str(tok)) if tok and Path(str(tok)).is_dir() else None)
+                           kv or None, Path(tok) if tok and Path(tok).is_dir() else None)
     cfg_file = p / "config.json" if p.is_dir() else p
     return ModelSource(DecoderConfig.from_hf(cfg_file), cfg_file.parent)
 
