@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -223,3 +224,16 @@ def one_thread_and_tmpdir(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 512 KiB tmpfs under the test's temp dir: writes into it fail with ENOSPC (skipped where a
+    tmpfs cannot be mounted, i.e. not root)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: a handle still open must not keep it

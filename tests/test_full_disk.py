@@ -3,7 +3,6 @@ checkpoint cannot be saved, each on a 512 KiB tmpfs (skipped where this process 
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,17 +10,6 @@ import pytest
 from nxd_finetune.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: a handle still open must not keep it
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import yaml
 from nxdt_example_configs import EDITS, example_config
 from nxdt_helpers import shard_model, write_checkpoint
 from safetensors.torch import load_file
-from test_full_disk import full_disk  # noqa: F401  (the 512 KiB tmpfs fixture)
 
 from nxd_finetune.cli import main
 from nxd_finetune.nxdt.config import flatten, resolve_config

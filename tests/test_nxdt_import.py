@@ -11,7 +11,6 @@ import pytest
 import torch
 from nxdt_helpers import shard_lora, shard_model, write_checkpoint
 from safetensors.torch import load_file
-from test_full_disk import full_disk  # noqa: F401  (the 512 KiB tmpfs fixture)
 
 from nxd_finetune.cli import main
 
