@@ -1,6 +1,7 @@
 """Plain PyTorch Llama-family decoders with HuggingFace module names, and HF checkpoint I/O."""
 
-from nxd_finetune.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig
+from nxd_finetune.models.config import DecoderConfig
+from nxd_finetune.models.families import FAMILIES, Family
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.models.loading import (
     build_model,
@@ -15,7 +16,8 @@ from nxd_finetune.models.loading import (
 )
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
+    "FAMILIES",
+    "Family",
     "DecoderConfig",
     "DecoderForCausalLM",
     "copy_generation_config",

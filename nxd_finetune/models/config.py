@@ -15,27 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.models.families import FAMILIES, MULTIMODAL, architecture_of_type
 
 if TYPE_CHECKING:
     from nxd_finetune.checkpoint.run_state import JsonDict
 
-# architecture name in config.json -> family defaults that differ from Llama
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    "Phi3ForCausalLM": {"fused_qkv": True, "fused_gate_up": True},
-    "Gemma2ForCausalLM": {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True},
-    "Gemma3ForCausalLM": {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True, "qk_norm": True},
-}
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# architectures whose attention_bias puts a bias on q, k, v and o
-_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", *_GEMMA)
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
-# multimodal architectures whose language model is one of ours (``text_config``; images are not modelled)
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-_MULTIMODAL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration"}
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 """A multimodal model's language model, as transformers 5 names its modules."""
 # transformers 5.24's Gemma3TextConfig defaults for what a ``text_config`` may leave out (the released
@@ -48,9 +33,6 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     "tie_word_embeddings": True, "_sliding_window_pattern": 6,
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
 # fields of ours that are not HF config keys (never written by to_hf)
 _DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up", "embed_scale",
             "norm_unit_offset", "sandwich_norms", "multimodal")
@@ -153,20 +135,20 @@ class DecoderConfig:
                 raw = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-        types = {**_MODEL_TYPES, **_MULTIMODAL_TYPES}
-        archs = raw.get("architectures") or [types.get(raw.get("model_type", ""), "")]
+        archs = raw.get("architectures") or [architecture_of_type(raw.get("model_type", ""))]
         arch = archs[0] if archs else ""
         if arch in MULTIMODAL:
             return cls._from_multimodal(arch, raw)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        if arch not in FAMILIES:
+            supported = ", ".join(FAMILIES)
             raise ModelLoadError(f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}")
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in fields and k not in _DERIVED}
         # transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; older checkpoints
         # write rope_theta + rope_scaling. Normalise to the latter.
         rope_params = raw.get("rope_parameters")
-        if arch in _GEMMA:
+        family = FAMILIES[arch]
+        if family.gemma:
             rope_params = _gemma_kwargs(arch, raw, kwargs)
         else:
             kwargs.pop("layer_types", None)  # windows apply to every layer of the other families
@@ -177,10 +159,10 @@ class DecoderConfig:
                 kwargs["partial_rotary_factor"] = rope_params.pop("partial_rotary_factor")
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             kwargs["rope_scaling"] = None if kind == "default" else rope_params
-        kwargs.update(SUPPORTED_ARCHITECTURES[arch])
-        if arch in _ATTENTION_BIAS:
+        kwargs.update(family.flags)
+        if family.attention_bias_all:
             kwargs["qkv_bias"] = bool(raw.get("attention_bias", False))
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        if family.window_needs_flag and not raw.get("use_sliding_window", False):
             kwargs["sliding_window"] = None
         elif arch == "Qwen3ForCausalLM":  # windows on some layers only (max_window_layers): not modelled
             raise ModelLoadError("Qwen3 with use_sliding_window=true is not supported")
@@ -195,7 +177,8 @@ class DecoderConfig:
         if not isinstance(text, dict):
             raise ModelLoadError(f"{arch} config: text_config is not a mapping")
         # transformers' multimodal head never soft-caps the logits, whatever text_config says
-        text = {**GEMMA3_TEXT_DEFAULTS, **text, "architectures": [MULTIMODAL[arch]], "final_logit_softcapping": None}
+        text = {**GEMMA3_TEXT_DEFAULTS, **text, "architectures": [MULTIMODAL[arch].text_architecture],
+                "final_logit_softcapping": None}
         if "tie_word_embeddings" in raw:
             text["tie_word_embeddings"] = raw["tie_word_embeddings"]
         config = cls.from_hf(text)
@@ -223,7 +206,7 @@ class DecoderConfig:
         """The HF ``config.json`` dict (the original one when read from disk)."""
         if self.raw:
             return dict(self.raw)
-        model_type = {v: k for k, v in _MODEL_TYPES.items()}[self.architecture]
+        model_type = FAMILIES[self.architecture].model_type
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in _DERIVED}
         out.update(architectures=[self.architecture], model_type=model_type, torch_dtype="float32")
         return out
@@ -235,7 +218,7 @@ class DecoderConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.attention_bias and self.architecture in _ATTENTION_BIAS
+        return self.attention_bias and FAMILIES[self.architecture].attention_bias_all
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index`` (None: full causal attention)."""

@@ -6,8 +6,9 @@
 - :mod:`.layers`: Column/Row-parallel linears, vocab-parallel embedding (the vocab-parallel cross
   entropy is in :mod:`nxd_finetune.loss`),
   ``ShardSpec`` metadata and slice helpers.
-- :mod:`.plan`: per-family TP plans, ``apply_tp_plan``, the checkpoint slice reader and the
-  gradient sync of replicated parameters.
+- :mod:`.plan`: ``apply_tp_plan`` (the families' plans are data in
+  :mod:`nxd_finetune.models.families`), the checkpoint slice reader and the gradient sync of
+  replicated parameters.
 - :mod:`.recompute`: activation checkpointing of a module's forward.
 
 Nothing here is imported by ``nxd_finetune.models``.
@@ -24,8 +25,6 @@ from nxd_finetune.parallel.layers import (
     shard_tensor,
 )
 from nxd_finetune.parallel.plan import (
-    LLAMA_TP_PLAN,
-    TP_PLANS,
     allreduce_replicated_grads,
     apply_tp_plan,
     check_tp_config,
@@ -36,8 +35,6 @@ from nxd_finetune.parallel.plan import (
 from nxd_finetune.parallel.state import Layout, ParallelState
 
 __all__ = [
-    "LLAMA_TP_PLAN",
-    "TP_PLANS",
     "ColumnParallelLinear",
     "Layout",
     "ParallelState",

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.models.families import FAMILIES
 from nxd_finetune.models.loading import TensorSlice
 from nxd_finetune.parallel.layers import (
     ColumnParallelLinear,
@@ -54,66 +55,14 @@ from nxd_finetune.parallel.state import ParallelState
 
 STYLES = ("column", "column_kv", "column_qkv", "column_gate_up", "row", "vocab", "replicate", "replicate_heads")
 
-LLAMA_TP_PLAN: dict[str, str] = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn.q_proj": "column",
-    "model.layers.*.self_attn.k_proj": "column_kv",
-    "model.layers.*.self_attn.v_proj": "column_kv",
-    "model.layers.*.self_attn.o_proj": "row",
-    "model.layers.*.mlp.gate_proj": "column",
-    "model.layers.*.mlp.up_proj": "column",
-    "model.layers.*.mlp.down_proj": "row",
-    "model.layers.*.input_layernorm": "replicate",
-    "model.layers.*.post_attention_layernorm": "replicate",
-    "model.norm": "replicate",
-    # logits stay vocab-sharded: use vocab_parallel_cross_entropy (gather_from_tp for full logits)
-    "lm_head": "column",
-}
-
-QWEN3_TP_PLAN: dict[str, str] = {
-    **LLAMA_TP_PLAN,
-    "model.layers.*.self_attn.q_norm": "replicate_heads",
-    "model.layers.*.self_attn.k_norm": "replicate_heads",
-}
-
-PHI3_TP_PLAN: dict[str, str] = {
-    **{k: v for k, v in LLAMA_TP_PLAN.items()
-       if not k.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))},
-    "model.layers.*.self_attn.qkv_proj": "column_qkv",
-    "model.layers.*.mlp.gate_up_proj": "column_gate_up",
-}
-
-GEMMA2_TP_PLAN: dict[str, str] = {
-    **LLAMA_TP_PLAN,
-    "model.layers.*.pre_feedforward_layernorm": "replicate",
-    "model.layers.*.post_feedforward_layernorm": "replicate",
-}
-
-GEMMA3_TP_PLAN: dict[str, str] = {
-    **GEMMA2_TP_PLAN,
-    "model.layers.*.self_attn.q_norm": "replicate_heads",
-    "model.layers.*.self_attn.k_norm": "replicate_heads",
-}
-
-# architecture (config.json) -> plan; Mistral and Qwen2 share Llama's module names
-TP_PLANS: dict[str, dict[str, str]] = {
-    "LlamaForCausalLM": LLAMA_TP_PLAN,
-    "MistralForCausalLM": LLAMA_TP_PLAN,
-    "Qwen2ForCausalLM": LLAMA_TP_PLAN,
-    "Qwen3ForCausalLM": QWEN3_TP_PLAN,
-    "Phi3ForCausalLM": PHI3_TP_PLAN,
-    "Gemma2ForCausalLM": GEMMA2_TP_PLAN,
-    "Gemma3ForCausalLM": GEMMA3_TP_PLAN,
-}
-
-
 def tp_plan_for(config: object) -> dict[str, str]:
-    """The plan for ``config.architecture`` (a HeadConfig, or anything with that attribute);
-    NxdError listing the supported ones otherwise."""
+    """The plan of ``config.architecture``'s family (:data:`~nxd_finetune.models.families.FAMILIES`;
+    ``config``: a HeadConfig, or anything with that attribute); NxdError listing the supported ones
+    otherwise."""
     arch = getattr(config, "architecture", None)
-    if arch not in TP_PLANS:
-        raise NxdError(f"no tensor-parallel plan for {arch!r}; supported: {', '.join(TP_PLANS)}")
-    return TP_PLANS[arch]
+    if not isinstance(arch, str) or arch not in FAMILIES:
+        raise NxdError(f"no tensor-parallel plan for {arch!r}; supported: {', '.join(FAMILIES)}")
+    return dict(FAMILIES[arch].tp_plan)
 
 
 class HeadConfig(Protocol):
