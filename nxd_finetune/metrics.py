@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from nxd_finetune.errors import NxdError
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.trackers import Sample, Tracker
 
 METRICS_FILE = "metrics.jsonl"
@@ -76,7 +75,7 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
 
-    def finish(self, summary: JsonDict | None) -> None:
+    def finish(self, summary: Mapping[str, object] | None) -> None:
         """End the tracker runs: the final artefact from ``summary`` (None: the run failed)."""
         for tracker in self.trackers:
             tracker.finish(summary)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.jsontypes import JsonObject, json_object, json_str
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import Recipe
 
 STATE_FILE = "trackers.json"
@@ -39,7 +39,7 @@ class Tracker(Protocol):
 
     def log_samples(self, step: int, rows: Sequence[Sample]) -> None: ...
 
-    def finish(self, summary: JsonDict | None) -> None: ...
+    def finish(self, summary: Mapping[str, object] | None) -> None: ...
 
 
 def _require(package: str, key: str) -> Any:  # the optional package's module
@@ -71,18 +71,18 @@ def flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _artefact_tags(recipe: Recipe, summary: JsonDict) -> dict[str, str]:
-    tags = {"nxd_finetune.output": str(Path(summary["output"]).resolve())}
+def _artefact_tags(recipe: Recipe, summary: Mapping[str, object]) -> dict[str, str]:
+    tags = {"nxd_finetune.output": str(Path(str(summary["output"])).resolve())}
     if "registry_version" in summary:
         tags["nxd_finetune.registry_ref"] = f"{recipe.output.registry}:{summary['registry_version']}"
     return tags
 
 
-def _adapter_dir(recipe: Recipe, summary: JsonDict) -> Path | None:
+def _adapter_dir(recipe: Recipe, summary: Mapping[str, object]) -> Path | None:
     """The final directory when it is an adapter alone (small enough to attach to a run)."""
     if recipe.lora is None or recipe.checkpoint.save_mode != "adapter":
         return None
-    path = Path(summary["output"])
+    path = Path(str(summary["output"]))
     return path if path.is_dir() else None
 
 
@@ -152,7 +152,7 @@ class MlflowTracker:
         table: Any = [dict(r) for r in rows]  # mlflow writes any JSON-serialisable value
         self.client.log_dict(self.run_id, table, f"eval_samples/step-{step:08d}.json")
 
-    def finish(self, summary: JsonDict | None) -> None:
+    def finish(self, summary: Mapping[str, object] | None) -> None:
         if summary is not None:
             for key, value in _artefact_tags(self.recipe, summary).items():
                 self.client.set_tag(self.run_id, key, value)
@@ -195,7 +195,7 @@ class WandbTracker:
         table = self._wandb.Table(columns=["prompt", "completion"], data=[[r["prompt"], r["completion"]] for r in rows])
         self.run.log({"eval_samples": table}, step=step)
 
-    def finish(self, summary: JsonDict | None) -> None:
+    def finish(self, summary: Mapping[str, object] | None) -> None:
         if summary is not None:
             for key, value in _artefact_tags(self.recipe, summary).items():
                 self.run.summary[key] = value
@@ -214,15 +214,20 @@ def open_trackers(recipe: Recipe, out_dir: Path, resumed: bool) -> list[Tracker]
     """The trackers the recipe asks for; a ``resumed`` run continues the runs named in
     ``<out_dir>/trackers.json``, a fresh one starts new runs and rewrites that file."""
     path = Path(out_dir) / STATE_FILE
-    saved: JsonDict = {}
+    saved: JsonObject = {}
     if resumed and path.is_file():
-        saved = json.loads(path.read_text())
+        saved = json_object(json.loads(path.read_text()))
     opened: dict[str, MlflowTracker | WandbTracker] = {}
     if recipe.logging.mlflow is not None:
-        opened["mlflow"] = MlflowTracker(recipe, out_dir, saved.get("mlflow", {}).get("run_id"))
+        opened["mlflow"] = MlflowTracker(recipe, out_dir, _run_id(saved, "mlflow"))
     if recipe.logging.wandb is not None:
-        opened["wandb"] = WandbTracker(recipe, out_dir, saved.get("wandb", {}).get("run_id"))
+        opened["wandb"] = WandbTracker(recipe, out_dir, _run_id(saved, "wandb"))
     if opened:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({k: t.state() for k, t in opened.items()}, indent=2))
     return list(opened.values())
+
+
+def _run_id(saved: JsonObject, tracker: str) -> str | None:
+    """The run id ``trackers.json`` holds for ``tracker`` (None: start a new run)."""
+    return json_str(json_object(saved.get(tracker)).get("run_id"))

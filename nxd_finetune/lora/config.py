@@ -13,9 +13,9 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from nxd_finetune.errors import AdapterError
+from nxd_finetune.jsontypes import JsonObject, JsonValue
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import LoraSection
 
 ALL_LINEAR = "all-linear"
@@ -25,7 +25,7 @@ INIT_MODES = ("default", "gaussian")
 # Keys every PEFT release since 0.10 knows, with PEFT's defaults. We write only these (plus the
 # fields of LoraConfig): newer PEFT fills its newer keys with the same defaults when they are
 # absent, while older PEFT releases reject keys they do not know.
-PEFT_DEFAULTS: dict[str, Any] = {
+PEFT_DEFAULTS: JsonObject = {
     "alpha_pattern": {},
     "auto_mapping": None,
     "fan_in_fan_out": False,
@@ -133,13 +133,13 @@ class LoraConfig:
                    target_modules=lora.target_modules, use_rslora=lora.use_rslora,
                    init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save))
 
-    def to_section(self, **extra: object) -> JsonDict:
+    def to_section(self, **extra: JsonValue) -> JsonObject:
         """This config as a recipe ``lora`` section (a dict; ``extra``: e.g. ``init_from``)."""
         return {"rank": self.r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "bias": self.bias,
-                "target_modules": self.target_modules, "use_rslora": self.use_rslora,
+                "target_modules": self._targets(), "use_rslora": self.use_rslora,
                 "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save), **extra}
 
-    def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> JsonDict:
+    def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> JsonObject:
         """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT
         warns about keys it does not know).
 
@@ -148,7 +148,7 @@ class LoraConfig:
         with the resolved module names, as PEFT does.
         """
         alpha = int(self.lora_alpha) if float(self.lora_alpha).is_integer() else self.lora_alpha
-        d: dict[str, Any] = dict(PEFT_DEFAULTS)
+        d: JsonObject = dict(PEFT_DEFAULTS)
         d.update(
             peft_type="LORA",
             task_type="CAUSAL_LM",
@@ -158,12 +158,16 @@ class LoraConfig:
             lora_alpha=alpha,
             lora_dropout=float(self.lora_dropout),
             bias=self.bias,
-            target_modules=list(self.target_modules) if isinstance(self.target_modules, list) else self.target_modules,
+            target_modules=self._targets(),
             use_rslora=self.use_rslora,
             init_lora_weights=True if self.init_lora_weights == "default" else self.init_lora_weights,
             modules_to_save=list(self.modules_to_save) or None,
         )
         return d
+
+    def _targets(self) -> JsonValue:
+        """``target_modules`` as JSON (a list copied)."""
+        return list(self.target_modules) if isinstance(self.target_modules, list) else self.target_modules
 
     @classmethod
     def from_peft_dict(cls, d: object) -> LoraConfig:

@@ -26,15 +26,13 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from safetensors import SafetensorError, safe_open
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdWarning
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.models import DecoderConfig, check_checkpoint_files
-
-if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
 
 CONFIG_HASH_KEY = "nxd_config_hash"
 BASE_CONFIG_KEY = "nxd_base_config"
@@ -47,11 +45,11 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 
-def identity_config(config: DecoderConfig) -> JsonDict:
+def identity_config(config: DecoderConfig) -> JsonObject:
     """The fields that define the model (every :class:`DecoderConfig` field and HF's
     ``model_type``), JSON-normalised. Keys such as ``transformers_version`` or the file dtype are
     left out: a base re-saved by another transformers release is the same base."""
-    d: dict[str, Any] = {k: v for k, v in dataclasses.asdict(config).items() if k != "raw"}
+    d: dict[str, object] = {k: v for k, v in dataclasses.asdict(config).items() if k != "raw"}
     d["model_type"] = config.to_hf().get("model_type")
     return json.loads(json.dumps(d, sort_keys=True))
 
@@ -168,7 +166,7 @@ def _recorded(adapter_dir: Path) -> dict[str, str]:
     return meta
 
 
-def _config_difference(recorded: dict[str, Any], actual: dict[str, Any]) -> str | None:
+def _config_difference(recorded: JsonObject, actual: JsonObject) -> str | None:
     # a field added to DecoderConfig after the adapter was written is absent from what it recorded:
     # its base had the field's default (else the release that wrote it could not have loaded the base)
     defaults = {f.name: f.default for f in dataclasses.fields(DecoderConfig) if f.default is not dataclasses.MISSING}

@@ -32,6 +32,7 @@ from safetensors.torch import save
 from torch import nn
 
 from nxd_finetune.errors import AdapterError
+from nxd_finetune.jsontypes import JsonObject, JsonValue
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
 from nxd_finetune.lora.identity import CONFIG_HASH_KEY, base_identity
 from nxd_finetune.lora.inject import (
@@ -46,7 +47,6 @@ from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_sp
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.parallel.state import ParallelState
 
 PEFT_PREFIX = "base_model.model."
@@ -180,7 +180,7 @@ def save_adapter(
     cfg: LoraConfig,
     out_dir: str | Path,
     base_model_name_or_path: str | None,
-    extra_config: JsonDict | None = None,
+    extra_config: Mapping[str, JsonValue] | None = None,
     revision: str | None = None,
     config_hash: str | None = None,
     *,
@@ -226,9 +226,11 @@ def save_adapter(
 
 
 def _adapter_config(cfg: LoraConfig, base_model_name_or_path: str | None, revision: str | None,
-                    target_names: list[str], extra_config: JsonDict | None, multimodal: bool = False) -> JsonDict:
+                    target_names: list[str], extra_config: Mapping[str, JsonValue] | None,
+                    multimodal: bool = False) -> JsonObject:
     d = cfg.to_peft_dict(base_model_name_or_path, revision=revision)
-    d["target_modules"] = _resolved_targets(cfg, target_names, multimodal)
+    targets = _resolved_targets(cfg, target_names, multimodal)
+    d["target_modules"] = targets if isinstance(targets, str) else list(targets)
     clash = sorted(set(extra_config or {}) & set(d))
     if clash:
         raise AdapterError(f"extra_config key {clash[0]!r} would overwrite an adapter_config.json key")
@@ -245,7 +247,7 @@ def write_adapter_files(
     *,
     revision: str | None = None,
     config_hash: str | None = None,
-    extra_config: JsonDict | None = None,
+    extra_config: Mapping[str, JsonValue] | None = None,
     identity: dict[str, str] | None = None,
 ) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` from full tensors under PEFT

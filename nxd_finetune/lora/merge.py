@@ -214,8 +214,10 @@ def merge_adapter(
         raise NxdError(f"output directory {out} already exists and is not empty")
     config = DecoderConfig.from_hf(base_dir)
     if config.multimodal:
+        archs = config.raw.get("architectures")
+        name = archs[0] if isinstance(archs, list) and archs else "checkpoint"
         raise NxdError(f"merge supports text models only; {base_dir} is a multimodal "
-                       f"{config.raw.get('architectures', ['checkpoint'])[0]} (load the adapter onto it with peft)")
+                       f"{name} (load the adapter onto it with peft)")
     cfg, tensors = read_adapter(adapter_dir)
     index = checkpoint_index(base_dir)
     shapes = _base_shapes(index)

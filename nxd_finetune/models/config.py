@@ -12,13 +12,11 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nxd_finetune.errors import ModelLoadError
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.models.families import FAMILIES, MULTIMODAL, architecture_of_type
-
-if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
 
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -99,7 +97,7 @@ class DecoderConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     multimodal: bool = False
-    raw: JsonDict = dataclasses.field(default_factory=dict, repr=False)  # the HF config.json read
+    raw: JsonObject = dataclasses.field(default_factory=dict, repr=False)  # the HF config.json read
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -117,12 +115,14 @@ class DecoderConfig:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
 
     @classmethod
-    def from_hf(cls, source: str | Path | JsonDict) -> DecoderConfig:
+    def from_hf(cls, source: str | Path | JsonObject) -> DecoderConfig:
         """Build from a config dict, a ``config.json`` path or a model directory.
 
         Raises ModelLoadError for an unreadable file or an unsupported architecture (the message
         lists the supported ones).
         """
+        # HF's values go into the fields as they are (``__post_init__`` checks them): read untyped
+        raw: dict[str, Any]
         if isinstance(source, dict):
             raw = dict(source)
         else:
@@ -169,7 +169,7 @@ class DecoderConfig:
         return cls(architecture=arch, raw=raw, **kwargs)
 
     @classmethod
-    def _from_multimodal(cls, arch: str, raw: JsonDict) -> DecoderConfig:
+    def _from_multimodal(cls, arch: str, raw: JsonObject) -> DecoderConfig:
         """The language model of a multimodal config: its ``text_config`` over transformers'
         defaults, the tie of the top level (where transformers reads it), no logit soft-capping
         (transformers' multimodal head applies none), ``raw`` the whole config."""
@@ -202,7 +202,7 @@ class DecoderConfig:
             return LANGUAGE_MODEL_PREFIX + name.removeprefix("model.")
         return name
 
-    def to_hf(self) -> JsonDict:
+    def to_hf(self) -> JsonObject:
         """The HF ``config.json`` dict (the original one when read from disk)."""
         if self.raw:
             return dict(self.raw)

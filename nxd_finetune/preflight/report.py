@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.models import DecoderConfig
 from nxd_finetune.preflight.data import check_data, micro_batch_targets
 from nxd_finetune.preflight.hardware import check_cpu_formats
@@ -16,7 +17,6 @@ from nxd_finetune.preflight.model import check_init_from_adapter, count_paramete
 from nxd_finetune.recipe import check_against_model
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import Recipe
 
 
@@ -56,7 +56,7 @@ def run_checks(recipe: Recipe) -> Preflight:
     return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets)
 
 
-def layout(recipe: Recipe) -> dict[str, int | str | bool]:
+def layout(recipe: Recipe) -> JsonObject:
     """The resolved process layout and batch sizes of ``recipe``."""
     par, tr = recipe.parallel, recipe.training
     return {
@@ -68,11 +68,11 @@ def layout(recipe: Recipe) -> dict[str, int | str | bool]:
     }
 
 
-def report_json(result: Preflight) -> JsonDict:
+def report_json(result: Preflight) -> JsonObject:
     """``validate --json``: the layout, the model, the parameter counts and the memory estimate per
     rank (busiest rank; each part and the total, in bytes, rounded to whole bytes)."""
     cfg = result.config
-    memory = {name: round(value) for name, value in result.memory.items()}
+    memory: JsonObject = {name: round(value) for name, value in result.memory.items()}
     memory["total"] = round(sum(result.memory.values()))
     return {
         "valid": True,
