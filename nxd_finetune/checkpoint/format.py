@@ -27,13 +27,13 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypedDict, cast
 
 import torch
 
-from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.errors import NxdError, NxdWarning
+from nxd_finetune.jsontypes import JsonObject, JsonValue
 from nxd_finetune.storage.fetch import FileEntry
 
 FORMAT = "nxd-finetune-checkpoint"
@@ -90,7 +90,7 @@ class Manifest(TypedDict):
     format: str
     version: int
     step: int
-    layout: JsonDict
+    layout: JsonObject
     files: dict[str, FileEntry]
     tensors: dict[str, str]
 
@@ -132,21 +132,21 @@ def dumps(obj: object) -> bytes:
 # ----------------------------------------------------------------------------- extra
 
 
-def encode_extra(extra: JsonDict | None) -> tuple[JsonDict, dict[str, torch.Tensor]]:
+def encode_extra(extra: Mapping[str, object] | None) -> tuple[JsonObject, dict[str, torch.Tensor]]:
     """Split ``extra`` into JSON-able data and tensors: every tensor (at any depth of dicts /
     lists / tuples) is replaced by ``{"__tensor__": "<path>"}`` and returned in the tensor dict
     (a CPU copy). Tuples become lists. Raises CheckpointError naming the path of a value that is
     neither JSON-able nor a tensor (or a dict key that is not a string)."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(value: object, path: str) -> object:
+    def walk(value: object, path: str) -> JsonValue:
         if torch.is_tensor(value):
             tensors[path] = value.detach().to("cpu", copy=True).contiguous()
             return {_TENSOR_REF: path}
         if isinstance(value, dict):
             if _TENSOR_REF in value:
                 raise CheckpointError(f"extra{path}: the key {_TENSOR_REF!r} is reserved")
-            out: JsonDict = {}
+            out: JsonObject = {}
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise CheckpointError(f"extra{path}: dict key {k!r} is not a string")
@@ -179,7 +179,7 @@ def decode_extra(data: object, tensors: dict[str, torch.Tensor]) -> object:
 # ----------------------------------------------------------------------------- manifest
 
 
-def make_manifest(step: int, files: dict[str, FileEntry], tensors: dict[str, str], layout: JsonDict) -> Manifest:
+def make_manifest(step: int, files: dict[str, FileEntry], tensors: dict[str, str], layout: JsonObject) -> Manifest:
     return {"format": FORMAT, "version": VERSION, "step": step, "layout": layout,
             "files": dict(sorted(files.items())), "tensors": dict(sorted(tensors.items()))}
 

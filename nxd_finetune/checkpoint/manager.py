@@ -46,7 +46,7 @@ import secrets
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.checkpoint.state import StageTensors, collect, group_options, restore, trainable, unwrap
 from nxd_finetune.checkpoint.stored import CheckpointReader, CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import SaveJob
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
 from nxd_finetune.storage import Storage, StorageError, open_storage
@@ -125,7 +126,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, modules: Sequence[nn.Module] | nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             extra: JsonDict | None = None) -> str:
+             extra: Mapping[str, object] | None = None) -> str:
         """Save the trainable parameters of ``modules`` (the model, or this rank's pipeline-stage
         modules), ``optimizer``'s state and ``extra`` (JSON-able values and tensors, at any depth;
         only rank 0's is stored) as checkpoint ``step``; returns its URI.
@@ -316,7 +317,7 @@ class CheckpointManager:
             ref.cleanup()
 
     @staticmethod
-    def read_extra_json(ref: CheckpointRef) -> JsonDict:
+    def read_extra_json(ref: CheckpointRef) -> JsonObject:
         """The JSON part of a checkpoint's ``extra`` (its tensors left as stored references), e.g.
         the recipe it was saved under, read before :meth:`load` reads any tensor."""
         data = json.loads(ref.read_bytes(EXTRA_JSON))

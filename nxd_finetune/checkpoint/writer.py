@@ -28,9 +28,9 @@ from nxd_finetune.checkpoint.format import (
     sidecar_file,
     state_file,
 )
-from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.checkpoint.state import SavedGroup, StageTensors
 from nxd_finetune.checkpoint.stored import retain
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.safetensors_io import header_bytes, write_tensor
 from nxd_finetune.storage import Storage
 
@@ -72,8 +72,8 @@ class SaveJob:
     tensors: dict[str, torch.Tensor] | None  # None: this rank writes no stage file (or streams it)
     groups: list[SavedGroup]
     finalize: bool  # global rank 0: extra + manifest + retention
-    extra: tuple[JsonDict, dict[str, torch.Tensor]] | None
-    layout: JsonDict
+    extra: tuple[JsonObject, dict[str, torch.Tensor]] | None
+    layout: JsonObject
     keep_last: int
     stream: StageTensors | None = None  # a synchronous save's stage, gathered while it is written
 

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from nxd_finetune.checkpoint.run_state import JsonDict, RunState, TrainState
+from nxd_finetune.checkpoint.run_state import RunState, TrainState
 from nxd_finetune.objective import TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
@@ -119,7 +119,7 @@ class NxdModuleBase(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint state
 
-    def run_state(self, rng: JsonDict) -> RunState:
+    def run_state(self, rng: dict[str, object]) -> RunState:
         """What a checkpoint of this module carries (subclasses add the data position, the recipe)."""
         scheduler = self.scheduler
         return RunState(train_state=self.train_state, rng=rng, history=self.history,

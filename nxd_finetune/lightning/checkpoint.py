@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nxd_finetune.checkpoint.format import MANIFEST, CheckpointError, encode_extra, parse_step_dir
 from nxd_finetune.checkpoint.manager import CheckpointManager
-from nxd_finetune.checkpoint.run_state import JsonDict, RunState
+from nxd_finetune.checkpoint.run_state import RunState
 from nxd_finetune.checkpoint.training import rng_state, set_rng_state
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.state import ParallelState
@@ -79,7 +79,7 @@ def _storable(value: Any) -> Any:
     return value
 
 
-def save(module: NxdModuleBase, checkpoint: JsonDict, filepath: str | os.PathLike,
+def save(module: NxdModuleBase, checkpoint: dict[str, Any], filepath: str | os.PathLike,
          state: ParallelState | None, group: dist.ProcessGroup | None) -> str:
     """Write the checkpoint of ``module``'s current step under ``filepath`` (see the module
     docstring); returns its URI. Collective."""
@@ -95,7 +95,7 @@ def save(module: NxdModuleBase, checkpoint: JsonDict, filepath: str | os.PathLik
 
 
 def load(module: NxdModuleBase, path: str | os.PathLike, state: ParallelState | None,
-         group: dist.ProcessGroup | None) -> JsonDict:
+         group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Restore ``module`` (parameters, optimizer, data position, counters, history, RNG) and the
     trainer's step counter from the checkpoint at ``path`` (or the newest under a root); returns
     the Lightning checkpoint dict for what Lightning restores itself (LR scheduler, callbacks).

@@ -41,7 +41,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from nxd_finetune.api import NxDConfig, neuronx_distributed_config
-from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning import checkpoint as nxd_checkpoint
 from nxd_finetune.lightning.base import NxdModuleBase
@@ -200,13 +199,13 @@ class NxdStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, object]) -> None:
         pass
 
-    def save_checkpoint(self, checkpoint: JsonDict, filepath: str | os.PathLike,
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike,
                         storage_options: object = None) -> None:
         """Write nxd-finetune's checkpoint (collective: every rank calls it, as Lightning does). See
         :func:`nxd_finetune.lightning.checkpoint.save` for where ``filepath`` puts it."""
         nxd_checkpoint.save(self._nxd_module(), checkpoint, filepath, self.parallel_state, self._host_world)
 
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> JsonDict:
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load nxd-finetune's checkpoint (one written by this strategy or by ``nxd-finetune run``,
         in any layout) into the live modules and optimizer; returns what Lightning restores next."""
         return nxd_checkpoint.load(self._nxd_module(), checkpoint_path, self.parallel_state, self._host_world)
