@@ -1,5 +1,6 @@
 """The shortened quickstart run as a CLI subprocess, for the kill-and-resume tests: its environment
-(a private cache holding the tiny model, one thread), start / finish, and what it logged."""
+(a private cache holding the tiny model, one thread), start / finish, and what it logged; and
+:func:`run_cli`, a command run in this process."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ RUN = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.micro_bat
        "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "lora.dropout=0.1"]
 PHASES = ["after-step", "sync-save", "async-save", "stage-write"]
 SAVE_STEPS = [s for s in range(1, STEPS + 1) if s % 2 == 0]  # checkpoint.every_n_steps=2 in RUN
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``nxd-finetune ARGV`` in this process: (exit code, stdout, stderr)."""
+    from nxd_finetune.cli import main
+
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1  # sys.exit(None): success
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def trial(seed: int) -> tuple[str, int, bool]:

@@ -170,6 +170,8 @@ CASES = {
     "chat base overlapping tensors": lambda t: (["chat", "--base", _bad_base(t, _overlap)], "model.safetensors"),
     "generate base tensor of 2^62 bytes": lambda t: (["generate", "--base", _bad_base(t, _huge), "--prompt", "hi"],
                                                      "model.safetensors"),
+    "generate generation_config eos not a token id": lambda t: (
+        ["generate", "--base", _bad_generation_config(t), "--prompt", "hi"], "eos_token_id must be a token id"),
     # ---- registry refs
     "push missing dir": lambda t: (["adapters", "push", t / "nodir", f"{t}/reg/bot"], "nodir"),
     "push bad name": lambda t: (["adapters", "push", t, f"{t}/reg/Bad Name!"], "Bad Name!"),
@@ -234,6 +236,14 @@ def _bad_base(tmp: Path, edit) -> Path:
     d = tmp / "base"
     shutil.copytree(resolve_model_dir("builtin:tiny-llama"), d)
     _edit_safetensors(d / "model.safetensors", edit)
+    return d
+
+
+def _bad_generation_config(tmp: Path) -> Path:
+    """A copy of the quickstart model whose ``generation_config.json`` names an eos that is no token id."""
+    d = tmp / "base"
+    shutil.copytree(resolve_model_dir("builtin:tiny-llama"), d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "two"]}))
     return d
 
 

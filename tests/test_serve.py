@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxd_finetune.cli import main
+from tests.cli_run import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -41,16 +41,6 @@ def trained(trained_quickstart):
 def questions() -> list[tuple[list[dict], str]]:
     rows = [r["messages"] for r in EVAL_ROWS[:N_QUESTIONS]]
     return [(m[:-1], m[-1]["content"]) for m in rows]
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def peft_generate(base_dir: Path, adapter_dir: Path, prompts: list[list[int]], eos: int) -> list[list[int]]:

@@ -334,13 +334,35 @@ def _render_messages(
     else:
         text, spans = _prefix_turns(tokenizer, messages, chat_template, template_kwargs, specials)
     eos = tokenizer.eos_token
-    # the template's own end-of-turn tokens: the special tokens that close its assistant turns
-    end_of_turn = tuple(t for t in specials if any(text[:end].endswith(t) for _, end in spans))
+    end_of_turn = _closing_specials(text, spans, specials)
     add_eos = bool(eos) and not text.rstrip().endswith((eos, *end_of_turn))
     ends_with_answer = bool(messages) and messages[-1]["role"] == "assistant"
     if train_on_prompt:
         spans = [(0, len(text))]
     return Rendered(text, tuple(spans), add_bos=False, add_eos=add_eos, eos_trained=ends_with_answer or train_on_prompt)
+
+
+def _closing_specials(text: str, spans: Sequence[tuple[int, int]], specials: tuple[str, ...]) -> tuple[str, ...]:
+    """The template's own end-of-turn tokens: the special tokens that close its assistant turns."""
+    return tuple(t for t in specials if any(text[:end].endswith(t) for _, end in spans))
+
+
+# a one-turn conversation whose rendering shows how the template closes an assistant turn
+_PROBE = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+def end_of_turn_tokens(tokenizer, chat_template: str | None = None,
+                       template_kwargs: TemplateKwargs | None = None) -> tuple[str, ...]:
+    """The special tokens ``chat_template`` (None: the tokenizer's) closes an assistant turn with
+    (Gemma's ``<end_of_turn>``, ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Mistral's
+    ``</s>``), found as training finds them (:func:`render_row` on a one-turn conversation); ()
+    when the template closes its turns with no special token or cannot render that conversation."""
+    try:
+        rendered = _render_messages(_PROBE, {"messages": "messages", "role": "role", "content": "content"},
+                                    tokenizer, chat_template, False, template_kwargs)
+    except DataError:
+        return ()
+    return _closing_specials(rendered.text, rendered.spans, special_tokens(tokenizer))
 
 
 def adds_bos(tokenizer) -> bool:

@@ -63,7 +63,7 @@ def generate(
         raise NxdError("give exactly one of --prompt and --messages")
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
     template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
-    with gen.load_model(adapter, base, device, dtype) as loaded:
+    with gen.load_model(adapter, base, device, dtype, template, kwargs) as loaded:
         if messages is not None:
             ids = gen.prompt_ids(loaded.tokenizer, gen.read_messages(messages), chat_template=template,
                                  template_kwargs=kwargs)
@@ -97,7 +97,7 @@ def chat(
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
     template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
     interactive = sys.stdin.isatty()
-    with gen.load_model(adapter, base, device, dtype) as loaded:
+    with gen.load_model(adapter, base, device, dtype, template, kwargs) as loaded:
         start = [{"role": "system", "content": system}] if system else []
         history = list(start)
         if interactive:

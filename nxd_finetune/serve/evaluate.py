@@ -170,9 +170,10 @@ def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batc
     device = "cuda" if recipe.training.device == "cuda" else "cpu"
     is_adapter = (Path(target) / ADAPTER_CONFIG).is_file()
     base = str(resolve_model_dir(recipe.model.path)) if is_adapter else None
-    with gen.load_model(target, base, device) as loaded:
-        prompts = [gen.prompt_ids(loaded.tokenizer, messages, chat_template=template,
-                                  template_kwargs=recipe.data.chat_template_kwargs) for messages, _ in pairs]
+    kwargs = recipe.data.chat_template_kwargs
+    with gen.load_model(target, base, device, chat_template=template, template_kwargs=kwargs) as loaded:
+        prompts = [gen.prompt_ids(loaded.tokenizer, messages, chat_template=template, template_kwargs=kwargs)
+                   for messages, _ in pairs]
         outputs = gen.generate_batch(loaded, prompts, gen.GenerationConfig(max_new_tokens), batch_size)
         answers = [gen.decode(loaded.tokenizer, ids).strip() for ids in outputs]
     hits = [a == ref.strip() for a, (_, ref) in zip(answers, pairs, strict=True)]

@@ -13,7 +13,9 @@
 The tokenizer comes from the adapter directory when it holds one (``run`` saves it there), else
 from the model. Prompts are rendered with the tokenizer's chat template (or the one given) and
 generated with ``model.generate``; :func:`stream` yields text pieces as they are produced
-(``TextIteratorStreamer``), which ``chat`` prints.
+(``TextIteratorStreamer``), which ``chat`` prints. Generation stops at any of
+:func:`stop_token_ids`: the tokenizer's eos, every ``eos_token_id`` of the model's
+``generation_config.json`` and the chat template's end-of-turn token (Gemma 3's ``<end_of_turn>``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from nxd_finetune.data.formats import TemplateKwargs, load_chat_template, render_chat, template_kwargs_problem
+from nxd_finetune.data.formats import (
+    TemplateKwargs,
+    end_of_turn_tokens,
+    load_chat_template,
+    render_chat,
+    template_kwargs_problem,
+)
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError, NxdError
 from nxd_finetune.lora.io import check_adapter_files
 from nxd_finetune.models import check_checkpoint_files, resolve_dtype
+from nxd_finetune.models.loading import GENERATION_CONFIG
 from nxd_finetune.registry.fetch import fetch_adapter
 
 if TYPE_CHECKING:
@@ -71,12 +80,14 @@ class GenerationConfig:
 @dataclasses.dataclass
 class LoadedModel:
     """``model``: a ``PreTrainedModel`` or a ``PeftModel`` (eval mode); ``description``: what was
-    loaded, for messages (the pinned registry REF of a pulled adapter)."""
+    loaded, for messages (the pinned registry REF of a pulled adapter); ``stop_ids``: the ids
+    generation stops at (:func:`stop_token_ids`)."""
 
     model: Any  # a PreTrainedModel or a PeftModel around one (whose generate mypy cannot see: nn.Module.__getattr__)
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     description: str
+    stop_ids: tuple[int, ...]
     adapter_dir: Path | None = None
     base_dir: Path | None = None
 
@@ -133,6 +144,7 @@ def _load_hf(model_dir: Path, dtype: torch.dtype | str, device: torch.device) ->
     from transformers import AutoModelForCausalLM
 
     check_checkpoint_files(model_dir)  # what merge and the trainer refuse, refused here with the same line
+    generation_eos_ids(model_dir)  # a bad generation_config.json: one line before the weights are read
     try:
         with _no_loading_bar():
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
@@ -156,26 +168,72 @@ def _no_loading_bar() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def generation_eos_ids(model_dir: Path) -> list[int]:
+    """The ``eos_token_id`` of ``model_dir``'s ``generation_config.json``, an id or a list of ids
+    (Gemma 3: ``[1, 106]``, ``<eos>`` and ``<end_of_turn>``); [] without the file or the key."""
+    path = model_dir / GENERATION_CONFIG
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable: {e}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of token ids, got {eos!r}"[:300])
+    return ids
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: Path | None, chat_template: str | None = None,
+                   template_kwargs: TemplateKwargs | None = None) -> tuple[int, ...]:
+    """The ids generation stops at: the tokenizer's eos, every ``eos_token_id`` of
+    ``model_dir``'s ``generation_config.json`` (what ``transformers`` stops at when given no eos)
+    and the special tokens ``chat_template`` (None: the tokenizer's) closes an assistant turn with
+    (:func:`~nxd_finetune.data.formats.end_of_turn_tokens`), in that order, each once."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    ids += generation_eos_ids(model_dir) if model_dir is not None else []
+    for token in end_of_turn_tokens(tokenizer, chat_template, template_kwargs):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.append(token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def _loaded(model: Any, tokenizer_dirs: Sequence[Path], model_dir: Path, dev: torch.device, description: str,
+            chat_template: str | None, template_kwargs: TemplateKwargs | None,
+            adapter_dir: Path | None = None) -> LoadedModel:
+    tokenizer = _load_tokenizer(*tokenizer_dirs)
+    stop = stop_token_ids(tokenizer, model_dir, chat_template, template_kwargs)
+    return LoadedModel(model, tokenizer, dev, description, stop, adapter_dir=adapter_dir, base_dir=model_dir)
+
+
 @contextlib.contextmanager
-def load_model(adapter: str | None, base: str | None = None, device: str = "auto",
-               dtype: str | None = None) -> Iterator[LoadedModel]:
+def load_model(adapter: str | None, base: str | None = None, device: str = "auto", dtype: str | None = None,
+               chat_template: str | None = None, template_kwargs: TemplateKwargs | None = None,
+               ) -> Iterator[LoadedModel]:
     """The model ``adapter`` / ``base`` name (see the module docstring), ready to generate; a pulled
     adapter's temporary copy lives until the ``with`` block ends. ``dtype``: fp32 | bf16 | fp16
-    (default: the checkpoint's own). Raises NxdError subclasses with one line."""
+    (default: the checkpoint's own). ``chat_template`` / ``template_kwargs``: the template prompts
+    are rendered with (None: the tokenizer's), whose end-of-turn token stops generation. Raises
+    NxdError subclasses with one line."""
     torch_dtype = resolve_dtype(dtype) if dtype else "auto"
     dev = resolve_device(device)
     if adapter is None:
         if base is None:
             raise NxdError("give --adapter (a directory, REGISTRY/NAME[:V|@TAG] or s3:// prefix) or --base")
         base_dir = _resolve_base(base, "--base")
-        yield LoadedModel(_load_hf(base_dir, torch_dtype, dev), _load_tokenizer(base_dir), dev, str(base),
-                          base_dir=base_dir)
+        yield _loaded(_load_hf(base_dir, torch_dtype, dev), [base_dir], base_dir, dev, str(base),
+                      chat_template, template_kwargs)
         return
     local = Path(adapter).expanduser()
     if "://" not in adapter and _is_checkpoint(local):
         if base is not None:
             raise NxdError(f"--adapter {adapter} is a whole model (merged or full SFT); --base applies to adapters")
-        yield LoadedModel(_load_hf(local, torch_dtype, dev), _load_tokenizer(local), dev, adapter, base_dir=local)
+        yield _loaded(_load_hf(local, torch_dtype, dev), [local], local, dev, adapter, chat_template,
+                      template_kwargs)
         return
     if "://" not in adapter and (local / "adapter" / ADAPTER_CONFIG).is_file():  # base_and_adapter output
         adapter = str(local / "adapter")
@@ -185,9 +243,9 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
         check_adapter_files(fetched.path)  # as merge and lora.init_from check it, before PEFT reads it
         base_name = base if base is not None else _base_from_adapter(fetched.path, adapter)
         base_dir = _resolve_base(base_name, "--base" if base is not None else "the adapter's base model")
-        yield LoadedModel(_attach_adapter(_load_hf(base_dir, torch_dtype, dev), fetched.path),
-                          _load_tokenizer(fetched.path, base_dir), dev, fetched.lineage or adapter,
-                          adapter_dir=fetched.path, base_dir=base_dir)
+        yield _loaded(_attach_adapter(_load_hf(base_dir, torch_dtype, dev), fetched.path),
+                      [fetched.path, base_dir], base_dir, dev, fetched.lineage or adapter, chat_template,
+                      template_kwargs, adapter_dir=fetched.path)
 
 
 def _attach_adapter(model: PreTrainedModel, adapter_dir: Path) -> PeftModel:
@@ -272,28 +330,27 @@ def _inputs(loaded: LoadedModel, ids: Sequence[int]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | list[int] | None]:
-    return {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+def _special_ids(loaded: LoadedModel) -> dict[str, int | list[int] | None]:
+    return {"pad_token_id": loaded.tokenizer.pad_token_id, "eos_token_id": list(loaded.stop_ids) or None}
 
 
 def generate_ids(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) -> list[int]:
-    """The new token ids ``model.generate`` produces after ``ids`` (EOS included when reached)."""
+    """The new token ids ``model.generate`` produces after ``ids`` (the stop id included when reached)."""
     if config.seed is not None:
         torch.manual_seed(config.seed)
     with torch.no_grad():
         out = loaded.model.generate(**_inputs(loaded, ids), max_new_tokens=config.max_new_tokens,
-                                    **config.generate_kwargs(), **_special_ids(loaded.tokenizer))
+                                    **config.generate_kwargs(), **_special_ids(loaded))
     return out[0, len(ids):].tolist()
 
 
 def generate_batch(loaded: LoadedModel, prompts: Sequence[Sequence[int]], config: GenerationConfig,
                    batch_size: int = 16) -> list[list[int]]:
     """:func:`generate_ids` for many prompts, ``batch_size`` at a time (left-padded, with the
-    attention mask); each result stops after its first EOS."""
+    attention mask); each result ends at its first stop id."""
     if config.seed is not None:
         torch.manual_seed(config.seed)
     pad = loaded.tokenizer.pad_token_id
-    eos = loaded.tokenizer.eos_token_id
     results: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[start:start + batch_size]]
@@ -306,9 +363,10 @@ def generate_batch(loaded: LoadedModel, prompts: Sequence[Sequence[int]], config
         with torch.no_grad():
             out = loaded.model.generate(input_ids=input_ids.to(loaded.device), attention_mask=mask.to(loaded.device),
                                         max_new_tokens=config.max_new_tokens, **config.generate_kwargs(),
-                                        **_special_ids(loaded.tokenizer))
+                                        **_special_ids(loaded))
         for row in out[:, width:].tolist():
-            results.append(row[:row.index(eos) + 1] if eos in row else row)
+            end = next((i + 1 for i, t in enumerate(row) if t in loaded.stop_ids), len(row))
+            results.append(row[:end])
     return results
 
 
@@ -330,7 +388,7 @@ def stream(loaded: LoadedModel, ids: Sequence[int], config: GenerationConfig) ->
         try:
             with torch.no_grad():
                 loaded.model.generate(**_inputs(loaded, ids), max_new_tokens=config.max_new_tokens, streamer=streamer,
-                                      **config.generate_kwargs(), **_special_ids(loaded.tokenizer))
+                                      **config.generate_kwargs(), **_special_ids(loaded))
         except BaseException as e:  # reported in the caller's thread
             failure.append(e)
             streamer.end()

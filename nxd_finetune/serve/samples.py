@@ -23,7 +23,14 @@ from nxd_finetune.export import gather_to_writer
 from nxd_finetune.lora.io import write_adapter_files
 from nxd_finetune.metrics import SAMPLES, MetricsWriter
 from nxd_finetune.models import resolve_dtype
-from nxd_finetune.serve.generate import GenerationConfig, LoadedModel, decode, generate_ids, prompt_ids
+from nxd_finetune.serve.generate import (
+    GenerationConfig,
+    LoadedModel,
+    decode,
+    generate_ids,
+    prompt_ids,
+    stop_token_ids,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -87,11 +94,12 @@ class EvalSamples:
         tensors = self._weights()
         if not self.engine.is_logger or tensors is None:
             return None
-        loaded = LoadedModel(self._update(tensors), self.tokenizer, self._device(), "training model")
         template = load_chat_template(self.recipe.data.chat_template)
+        kwargs = self.recipe.data.chat_template_kwargs
+        loaded = LoadedModel(self._update(tensors), self.tokenizer, self._device(), "training model",
+                             stop_token_ids(self.tokenizer, self.model_dir, template, kwargs))
         use_chat = template is not None or bool(getattr(self.tokenizer, "chat_template", None))
         config = GenerationConfig(max_new_tokens=self.recipe.eval.max_new_tokens)
-        kwargs = self.recipe.data.chat_template_kwargs
         rows = []
         for prompt in self.recipe.eval.prompts:
             ids = (prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}], chat_template=template,
