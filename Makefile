@@ -5,17 +5,25 @@ PY := $(VENV)/bin/python
 # Installed only when the venv has no torch yet; override for another build, e.g.
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
+ENSURE_TORCH = @$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 
-.PHONY: setup quickstart test test-fast test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
+.PHONY: setup setup-core quickstart test test-fast test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# torch (when the venv has none) and the package with its core dependencies: all the quickstart uses
+setup-core: $(PY)
+	$(ENSURE_TORCH)
+	$(PY) -m pip install -q -e .
+
+# setup-core plus the development extras (.[dev]: pytest, peft, TRL, moto, trackers, linters, cluster SDKs)
+# that the tests and linters use; run on every call, so a venv `make quickstart` made gets them too
 setup: $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(ENSURE_TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 
-quickstart: setup
+quickstart: setup-core
 	HF_HUB_OFFLINE=1 $(VENV)/bin/nxd-finetune run recipes/quickstart.yaml
 
 test: setup

@@ -101,7 +101,14 @@ def run(
         "--max-restarts", min=0, help="Restart the workers up to K times after a failure, resuming from the "
                                       "newest checkpoint (sets parallel.max_restarts; with --nproc > 1).")] = None,
 ) -> None:
-    """Train: load and validate the recipe, then run the SFT loop."""
+    """Train: load and validate the recipe, then fine-tune the model.
+
+    The recipe's `objective`: SFT (`sft`, the default) or preference tuning on chosen / rejected pairs,
+    DPO (`dpo`) or ORPO (`orpo`); LoRA adapters (a `lora` section) or full fine-tuning of every weight (`lora: null`);
+    one process, or `--nproc` processes in the recipe's tp / pp / dp layout. Evaluates, checkpoints and
+    resumes as the recipe says, writes the final model to `output.dir` and pushes it to `output.registry`
+    when one is set.
+    """
     restarts = [] if max_restarts is None else [f"parallel.max_restarts={max_restarts}"]
     loaded = _load(recipe, [*(overrides or []), *restarts], nproc, resume, no_resume)
     from nxd_finetune.checkpoint.training import as_training_stopped
