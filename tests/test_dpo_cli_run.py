@@ -24,7 +24,7 @@ from cli_run import ROOT, RUN, STEPS, env, finish, records, resumed_from, start,
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from nxd_finetune.data.pairs import REF_FILE
+from nxd_finetune.data.ref_store import REF_FILE
 from nxd_finetune.registry.cli import adapters_app
 
 TRIALS = min(int(os.environ.get("NXD_FINETUNE_SOAK_TRIALS", "3")), 20)

@@ -32,7 +32,9 @@ class RunState:
     train loader's position (None where the data is the user's); ``rng``: every rank's RNG
     states (``checkpoint.training.rng_state``); ``history``: the logged records, the eval before
     training included (its step-0 record); ``metrics_bytes``: the size of ``metrics.jsonl`` at the
-    save; ``recipe``: the recipe's YAML (None for a model-function module); ``lightning``:
+    save; ``recipe``: the recipe's YAML (None for a model-function module); ``reference``: the
+    identity of the reference log-probs the run started with (preference tuning: what their
+    store's key hashes, ``sft.reference.reference_identity``; a resumed run keeps it); ``lightning``:
     Lightning's own state (epoch, callbacks) when Lightning saved it."""
 
     train_state: TrainState
@@ -42,6 +44,7 @@ class RunState:
     data: JsonDict | None = None
     metrics_bytes: int = 0
     recipe: str | None = None
+    reference: JsonDict | None = None
     lightning: JsonDict | None = None
 
     def to_extra(self) -> JsonDict:

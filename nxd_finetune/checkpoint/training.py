@@ -244,7 +244,9 @@ class TrainingCheckpoints:
     directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``group``: the
     world's group for collectives on CPU tensors (``Engine.host.world``: gloo; None: the default
     group, which must then be gloo). The eval before training travels in the history (its
-    step-0 record). Installs the stop-signal handlers.
+    step-0 record). ``reference``: the identity of the run's reference log-probs (preference
+    tuning, set by the trainer), saved with every checkpoint; a resumed run reads it back first
+    (:meth:`started_reference`). Installs the stop-signal handlers.
     """
 
     def __init__(self, recipe: Recipe, engine: Trained, out_dir: Path, loader: Resumable,
@@ -257,6 +259,8 @@ class TrainingCheckpoints:
         self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
                                          state=engine.state, group=group)
         self.last_saved: int | None = None
+        self.reference: JsonDict | None = None
+        self._point: list[CheckpointRef | None] = []  # resolved once: [the checkpoint resumed from]
         self.signals = StopSignals()
 
     @property
@@ -270,7 +274,7 @@ class TrainingCheckpoints:
         from are deleted, so they can neither be resumed later nor crowd out new ones under
         ``keep_last``: all of them on a fresh start, those after the resumed step otherwise.
         Collective."""
-        ref = self.manager.resolve(self.recipe.checkpoint.resume)
+        ref = self.resume_point()
         if ref is None:
             if self._rank0:
                 truncate_metrics(self.out_dir, None)
@@ -303,6 +307,23 @@ class TrainingCheckpoints:
             self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice
         return Resumed(ref, saved.history, saved.eval_before() or extra.get("eval_before", {}))
 
+    def resume_point(self) -> CheckpointRef | None:
+        """The checkpoint :meth:`resume` continues from (``checkpoint.resume`` resolved and verified
+        once), None for a fresh start. Collective."""
+        if not self._point:
+            self._point.append(self.manager.resolve(self.recipe.checkpoint.resume))
+        return self._point[0]
+
+    def started_reference(self) -> JsonDict | None:
+        """The reference identity the checkpoint to resume from records (:attr:`reference` of the
+        run that saved it), read before any tensor; None on a fresh start or where it records none
+        (no reference, or a checkpoint written before they were recorded). Collective."""
+        ref = self.resume_point()
+        if ref is None:
+            return None
+        reference = self.manager.read_extra_json(ref).get("reference")
+        return reference if isinstance(reference, dict) else None
+
     def _remove_after(self, step: int, why: str) -> None:
         later = [s for s, _ in list_checkpoints(self.manager.storage) if s > step]
         if later:
@@ -320,7 +341,8 @@ class TrainingCheckpoints:
         metrics = self.out_dir / METRICS_FILE
         saved = RunState(train_state=train_state, rng=rng_state(e.state, self.group, e.device), history=history,
                          scheduler=e.scheduler.state_dict(), data=self.loader.state_dict(),
-                         metrics_bytes=metrics.stat().st_size if metrics.exists() else 0, recipe=self.recipe.to_yaml())
+                         metrics_bytes=metrics.stat().st_size if metrics.exists() else 0, recipe=self.recipe.to_yaml(),
+                         reference=self.reference)
         uri = self.manager.save(step, e.modules, e.optimizer, saved.to_extra())
         self.last_saved = step
         return uri

@@ -24,7 +24,8 @@ import torch
 
 from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, prepare_datasets
 from nxd_finetune.data.packing import collate, make_rows, packing_stats
-from nxd_finetune.data.pairs import PairBatches, PreferencePairs, load_ref_logps, save_ref_logps
+from nxd_finetune.data.pairs import PairBatches, PreferencePairs
+from nxd_finetune.data.ref_store import load_ref_logps, save_ref_logps
 from nxd_finetune.data.sampler import ResumableSampler, one_pass
 from nxd_finetune.errors import DataError
 
@@ -123,7 +124,8 @@ class DataLoaders:
 
     def load_ref_logps(self, key: str) -> bool:
         """Attach the reference log-probs stored under ``key`` (``pairs.ref_logps_key``) with the
-        cached data; False when there are none (compute them, then :meth:`save_ref_logps`)."""
+        cached data; False when there are none (compute them, then :meth:`save_ref_logps`). A store
+        that fails its integrity checks raises ``ref_store.RefStoreError`` (one line naming it)."""
         if self.cache_entry is None:
             return False
         sizes = {split: 2 * len(b.pairs) for split, b in self.pairs.items()}
@@ -134,15 +136,16 @@ class DataLoaders:
         return True
 
     def save_ref_logps(self, key: str, values: Mapping[str, torch.Tensor],
-                       reference: Mapping[str, object] | None = None) -> None:
+                       reference: Mapping[str, object] | None = None, *, replace: bool = False) -> None:
         """Attach ``values`` and store them with the cached data under ``key`` (without the cache
-        they are only attached). Every split of :attr:`pairs` needs its values."""
+        they are only attached; ``replace``: in place of a store that failed its checks). Every
+        split of :attr:`pairs` needs its values."""
         missing = sorted(set(self.pairs) - set(values))
         if missing:
             raise DataError(f"reference log-probs: no values for {', '.join(missing)}")
         self.attach_ref_logps(values)
         if self.cache_entry is not None:
-            save_ref_logps(self.cache_entry, key, values, reference)
+            save_ref_logps(self.cache_entry, key, values, reference, replace=replace)
 
 
 def build_dataloaders(

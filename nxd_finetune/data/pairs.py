@@ -16,8 +16,9 @@ rank the same number of batches with it.
 
 Reference log-probs live in the tokenized data's cache entry (``datasets.cache_entry``), under
 ``ref-<key>/`` where ``key`` (:func:`ref_logps_key`) hashes what else decides them (the base
-weights, the starting adapter, dtype): the entry itself is keyed by the tokenizer, the data and the
-settings that change tokens, so a resumed run finds them again.
+weights, the resolved starting adapter and its content, dtype): the entry itself is keyed by the
+tokenizer, the data and the settings that change tokens, so a resumed run finds them again. The
+store and its integrity record: :mod:`.ref_store`.
 """
 
 from __future__ import annotations
@@ -25,18 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from nxd_finetune.data.sampler import one_pass
 from nxd_finetune.data.tokenize import TokenizedDataset
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
-from nxd_finetune.storage.atomic import publish_dir
-
-REF_FILE = "ref_logps.safetensors"
 
 
 class PreferencePairs:
@@ -134,30 +130,3 @@ def ref_logps_key(reference: Mapping[str, object]) -> str:
     """Hex key of reference log-probs over what decides them beyond the tokenized data (JSON
     values: base weights fingerprint, starting adapter, dtype, objective settings...)."""
     return hashlib.sha256(json.dumps(dict(reference), sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def save_ref_logps(entry: Path, key: str, values: Mapping[str, torch.Tensor],
-                   reference: Mapping[str, object] | None = None) -> Path:
-    """Store per-split reference log-probs (sample order) in the cache entry, atomically
-    (``ref-<key>/``; losing a race to the same key keeps the first). ``reference`` (what the key
-    hashes) is written beside them for people reading the cache. Returns the directory."""
-    target = Path(entry) / f"ref-{key}"
-    tensors = {split: torch.as_tensor(v).detach().to("cpu", torch.float32).reshape(-1).contiguous()
-               for split, v in values.items()}
-    with publish_dir(target, already_published=lambda d: (d / REF_FILE).is_file()) as tmp:
-        save_file(tensors, str(tmp / REF_FILE))
-        (tmp / "reference.json").write_text(json.dumps(dict(reference or {}), indent=1, sort_keys=True,
-                                                       default=str))
-    return target
-
-
-def load_ref_logps(entry: Path, key: str, sizes: Mapping[str, int] | None = None) -> dict[str, torch.Tensor] | None:
-    """The reference log-probs stored under ``key`` in the cache entry; None when there are none
-    or (``sizes``: split -> sequences) they do not fit the splits."""
-    path = Path(entry) / f"ref-{key}" / REF_FILE
-    if not path.is_file():
-        return None
-    values = load_file(str(path))
-    if sizes is not None and any(split not in values or values[split].numel() != n for split, n in sizes.items()):
-        return None
-    return values

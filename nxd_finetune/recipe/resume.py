@@ -7,7 +7,8 @@ new command, key by key (dotted paths of :meth:`Recipe.to_dict`):
   into rows, the seed, the precision, the global batch) cannot change: :func:`check_resume`
   raises :class:`RecipeError` naming the first such key, before any tensor is read;
 - keys read only when a run starts fresh (``lora.init_from``, ``lora.init_lora_weights``,
-  ``eval.before``...) are ignored on resume, and said to be;
+  ``eval.before``...) are ignored on resume, and said to be (a preference run keeps the reference
+  log-probs it started with, which its checkpoint records: ``sft.reference.attach_reference``);
 - every other key (``training.lr``, the schedule, ``max_steps``, logging, eval, checkpointing,
   the parallel layout, since checkpoints reshard) is applied from the resumed step.
 

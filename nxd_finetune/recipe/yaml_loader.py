@@ -15,11 +15,10 @@ Errors are PyYAML ``MarkedYAMLError``s with the position, which :func:`load_reci
 
 from __future__ import annotations
 
-from typing import Any
-
 import yaml
 
-YamlValue = Any  # what a YAML document parses to: dicts, lists, strings, numbers, booleans, None
+YamlValue = object  # what a YAML document parses to (dicts, lists, strings, numbers, booleans, None, and
+# the dates, bytes and sets of YAML 1.1): a reader narrows it with isinstance
 
 MAX_DEPTH = 100  # nested mappings / sequences; a recipe uses 3
 MAX_NODES = 100_000  # scalars, mappings and sequences with aliases expanded; a recipe has a few hundred

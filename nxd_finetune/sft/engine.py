@@ -52,7 +52,7 @@ from nxd_finetune.parallel.parallelize import (
 )
 from nxd_finetune.parallel.pipeline import PipelineRunner
 from nxd_finetune.parallel.state import Layout, ParallelState
-from nxd_finetune.sft.init_from import init_lora_from
+from nxd_finetune.sft.init_from import StartAdapter, init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
 
 if TYPE_CHECKING:
@@ -78,9 +78,10 @@ class Engine:
     shifted labels, -100 ignored) instead of gathering the target positions first. The two give
     the same loss; sequence parallel needs every position, and XLA needs shapes that do not depend
     on the data (``XlaRuntime.prepare`` sets it).
-    ``lineage``: the pinned registry REF
-    ``lora.init_from`` pulled, None otherwise. ``loss_chunk_rows``: target positions whose logits
-    the loss computes at once (None: all of a micro-batch's)."""
+    ``start_adapter``: what ``lora.init_from`` resolved to (its source, pinned registry REF and
+    weights digest: :class:`~nxd_finetune.sft.init_from.StartAdapter`), None without one.
+    ``loss_chunk_rows``: target positions whose logits the loss computes at once (None: all of a
+    micro-batch's)."""
 
     rank_model: RankModel
     device: torch.device
@@ -90,7 +91,7 @@ class Engine:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     lora_config: LoraConfig | None = None
     lora_targets: list[str] = dataclasses.field(default_factory=list)
-    lineage: str | None = None
+    start_adapter: StartAdapter | None = None
     sequence_parallel: bool = False
     full_logits: bool = False
     loss_chunk_rows: int | None = None
@@ -121,6 +122,11 @@ class Engine:
     def tp_group(self) -> dist.ProcessGroup | None:
         """The group the logits' vocabulary is sharded over (None without tensor parallel)."""
         return self.state.group("tp") if self.state.size("tp") > 1 else None
+
+    @property
+    def lineage(self) -> str | None:
+        """The pinned registry REF ``lora.init_from`` pulled, None otherwise."""
+        return self.start_adapter.lineage if self.start_adapter is not None else None
 
     @property
     def is_logger(self) -> bool:
@@ -253,9 +259,9 @@ def checkpoint_spec(parallel: ParallelSection) -> CheckpointSpec:
 
 
 def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, targets: list[str],
-                lineage: list[str | None], model_dir: Path, warn: bool) -> ModelHooks:
+                started: list[StartAdapter | None], model_dir: Path, warn: bool) -> ModelHooks:
     """Freeze the base and inject LoRA (its names -> ``targets``); after the weights: the adapter's
-    master dtype (fp32 unless pure bf16) and ``lora.init_from`` (its lineage -> ``lineage[0]``)."""
+    master dtype (fp32 unless pure bf16) and ``lora.init_from`` (what it resolved to -> ``started[0]``)."""
     def inject(model: nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -268,7 +274,7 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
         if recipe.lora.init_from:
             # the whole (partly unmaterialised) model: the adapter file names every layer; this
             # rank's stages share their modules with it, so they receive their factors
-            lineage[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
+            started[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
                                         model_dir=model_dir, revision=recipe.model.revision,
                                         allow_other_base=recipe.lora.allow_other_base, warn=warn)
 
@@ -327,11 +333,11 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     torch.manual_seed(tcfg.seed)
     lora_cfg: LoraConfig | None = None
     targets: list[str] = []
-    lineage: list[str | None] = [None]
+    started: list[StartAdapter | None] = [None]
     hooks = None
     if recipe.lora is not None:
         lora_cfg = LoraConfig.from_section(recipe.lora)
-        hooks = _lora_hooks(recipe, config, lora_cfg, targets, lineage, model_dir, warn=state.rank == 0)
+        hooks = _lora_hooks(recipe, config, lora_cfg, targets, started, model_dir, warn=state.rank == 0)
     rows = chunk_rows(config.vocab_size // state.size("tp"), tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
@@ -349,5 +355,5 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, lora_cfg, targets,
-                  lineage[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows,
+                  started[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows,
                   objective=objective)

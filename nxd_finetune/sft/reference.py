@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,16 +31,21 @@ from torch import nn
 
 from nxd_finetune.data.loader import DataLoaders
 from nxd_finetune.data.pairs import assemble_ref_logps, ref_logps_key
-from nxd_finetune.errors import NxdError
+from nxd_finetune.data.ref_store import RefStoreError
+from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.lora.identity import weights_fingerprint
 from nxd_finetune.loss import Scores
 from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
 from nxd_finetune.preference import pack_target, sequence_logps
 from nxd_finetune.recipe import reference_of
 from nxd_finetune.sft.engine import Engine
+from nxd_finetune.sft.init_from import StartAdapter, resolve_start
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
+
+Identity = dict[str, object]
+"""A reference's identity (:func:`reference_identity`): JSON values."""
 
 
 @contextlib.contextmanager
@@ -115,39 +121,112 @@ def row_logps(engine: Engine, batches: Iterable[TokenBatch], reference: str) -> 
         engine.train(was_training)
 
 
-def reference_identity(recipe: Recipe, reference: str, model_dir: Path) -> dict[str, object]:
+def reference_identity(recipe: Recipe, reference: str, model_dir: Path,
+                       start: StartAdapter | None = None) -> Identity:
     """What decides the reference log-probs beyond the tokenized data (the data layer's cache key
-    hashes it): the base weights, the starting adapter (its source, and for a local directory its
-    weights file's size and mtime; a registry REF by its name, so pin a version), the dtypes and
-    the reference kind."""
-    ident: dict[str, object] = {"reference": reference, "base": weights_fingerprint(model_dir),
-                                "dtype": recipe.model.dtype, "precision": recipe.training.precision}
-    if reference == "init_from" and recipe.lora is not None and recipe.lora.init_from:
-        start = Path(recipe.lora.init_from) / "adapter_model.safetensors"
-        stamp = [start.stat().st_size, start.stat().st_mtime_ns] if start.is_file() else None
-        ident["init_from"] = {"source": recipe.lora.init_from, "file": stamp}
+    hashes it): the base weights, the dtypes, the reference kind and, for ``init_from``, the
+    starting adapter as resolved (``start``: the registry version pulled, not the REF as written,
+    and the digest of its weights)."""
+    ident: Identity = {"reference": reference, "base": weights_fingerprint(model_dir),
+                       "dtype": recipe.model.dtype, "precision": recipe.training.precision}
+    if reference == "init_from":
+        if start is None:
+            raise NxdError("preference.reference=init_from needs lora.init_from (the adapter the run starts from)")
+        ident["init_from"] = {"source": start.source, "sha256": start.sha256}
     return ident
 
 
+def reference_label(ident: Identity | None) -> str:
+    """How an adapter records its reference (``nxd_reference``): ``base``, ``init_from:<source>``
+    (the resolved source) or ``none``."""
+    if ident is None:
+        return "none"
+    start = ident.get("init_from")
+    return f"init_from:{start['source']}" if isinstance(start, dict) else str(ident["reference"])
+
+
 def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_dir: Path,
-                     run_recipe: Recipe | None = None) -> str | None:
+                     run_recipe: Recipe | None = None, started: Identity | None = None) -> Identity | None:
     """Give every preference batch its ``ref_logps``: the ones stored with the tokenized data under
-    this reference's key, or one pass over every pair (each dp rank its share, gathered over dp)
-    with the engine as it stands (before the first step), then stored. ``run_recipe``: the
-    training run's recipe when ``engine`` holds another adapter (``nxd-finetune eval`` of its
-    result): its ``base`` reference is still computed (adapter off), its ``init_from`` one must be
-    stored. Returns the reference used (None: the objective has none). Collective."""
+    this reference's key, checked against their integrity record, or one pass over every pair
+    (each dp rank its share, gathered over dp) with the engine as it stands (before the first
+    step), then stored. A store that fails its checks is named in one warning line and recomputed.
+    ``run_recipe``: the training run's recipe when ``engine`` holds another adapter
+    (``nxd-finetune eval`` of its result): its ``base`` reference is still computed (adapter off),
+    its ``init_from`` one must be stored. ``started``: a resumed run's reference (the identity its
+    checkpoint records): used whatever ``lora.init_from`` says now; recomputed only where the
+    engine starts from the same adapter, else refused. Returns the identity of the reference used
+    (None: the objective has none). Collective."""
     run = run_recipe or recipe
-    reference = reference_of(run.objective, run.preference, run.lora.init_from if run.lora else None)
-    if reference is None:
-        return None
-    ident = reference_identity(run, reference, model_dir)
+    if started is not None:
+        ident = started
+    else:
+        reference = reference_of(run.objective, run.preference, run.lora.init_from if run.lora else None)
+        if reference is None:
+            return None
+        ident = reference_identity(run, reference, model_dir, _start(run, reference, engine, run_recipe))
     key = ref_logps_key(ident)
-    if data.load_ref_logps(key):
-        return reference
-    if run_recipe is not None and reference == "init_from":
-        raise NxdError(f"the reference log-probs of {run.lora.init_from if run.lora else None} (the run's starting "
-                       "adapter) are not stored with this eval data; train with this recipe first (same data cache)")
+    damaged: RefStoreError | None = None
+    try:
+        if data.load_ref_logps(key):
+            return ident
+    except RefStoreError as e:
+        damaged = e
+    where = damaged or f"the reference log-probs {_stored_at(data, key)}"
+    if run_recipe is not None and ident["reference"] == "init_from":
+        raise NxdError(f"{where}: they are the run's starting adapter's ({reference_label(ident)}), which this eval "
+                       "does not load to recompute them; train with this recipe first (same data cache)")
+    if started is not None:
+        _check_recomputable(recipe, engine, model_dir, started, str(where))
+    if damaged is not None and engine.is_logger:
+        warnings.warn(f"{damaged}; recomputing them from the reference model", NxdWarning, stacklevel=2)
+    values = _reference_pass(engine, data, str(ident["reference"]))
+    data.save_ref_logps(key, values, ident if engine.is_logger else None, replace=damaged is not None)
+    return ident
+
+
+def _start(run: Recipe, reference: str, engine: Engine, run_recipe: Recipe | None) -> StartAdapter | None:
+    """The starting adapter of an ``init_from`` reference: the one the engine loaded, or for an
+    eval (``run_recipe``) the run's ``lora.init_from`` resolved now."""
+    if reference != "init_from":
+        return None
+    if run_recipe is None:
+        return engine.start_adapter
+    return resolve_start(run.lora.init_from) if run.lora is not None and run.lora.init_from else None
+
+
+def _stored_at(data: DataLoaders, key: str) -> str:
+    if data.cache_entry is None:
+        return "are not stored (data.cache is off)"
+    return f"are not stored ({data.cache_entry / f'ref-{key}'} is missing)"
+
+
+def _check_recomputable(recipe: Recipe, engine: Engine, model_dir: Path, started: Identity, where: str) -> None:
+    """A resumed run recomputes its reference only from the same weights it started with: the same
+    base, dtypes and starting adapter content. RecipeError otherwise, one line."""
+    reference = str(started["reference"])
+    now = reference_identity(recipe, reference, model_dir, engine.start_adapter) if (
+        reference != "init_from" or engine.start_adapter is not None) else None
+
+    def content(ident: Identity | None) -> object:
+        if ident is None:
+            return None
+        start = ident.get("init_from")
+        return {**ident, "init_from": start.get("sha256") if isinstance(start, dict) else None}
+
+    if content(now) == content(started):
+        return
+    was = reference_label(started)
+    fix = (f"put back lora.init_from={was.split(':', 1)[1]} to recompute them" if reference == "init_from"
+           else "put back the model and dtypes it started with")
+    raise RecipeError(f"cannot resume: {where}, and only the weights the run started from ({was}) can recompute "
+                      f"them; lora.init_from now gives {reference_label(now) if now else 'no adapter'}: {fix}, or "
+                      "start fresh with --no-resume")
+
+
+def _reference_pass(engine: Engine, data: DataLoaders, reference: str) -> dict[str, torch.Tensor]:
+    """Every split's per-sequence reference log-probs (sample order), each dp rank its share,
+    gathered over dp. Collective."""
     values = {}
     for split, batches in data.pairs.items():
         ids, logps = [], []
@@ -162,5 +241,4 @@ def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_di
             ids = [t for part in gathered for t in part[0]]  # type: ignore[index]
             logps = [t for part in gathered for t in part[1]]  # type: ignore[index]
         values[split] = assemble_ref_logps(len(batches.pairs), ids, logps)
-    data.save_ref_logps(key, values, ident if engine.is_logger else None)
-    return reference
+    return values

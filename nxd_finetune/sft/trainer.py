@@ -45,7 +45,7 @@ from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.engine import autocast
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
-from nxd_finetune.sft.reference import attach_reference
+from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
 from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
@@ -200,30 +200,35 @@ def run(recipe: Recipe) -> JsonDict | None:
     return results[0]
 
 
-def export_spec(recipe: Recipe, model_dir: Path, tokenizer: PreTrainedTokenizerBase | None) -> ExportSpec:
+def export_spec(recipe: Recipe, model_dir: Path, tokenizer: PreTrainedTokenizerBase | None,
+                reference: Identity | None = None) -> ExportSpec:
     """What the run's final artefact is (:mod:`nxd_finetune.export`): the recipe's save mode (full
     SFT: ``full``), the tensors of merged / full-SFT outputs in the training dtype, and as the
     adapter's base the model path, or for a ``builtin:`` model the local directory it is
-    materialised in (which peft and vLLM can load)."""
+    materialised in (which peft and vLLM can load). ``reference``: the identity of the reference
+    the run was measured against (:func:`attach_reference`'s; None: from the recipe)."""
     path = recipe.model.path
     dtype = torch.bfloat16 if recipe.training.precision == "bf16" else resolve_dtype(recipe.model.dtype)
     return ExportSpec(mode="full" if recipe.lora is None else recipe.checkpoint.save_mode, source_dir=model_dir,
                       base_name=str(model_dir) if path.startswith("builtin:") else path, dtype=dtype,
-                      revision=recipe.model.revision, tokenizer=tokenizer, metadata=objective_metadata(recipe))
+                      revision=recipe.model.revision, tokenizer=tokenizer,
+                      metadata=objective_metadata(recipe, reference))
 
 
-def objective_metadata(recipe: Recipe) -> dict[str, str]:
+def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dict[str, str]:
     """What a preference-tuned adapter records of its training (safetensors metadata, where PEFT
     does not look): the objective, its loss type and which reference model it was measured against
-    (``nxd_reference``: ``base``, ``init_from:<source>`` or ``none``). Empty for SFT."""
+    (``nxd_reference``: ``base``, ``init_from:<source>`` with the source resolved, e.g. the
+    registry version pulled, or ``none``; ``reference``: the identity the run used, else the
+    recipe's). Empty for SFT."""
     if recipe.objective == "sft":
         return {}
     init_from = recipe.lora.init_from if recipe.lora else None
-    reference = reference_of(recipe.objective, recipe.preference, init_from)
+    kind = reference_of(recipe.objective, recipe.preference, init_from)
     p = recipe.preference
     meta = {"nxd_objective": recipe.objective,
-            "nxd_reference": "none" if reference is None else
-            f"init_from:{init_from}" if reference == "init_from" else reference}
+            "nxd_reference": reference_label(reference) if reference is not None else "none" if kind is None else
+            f"init_from:{init_from}" if kind == "init_from" else kind}
     if recipe.objective == "dpo":
         meta["nxd_loss_type"] = p.loss_type if p is not None else "sigmoid"
     return meta
@@ -281,14 +286,15 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
         return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
     # preference tuning with a reference model: every pair's reference log-probs, before any step
-    reference = attach_reference(recipe, engine, data, model_dir)
+    # (a resumed run: the reference it started with, whatever lora.init_from says now)
+    reference = attach_reference(recipe, engine, data, model_dir, started=ckpt.started_reference())
+    ckpt.reference = reference  # saved with every checkpoint
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
-
+    state = TrainState()
     steps, ckpt = rr.steps, rr.checkpoints
     assert steps is not None and ckpt is not None  # setup_rank(checkpoints=True)
-    state = TrainState()
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
 
     trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
@@ -318,8 +324,9 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     final_dir = out_dir / "final"
 
     runtime.wait()
-    export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer), config=engine.config,
-                 lora=engine.lora_config, lora_targets=engine.lora_targets, pp_group=engine.state.host_group("pp"))
+    export_model(engine.rank_model, final_dir, export_spec(recipe, model_dir, tokenizer, reference),
+                 config=engine.config, lora=engine.lora_config, lora_targets=engine.lora_targets,
+                 pp_group=engine.state.host_group("pp"))
     memory = gather_peak_memory(rank_memory(rank, device, train_peak), rr.layout.host_group())
     if not engine.is_logger:
         return None
@@ -335,7 +342,8 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
                                if state.input_tokens > tokens_before else None),
         "first_loss_step": history_steps[0] if history_steps else None,
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
-        "lora_targets": engine.lora_targets, "objective": recipe.objective, "reference": reference,
+        "lora_targets": engine.lora_targets, "objective": recipe.objective,
+        "reference": reference["reference"] if reference is not None else None,
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
