@@ -285,6 +285,8 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
         return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
+    steps, ckpt = rr.steps, rr.checkpoints
+    assert steps is not None and ckpt is not None  # setup_rank(checkpoints=True)
     # preference tuning with a reference model: every pair's reference log-probs, before any step
     # (a resumed run: the reference it started with, whatever lora.init_from says now)
     reference = attach_reference(recipe, engine, data, model_dir, started=ckpt.started_reference())
@@ -293,8 +295,6 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
     state = TrainState()
-    steps, ckpt = rr.steps, rr.checkpoints
-    assert steps is not None and ckpt is not None  # setup_rank(checkpoints=True)
     resumed = ckpt.resume(state)  # before the metrics writer opens: cuts its files back to the checkpoint
 
     trackers = open_trackers(recipe, out_dir, resumed=resumed is not None) if engine.is_logger else []
