@@ -1,5 +1,6 @@
 """Shared pieces of the preference tests: a one-token-per-word tokenizer inside the tiny model's
-vocabulary, random preference pairs, and a peft LoRA adapter with random non-zero factors."""
+vocabulary (and one with a ChatML-like chat template), random preference pairs (text or
+conversations), and a peft LoRA adapter with random non-zero factors."""
 
 from __future__ import annotations
 
@@ -24,6 +25,37 @@ def word_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="[UNK]")
+
+
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def chat_word_tokenizer():
+    """:func:`word_tokenizer` (the same ids) with ChatML-like turns: ``<|im_start|>role content<|im_end|>``,
+    the end of turn not the eos ``</s>`` (as SmolLM2's or Qwen's ``<|im_end|>\n``)."""
+    specials = ["[UNK]", "<pad>", "<s>", "</s>"]
+    vocab = specials + WORDS + CHAT_TOKENS + ["user", "assistant", "system"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="[UNK]", additional_special_tokens=CHAT_TOKENS,
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def chat_pairs(n: int, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """:func:`pairs` as conversations: the prompt a user turn (every third pair after an earlier
+    exchange), the completions one assistant turn each."""
+    def turn(role: str, content: str) -> dict[str, str]:
+        return {"role": role, "content": content.strip()}
+
+    out = []
+    for i, p in enumerate(pairs(n, seed=seed)):
+        earlier = [turn("user", p["chosen"]), turn("assistant", p["rejected"])] if i % 3 == 2 else []
+        out.append({"prompt": [*earlier, turn("user", p["prompt"])], "chosen": [turn("assistant", p["chosen"])],
+                    "rejected": [turn("assistant", p["rejected"])]})
+    return out
 
 
 def pairs(n: int, seed: int = 0, prompt: bool = True) -> list[dict[str, str]]:

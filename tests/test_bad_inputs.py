@@ -7,6 +7,7 @@ The CLI runs in-process (``nxd_finetune.cli.main``) for speed; every case gets a
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
@@ -20,6 +21,7 @@ from tests.adapter_helpers import small_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+DPO = [ROOT / "recipes" / "quickstart-dpo.yaml", "lora.init_from=null"]  # its adapter is the SFT quickstart's
 SHORT = ["training.max_steps=1", "logging.progress=false", "eval.before=false"]
 
 
@@ -129,6 +131,18 @@ CASES = {
         ["run", _quickstart_with(t, objective="dpo", data={"train": str(_pairs(t, {"chosen": ""}, at=7)),
                                                            "eval": None, "format": "preference"}), *SHORT,
          f"output.dir={t / 'out'}"], "data.train row 8: the chosen completion is empty"),
+    # ---- preference settings that overflow the loss (NaN from the first step)
+    "preference beta overflows": lambda t: (["validate", *DPO, "preference.beta=1e300"],
+                                            "preference.beta=1e+300 is outside [0.0001, 10000]"),
+    "preference beta tiny for ipo": lambda t: (
+        ["validate", *DPO, "preference.loss_type=ipo", "preference.beta=1e-300"],
+        "preference.beta=1e-300 is outside [0.0001, 10000]"),
+    "preference beta zero": lambda t: (["validate", *DPO, "preference.beta=0"], "preference.beta=0"),
+    "orpo beta overflows": lambda t: (["validate", *DPO, "objective=orpo", "preference.beta=1e39"],
+                                      "preference.beta=1e+39 is outside"),
+    "simpo gamma overflows": lambda t: (
+        ["validate", *DPO, "preference.loss_type=simpo", "preference.simpo_gamma=1e300"],
+        "preference.simpo_gamma=1e+300 is outside [0, 10000]"),
     "eval without data": lambda t: (["validate", QUICKSTART, "data.eval=null", "data.eval_fraction=0.0",
                                      "eval.every_n_steps=5"], "eval.every_n_steps"),
     # ---- adapters and merge
@@ -311,3 +325,49 @@ def test_bad_input_is_one_line(name, tmp_path, capsys, quickstart_cache, monkeyp
 
 def test_the_corpus_has_at_least_40_cases():
     assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(objective, tmp_path, capsys, quickstart_cache,
+                                                            monkeypatch):
+    """Two sane steps, then resumed with ``training.lr=1e30``: step 3 is finite, its update
+    overflows the weights, step 4's loss is NaN. The run stops there in one line naming the step
+    and what to change (exit 2, no traceback), before anything stores the NaN: ``metrics.jsonl``
+    holds steps 1-3 (strict JSON), no checkpoint of step 4 is written, and a run resumed from
+    step 2's checkpoint with a sane lr completes."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    recipe = [QUICKSTART] if objective == "sft" else DPO
+    argv = ["run", *recipe, "logging.progress=false", "eval.before=false", "eval.every_n_steps=null",
+            "data.eval=null", "data.max_samples=64", "training.warmup_steps=0", "logging.every_n_steps=1",
+            "checkpoint.every_n_steps=1", "checkpoint.keep_last=5", f"output.dir={out}",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+
+    def ok(*more: object) -> None:
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in [*argv, *more]])
+        assert done.value.code == 0, capsys.readouterr().err
+
+    ok("training.max_steps=2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in [*argv, "training.max_steps=6", "training.lr=1e30", "--resume", "latest"]])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert info.value.code == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: step 4: the training loss is nan"), err
+    assert "lower training.lr (now 1e+30)" in lines[0]
+    assert ("preference.beta (now 0.05)" in lines[0]) == (objective == "dpo")
+
+    def strict(constant: str) -> float:
+        raise AssertionError(f"{constant} in metrics.jsonl")
+
+    records = [json.loads(line, parse_constant=strict) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["step-00000001", "step-00000002", "step-00000003"], saved
+    ok("training.max_steps=6", "training.lr=1e-3", "--resume", out / "checkpoints" / "step-00000002")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-00000002") and summary["steps"] == 6
+    assert [h["step"] for h in summary["history"]] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(h["train_loss"]) for h in summary["history"])

@@ -1,6 +1,8 @@
-"""Preference objectives against TRL: the same tiny Llama (fp32, random init), LoRA adapter, data,
-batches (TRL's own collated batches, in order) and hyper-parameters; our engine's step loss and
-reward metrics equal TRL's per optimizer step within 1e-5, and the adapter we write loads in peft.
+"""Preference objectives against TRL: the same tiny Llama (fp32, random init), LoRA adapter, data
+(text pairs and conversations) and hyper-parameters; our data pipeline's micro-batches equal TRL's
+own collated batches (in order; each objective tokenized as its TRL trainer does), and on them our
+engine's step loss and reward metrics equal TRL's per optimizer step within 1e-5; the adapter we
+write loads in peft.
 Also the recipe rules, the stable ORPO term and the scores' per-token NLL on every output form."""
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from safetensors import safe_open
 from torch.utils.data import SequentialSampler
 from transformers import AutoModelForCausalLM
 
+from nxd_finetune.data.datasets import DataSpec
+from nxd_finetune.data.loader import build_dataloaders
 from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
@@ -31,7 +35,16 @@ from nxd_finetune.sft.engine import build_engine
 from nxd_finetune.sft.reference import row_logps
 from nxd_finetune.sft.setup import objective_of
 from nxd_finetune.sft.step import train_step
-from tests.preference_helpers import LORA, dpo_recipe, dpo_setup, pairs, start_adapter, word_tokenizer
+from tests.preference_helpers import (
+    LORA,
+    chat_pairs,
+    chat_word_tokenizer,
+    dpo_recipe,
+    dpo_setup,
+    pairs,
+    start_adapter,
+    word_tokenizer,
+)
 
 trl = pytest.importorskip("trl")
 from trl import DPOConfig, DPOTrainer  # noqa: E402
@@ -57,8 +70,9 @@ class Recorder:
             self.logs.append(dict(logs))
 
 
-def run_trl(kind: str, model_dir: Path, adapter: Path | None, data: list[dict[str, str]], out: Path, **cfg: Any):
-    """TRL's trainer of ``kind`` (dpo, cpo, orpo) over ``data`` in order: (logs, its batches, trainer)."""
+def run_trl(kind: str, model_dir: Path, adapter: Path | None, data: list[dict[str, Any]], out: Path, **cfg: Any):
+    """TRL's trainer of ``kind`` (dpo, cpo, orpo) over ``data`` in order (conversations: with
+    :func:`chat_word_tokenizer`): (logs, its batches, trainer)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
     model = hf if adapter is None else peft.PeftModel.from_pretrained(hf, adapter, is_trainable=True)
     common = dict(output_dir=str(out), per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1,
@@ -78,9 +92,11 @@ def run_trl(kind: str, model_dir: Path, adapter: Path | None, data: list[dict[st
             return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     rec = Recorder()
+    tokenizer = chat_word_tokenizer() if isinstance(data[0]["chosen"], list) else word_tokenizer()
     trainer = InOrder(model=model, args=args, train_dataset=Dataset.from_list(data),
-                      processing_class=word_tokenizer(), callbacks=[rec])
+                      processing_class=tokenizer, callbacks=[rec])
     batches = list(trainer.get_train_dataloader())[:STEPS]
+    trainer.recorded_batches = batches
     trainer.train()
     return rec.logs, batches, trainer
 
@@ -114,6 +130,30 @@ def our_recipe(model_dir: Path, adapter: Path | None, out: Path, objective: str,
     })
 
 
+def data_of(form: str, seed: int, prompt: bool = True) -> list[dict[str, Any]]:
+    """``STEPS * PAIRS_PER_STEP`` pairs: ``text`` (:func:`pairs`) or ``chat`` (:func:`chat_pairs`)."""
+    return chat_pairs(STEPS * PAIRS_PER_STEP, seed=seed) if form == "chat" else \
+        pairs(STEPS * PAIRS_PER_STEP, seed=seed, prompt=prompt)
+
+
+def pipeline_batches(recipe, data: list[dict[str, Any]], trainer_, kind: str) -> list[dict[str, torch.Tensor]]:
+    """Our data pipeline's first ``STEPS`` micro-batches of ``data`` (the recipe's data settings:
+    its objective's tokenization), each equal to TRL's collated batch of the same step."""
+    path = Path(recipe.output.dir).parent / "pairs.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in data))
+    spec = DataSpec.from_recipe(recipe)
+    spec.train, spec.shuffle = str(path), False
+    tokenizer = trainer_.processing_class
+    loaders = build_dataloaders(spec, tokenizer, micro_batch_size=PAIRS_PER_STEP, use_cache=False)
+    stream = iter(loaders.train)
+    ours = [next(stream) for _ in range(STEPS)]
+    for step, (mine, theirs) in enumerate(zip(ours, trainer_.recorded_batches, strict=True), 1):
+        want = our_batch(kind, theirs, tokenizer.pad_token_id)
+        assert torch.equal(mine["input_ids"], want["input_ids"]), (step, mine["input_ids"], want["input_ids"])
+        assert torch.equal(mine["labels"], want["labels"]), (step, mine["labels"], want["labels"])
+    return ours
+
+
 def run_ours(recipe, model_dir: Path, batches: list[dict[str, torch.Tensor]], reference: str | None):
     engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS, objective=objective_of(recipe))
     if reference is not None:  # the reference pass the run makes before its first step
@@ -141,19 +181,19 @@ REWARDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rew
            "logps/chosen", "logps/rejected")
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_dpo_equals_trl_per_step(loss_type, make_tiny_hf, tmp_path):
+@pytest.mark.parametrize(("loss_type", "form"), [("sigmoid", "text"), ("sigmoid", "chat"), ("ipo", "text"),
+                                                  ("hinge", "chat")])
+def test_dpo_equals_trl_per_step(loss_type, form, make_tiny_hf, tmp_path):
     _, model_dir = make_tiny_hf("llama")
     adapter = tmp_path / "start"
     start_adapter(model_dir, adapter)
-    data = pairs(STEPS * PAIRS_PER_STEP)
+    data = data_of(form, seed=0)
     logs, batches, trainer = run_trl("dpo", model_dir, adapter, data, tmp_path / "trl", loss_type=[loss_type])
-    pad = trainer.processing_class.pad_token_id
     # TRL's reference for a PEFT model that starts from an adapter is that adapter (a frozen "ref"
     # copy); ours too, by default with lora.init_from
     recipe = our_recipe(model_dir, adapter, tmp_path, "dpo", beta=BETA, loss_type=loss_type)
     assert reference_of(recipe.objective, recipe.preference, recipe.lora.init_from) == "init_from"
-    ours, engine = run_ours(recipe, model_dir, [our_batch("dpo", b, pad) for b in batches], "init_from")
+    ours, engine = run_ours(recipe, model_dir, pipeline_batches(recipe, data, trainer, "dpo"), "init_from")
     assert_same_curves(ours, logs, REWARDS)
     if loss_type == "sigmoid":  # the adapter we write loads in peft and equals TRL's trained one
         spec = ExportSpec(mode="adapter", source_dir=model_dir, base_name=str(model_dir), dtype=torch.float32,
@@ -181,35 +221,38 @@ def test_full_finetuning_dpo_equals_trl_per_step(make_tiny_hf, tmp_path):
     assert_same_curves(ours, logs, REWARDS)
 
 
-def test_simpo_equals_trl_cpo_per_step(make_tiny_hf, tmp_path):
+@pytest.mark.parametrize("form", ["text", "chat"])
+def test_simpo_equals_trl_cpo_per_step(form, make_tiny_hf, tmp_path):
+    """SimPO as TRL's ``CPOTrainer`` (``loss_type="simpo"``, ``cpo_alpha=0``), its tokenization
+    included (its bos before the prompt, its eos after a conversation's end of turn)."""
     _, model_dir = make_tiny_hf("llama")
     adapter = tmp_path / "start"
     start_adapter(model_dir, adapter)
-    data = pairs(STEPS * PAIRS_PER_STEP, seed=1)
+    data = data_of(form, seed=1)
     logs, batches, trainer = run_trl("cpo", model_dir, adapter, data, tmp_path / "trl", loss_type="simpo",
                                      cpo_alpha=0.0, simpo_gamma=0.3, label_smoothing=0.1)
-    pad = trainer.processing_class.pad_token_id
     recipe = our_recipe(model_dir, adapter, tmp_path, "dpo", beta=BETA, loss_type="simpo", simpo_gamma=0.3,
                         label_smoothing=0.1)
-    ours, _ = run_ours(recipe, model_dir, [our_batch("cpo", b, pad) for b in batches], None)
+    ours, _ = run_ours(recipe, model_dir, pipeline_batches(recipe, data, trainer, "cpo"), None)
     assert_same_curves(ours, logs, REWARDS)
 
 
-@pytest.mark.parametrize(("orpo_nll", "prompt"), [(None, True), ("completion", False)])
-def test_orpo_equals_trl_per_step(orpo_nll, prompt, make_tiny_hf, tmp_path):
+@pytest.mark.parametrize(("orpo_nll", "form", "prompt"), [(None, "text", True), ("completion", "text", False),
+                                                          (None, "chat", True)])
+def test_orpo_equals_trl_per_step(orpo_nll, form, prompt, make_tiny_hf, tmp_path):
     """TRL's ORPO NLL is the token mean of the chosen sequences' prompt and completion tokens over
     the batch's chosen rows: ours by default, with prompts. ``orpo_nll: completion`` (the
-    completion tokens only) is the same quantity where the prompt is only TRL's bos."""
+    completion tokens only) is the same quantity where the prompt is only TRL's bos. Conversations
+    are tokenized as ``ORPOTrainer`` does: its eos after the template's end of turn."""
     _, model_dir = make_tiny_hf("llama")
     adapter = tmp_path / "start"
     start_adapter(model_dir, adapter)
-    data = pairs(STEPS * PAIRS_PER_STEP, seed=2, prompt=prompt)
+    data = data_of(form, seed=2, prompt=prompt)
     logs, batches, trainer = run_trl("orpo", model_dir, adapter, data, tmp_path / "trl")
-    pad = trainer.processing_class.pad_token_id
     recipe = our_recipe(model_dir, adapter, tmp_path, "orpo", beta=BETA,
                         **({"orpo_nll": orpo_nll} if orpo_nll else {}))
     assert recipe.preference is not None and recipe.preference.orpo_nll == (orpo_nll or "prompt_and_completion")
-    ours, _ = run_ours(recipe, model_dir, [our_batch("orpo", b, pad) for b in batches], None)
+    ours, _ = run_ours(recipe, model_dir, pipeline_batches(recipe, data, trainer, "orpo"), None)
     assert_same_curves(ours, logs, (*REWARDS, "nll_loss", "log_odds_ratio", "log_odds_chosen"))
 
 
@@ -352,6 +395,9 @@ def test_run_equals_trl_and_records_the_reference(make_tiny_hf, tmp_path):
 
     summary = run(tmp_path / "run1")
     assert summary["reference"] == "init_from"
+    # every pair trained once: its two sequences' real tokens (one per word, then the eos), no padding
+    real = sum(len((d["prompt"] + c).split()) + 1 for d in setup["data"] for c in (d["chosen"], d["rejected"]))
+    assert summary["input_tokens"] == real
     records = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
     ours = [{"loss": r["train_loss"], **r} for r in records if "train_loss" in r]
     assert_same_curves(ours, logs, REWARDS)

@@ -114,6 +114,50 @@ def test_tokenized_as_trl(form, tok_name, request, tmp_path):
     assert stats["pairs"] == len(rows) and stats["samples"] == 2 * len(rows) and stats["tokens"] == tokens
 
 
+def trl_orpo_rows(rows, tok):
+    """TRL's ``ORPOTrainer`` (and ``CPOTrainer``: the same ``tokenize_row``) processing of each row:
+    ``maybe_extract_prompt``, ``maybe_apply_chat_template`` (conversations rendered to text), then
+    ``tokenize_row`` (its bos before the prompt, eos after each completion): each pair's
+    ``[(chosen ids, labels), (rejected ids, labels)]``."""
+    from trl.data_utils import maybe_apply_chat_template, maybe_extract_prompt
+    from trl.experimental.orpo import ORPOTrainer
+
+    this = SimpleNamespace(is_encoder_decoder=False, processing_class=tok, max_length=10**6)
+    this.build_tokenized_answer = lambda prompt, answer: ORPOTrainer.build_tokenized_answer(this, prompt, answer)
+    out = []
+    for row in rows:
+        row = maybe_apply_chat_template(maybe_extract_prompt(dict(row)), tok)
+        f = ORPOTrainer.tokenize_row(this, row)
+        out.append([(f[f"{s}_input_ids"], f[f"{s}_labels"]) for s in ("chosen", "rejected")])
+    return out
+
+
+@pytest.mark.parametrize("form", ["standard", "conversational", "implicit-chat", "implicit-text"])
+@pytest.mark.parametrize("tok_name", ["qs_tok", "chatml_tok"])
+def test_orpo_and_simpo_pairs_tokenized_as_trl_orpo_and_cpo(form, tok_name, request, tmp_path):
+    """``objective: orpo`` and SimPO tokenize as TRL's ``ORPOTrainer`` / ``CPOTrainer``: the chat
+    template's rendering as text, the tokenizer's bos before the prompt where it is not there and
+    its eos after each completion where it is not there (after the template's end of turn:
+    ChatML's ``<|im_end|>\n`` gets ``<|endoftext|>``), which ``DPOTrainer`` does not do."""
+    tok = request.getfixturevalue(tok_name)
+    rows = {"standard": STANDARD, "conversational": CONVERSATIONAL, "implicit-chat": IMPLICIT_CHAT,
+            "implicit-text": IMPLICIT_TEXT}[form]
+    want = trl_orpo_rows(rows, tok)
+    batch, loaders = our_batch(rows, tok, tmp_path, max_seq_len=512, trl_tokenization="orpo")
+    p = len(rows)
+    for i, pair in enumerate(want):
+        for half, (ids, labels) in enumerate(pair):
+            row = i + half * p
+            assert batch["input_ids"][row, :len(ids)].tolist() == ids, (i, half)
+            assert batch["labels"][row, :len(ids)].tolist() == labels, (i, half)
+            assert batch["labels"][row, len(ids):].eq(IGNORE_INDEX).all()
+    assert loaders.stats["eval"]["tokens"] == sum(len(ids) for pair in want for ids, _ in pair)
+    if tok_name == "chatml_tok" and form in ("conversational", "implicit-chat"):  # the report's case
+        assert tok.decode(want[0][0][0][-3:]) == "<|im_end|>\n<|endoftext|>"  # eos after the end of turn
+        dpo, _ = our_batch(rows, tok, tmp_path / "dpo", max_seq_len=512)  # DPOTrainer's pairs: none
+        assert tok.decode(dpo["input_ids"][0][dpo["labels"][0] != IGNORE_INDEX][-2:]) == "<|im_end|>\n"
+
+
 @pytest.mark.parametrize("form", ["conversational", "implicit-chat"])
 def test_qwen3_without_thinking_tokenized_as_trl(form, tmp_path):
     """``data.chat_template_kwargs`` reach every render of a pair, as TRL's per-row
@@ -288,8 +332,9 @@ def test_tokenizing_settings_change_the_cache_key(qs_tok, tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", numbered_pairs(3))
     base = {"train": path, "format": "preference", "cache_dir": str(tmp_path)}
     entries = {cache_entry(base | extra, qs_tok) for extra in
-               ({}, {"truncation_mode": "keep_end"}, {"max_prompt_length": 4}, {"packing": False})}
-    assert len(entries) == 3  # packing does not change pairs
+               ({}, {"truncation_mode": "keep_end"}, {"max_prompt_length": 4}, {"trl_tokenization": "orpo"},
+                {"packing": False})}
+    assert len(entries) == 4  # packing does not change pairs
 
 
 @pytest.mark.parametrize("row, message", [

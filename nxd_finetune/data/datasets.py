@@ -8,7 +8,8 @@ worker processes) -> :class:`TokenizedDataset`
 The cache key hashes the tokenizer (``backend_tokenizer.to_str()``, special tokens, chat template),
 the data settings that change tokens (paths, format, fields, chat template and, when set, its
 chat_template_kwargs, max_seq_len, train_on_prompt, eval_fraction, max_samples; for ``preference``
-also max_prompt_length and truncation_mode) and each data file's path, size and mtime (``save_to_disk``
+also max_prompt_length, truncation_mode and, unless DPOTrainer's, the TRL trainer whose tokenization
+the pairs follow) and each data file's path, size and mtime (``save_to_disk``
 directories: every file in them). ``packing`` and ``shuffle`` act later, on the cached samples, so
 changing them reuses the cache. Entries are written to a temporary directory and renamed into place:
 several ranks may call :func:`prepare_datasets` at once safely (have local rank 0 go first and the
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nxd_finetune.data import formats
-from nxd_finetune.data.preference import TRUNCATION_MODES
+from nxd_finetune.data.preference import TRL_TOKENIZATIONS, TRUNCATION_MODES
 from nxd_finetune.data.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.errors import DataError
 from nxd_finetune.storage.atomic import publish_dir
@@ -66,6 +67,7 @@ class DataSpec:
     # format preference (TRL's names; the recipe's ``preference`` section sets them, see from_recipe)
     max_prompt_length: int | None = None
     truncation_mode: str = "keep_start"
+    trl_tokenization: str = "dpo"  # whose pairs: TRL's DPOTrainer, or ORPOTrainer / CPOTrainer ("orpo")
 
     @classmethod
     def of(cls, section: DataSpec | DataSection | Mapping[str, object]) -> DataSpec:
@@ -94,17 +96,25 @@ class DataSpec:
             raise DataError(f"truncation_mode {spec.truncation_mode!r}: use one of {', '.join(TRUNCATION_MODES)}")
         if spec.max_prompt_length is not None and spec.max_prompt_length < 1:
             raise DataError(f"max_prompt_length must be at least 1, got {spec.max_prompt_length}")
+        if spec.trl_tokenization not in TRL_TOKENIZATIONS:
+            raise DataError(f"trl_tokenization {spec.trl_tokenization!r}: use one of {', '.join(TRL_TOKENIZATIONS)}")
         return spec
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> DataSpec:
         """The recipe's ``data`` section, with ``max_prompt_length`` / ``truncation_mode`` from its
-        ``preference`` section when it has one (they change how pairs are tokenized)."""
+        ``preference`` section when it has one and the TRL trainer whose tokenization its objective
+        follows (they change how pairs are tokenized): ``orpo`` for ORPO and SimPO (TRL's
+        ``ORPOTrainer`` / ``CPOTrainer``), ``dpo`` for the rest."""
         values = dataclasses.asdict(cls.of(recipe.data))
         section = getattr(recipe, "preference", None)
         for name in ("max_prompt_length", "truncation_mode"):
             if section is not None and getattr(section, name, None) is not None:
                 values[name] = getattr(section, name)
+        objective = getattr(recipe, "objective", "sft")
+        simpo = section is not None and getattr(section, "loss_type", None) == "simpo"
+        if objective == "orpo" or (objective == "dpo" and simpo):
+            values["trl_tokenization"] = "orpo"
         return cls.of(values)
 
 
@@ -270,6 +280,8 @@ def cache_key(spec: DataSpec, tokenizer, train: list[str], eval_: list[str], cha
         payload["chat_template_kwargs"] = spec.chat_template_kwargs
     if spec.format == "preference":  # SFT keys stay as they were
         payload |= {"max_prompt_length": spec.max_prompt_length, "truncation_mode": spec.truncation_mode}
+        if spec.trl_tokenization != "dpo":  # keys of DPO pairs stay as they were
+            payload["trl_tokenization"] = spec.trl_tokenization
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

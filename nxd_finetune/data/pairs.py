@@ -82,6 +82,14 @@ def collate_pairs(pairs: PreferencePairs, pair_ids: Sequence[int], pad_id: int,
     return batch
 
 
+def pair_tokens(labels: torch.Tensor) -> int:
+    """The real (non-padding) tokens of a preference micro-batch from its ``labels`` [2P, T]: each
+    row up to its last completion token, since every sequence ends with one (truncation keeps a
+    completion's start or its end; an empty completion is refused); all-padding rows count none."""
+    positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    return int(torch.where(labels != IGNORE_INDEX, positions, 0).amax(1).sum()) if labels.numel() else 0
+
+
 class PairBatches:
     """How one data-parallel rank cuts a preference split into micro-batches of
     ``micro_batch_size`` pairs (``pad_id``, ``seq_len`` as :func:`collate_pairs`)."""

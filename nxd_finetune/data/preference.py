@@ -1,6 +1,8 @@
 """Preference pairs (DPO / ORPO): dataset rows -> prompt, chosen and rejected token ids, exactly as
-TRL's ``DPOTrainer`` makes them (``_prepare_dataset`` and ``DataCollatorForPreference``, TRL 1.x),
-then one training sequence per completion.
+TRL's trainer of the objective makes them, then one training sequence per completion. DPO
+(``sigmoid``, ``ipo``, ``hinge``) as ``DPOTrainer`` (``_prepare_dataset`` and
+``DataCollatorForPreference``, TRL 1.x); ORPO and SimPO as ``ORPOTrainer`` / ``CPOTrainer`` (their
+common ``tokenize_row``), see "ORPO and SimPO" below (``trl_tokenization``: ``dpo`` / ``orpo``).
 
 Forms of a row (``data.fields`` maps ``prompt`` / ``chosen`` / ``rejected`` to column names, and
 ``role`` / ``content`` to message keys as for ``messages``):
@@ -22,6 +24,17 @@ it included (TRL's DPO mask, unlike the ``messages`` format's assistant mask). T
 pair whose prompt fills ``max_seq_len`` is dropped under ``keep_start`` (as TRL); each sequence
 longer than ``max_seq_len`` keeps its first (``keep_start``) or last (``keep_end``) tokens.
 
+ORPO and SimPO (``trl_tokenization: orpo``): TRL's ``ORPOTrainer`` and ``CPOTrainer`` render a
+conversation to text first (``maybe_apply_chat_template``: the prompt with the generation prompt, or
+continuing a final assistant turn; the completions are what ``prompt + chosen`` / ``prompt +
+rejected`` print after the characters the three renderings share), then tokenize text without
+special tokens (``tokenize_row``): a completion starts after the prompt's tokens (one token earlier
+where the last prompt token merged across the join), the tokenizer's bos goes before each prompt
+that does not start with it, and its eos after each completion that does not end with it, for
+conversations too: after ChatML's ``<|im_end|>\n`` comes the eos (``DPOTrainer`` adds none to
+conversations). Truncation stays the rule above for every objective (``ORPOTrainer`` cuts the
+completion at ``max_length`` and keeps a pair whose prompt alone fills it, with an empty completion).
+
 A row with a field missing, chosen equal to rejected, an empty completion or mixed forms is one
 DataError line naming the row.
 """
@@ -40,8 +53,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
+TRL_TOKENIZATIONS = ("dpo", "orpo")  # TRL's DPOTrainer; ORPOTrainer and CPOTrainer (the same tokenize_row)
 Completion = str | list[dict[str, str]]
 Sample = tuple[list[int], list[int]]  # input_ids, labels (HF-aligned, -100 on the prompt)
+Split = tuple[list[int], list[int]]  # a sequence's prompt ids and completion ids
 
 
 class PreferenceSettings(Protocol):
@@ -51,6 +66,7 @@ class PreferenceSettings(Protocol):
     max_seq_len: int
     max_prompt_length: int | None
     truncation_mode: str
+    trl_tokenization: str
 
 
 @dataclass(frozen=True)
@@ -131,7 +147,7 @@ def row_problem(row: Mapping, columns: Mapping[str, str]) -> str | None:
     return None
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -141,11 +157,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair], chat_template: str | None = None,
-                   template_kwargs: TemplateKwargs | None = None) -> list[tuple[list[int], list[int], list[int]]]:
-    """``(prompt_ids, chosen_ids, rejected_ids)`` of each pair, untruncated: TRL's ``DPOTrainer``
-    dataset columns. Two batched tokenizer calls (plain text with special tokens; rendered chats
-    without, as ``apply_chat_template(tokenize=True)``, the template seeing ``template_kwargs`` as
-    TRL's ``chat_template_kwargs``)."""
+                   template_kwargs: TemplateKwargs | None = None,
+                   trl_tokenization: str = "dpo") -> list[tuple[Split, Split]]:
+    """``((prompt_ids, chosen_ids), (prompt_ids, rejected_ids))`` of each pair, untruncated, as
+    TRL's ``DPOTrainer`` (``dpo``: its dataset columns, one prompt for both) or ``ORPOTrainer`` /
+    ``CPOTrainer`` (``orpo``: :func:`_orpo_pairs`) makes them. Two batched tokenizer calls for
+    ``dpo`` (plain text with special tokens; rendered chats without, as
+    ``apply_chat_template(tokenize=True)``, the template seeing ``template_kwargs`` as TRL's
+    ``chat_template_kwargs``)."""
+    if trl_tokenization == "orpo":
+        return _orpo_pairs(tokenizer, pairs, chat_template, template_kwargs)
     eos = tokenizer.eos_token
     texts: list[list[str]] = []
     for pair in pairs:
@@ -167,22 +188,68 @@ def tokenize_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair], ch
     out = []
     for prompt_ids, with_chosen, with_rejected in encoded:
         n = min(_common_prefix(prompt_ids, with_chosen), _common_prefix(prompt_ids, with_rejected))
-        out.append((prompt_ids[:n], with_chosen[n:], with_rejected[n:]))
+        out.append(((prompt_ids[:n], with_chosen[n:]), (prompt_ids[:n], with_rejected[n:])))
     return out
 
 
-def pair_samples(prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int],
-                 settings: PreferenceSettings) -> tuple[Sample, Sample, bool] | None:
-    """The chosen and the rejected training sequence of a pair and whether either was truncated;
-    None when the pair is dropped (its prompt fills ``max_seq_len`` under ``keep_start``)."""
-    if settings.max_prompt_length is not None:
-        prompt_ids = prompt_ids[-settings.max_prompt_length:]
+def _orpo_texts(tokenizer: PreTrainedTokenizerBase, pair: Pair, chat_template: str | None,
+                template_kwargs: TemplateKwargs | None) -> tuple[str, str, str]:
+    """``(prompt, chosen, rejected)`` as text: TRL's ``maybe_apply_chat_template`` for a
+    conversation (the prompt continues a final assistant turn, else ends with the generation
+    prompt; the completions are what follows the characters the three renderings share)."""
+    if not isinstance(pair.prompt, list):
+        return pair.prompt, str(pair.chosen), str(pair.rejected)
+    if pair.prompt and pair.prompt[-1].get("role") == "assistant":
+        # apply_chat_template's own argument, reached through the template keyword arguments
+        prompt = render_chat(tokenizer, pair.prompt, chat_template, False,
+                             {**(template_kwargs or {}), "continue_final_message": True})
+    else:
+        prompt = render_chat(tokenizer, pair.prompt, chat_template, True, template_kwargs)
+    full = [render_chat(tokenizer, pair.prompt + c, chat_template, False, template_kwargs)
+            for c in (pair.chosen, pair.rejected) if isinstance(c, list)]
+    n = min(_common_prefix(prompt, full[0]), _common_prefix(prompt, full[1]))
+    return prompt[:n], full[0][n:], full[1][n:]
+
+
+def _orpo_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[Pair], chat_template: str | None,
+                template_kwargs: TemplateKwargs | None) -> list[tuple[Split, Split]]:
+    """TRL's ``ORPOTrainer.tokenize_row`` (``CPOTrainer``'s is the same) on :func:`_orpo_texts`:
+    text without special tokens (one batched call); a completion starts after the prompt's tokens,
+    one earlier where the prompt's last token merged across the join (``build_tokenized_answer``);
+    bos before a prompt that does not start with it, eos after a completion that does not end
+    with it."""
+    texts = [_orpo_texts(tokenizer, pair, chat_template, template_kwargs) for pair in pairs]
+    flat = tokenizer([t for p, c, r in texts for t in (p, p + c, p + r)], add_special_tokens=False,
+                     verbose=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out = []
+    for k in range(len(pairs)):
+        prompt_ids = list(flat[3 * k])
+        splits = []
+        for full in (list(flat[3 * k + 1]), list(flat[3 * k + 2])):
+            start = len(prompt_ids) if full[:len(prompt_ids)] == prompt_ids else len(prompt_ids) - 1
+            prompt, completion = full[:start], full[start:]
+            if bos is not None and (not prompt or prompt[0] != bos):
+                prompt = [bos, *prompt]
+            if eos is not None and (not completion or completion[-1] != eos):
+                completion = [*completion, eos]
+            splits.append((prompt, completion))
+        out.append((splits[0], splits[1]))
+    return out
+
+
+def pair_samples(chosen: Split, rejected: Split, settings: PreferenceSettings) -> tuple[Sample, Sample, bool] | None:
+    """The chosen and the rejected training sequence of a pair (each a prompt and a completion)
+    and whether either was truncated; None when the pair is dropped (a prompt fills
+    ``max_seq_len`` under ``keep_start``)."""
     limit, keep_start = settings.max_seq_len, settings.truncation_mode == "keep_start"
-    if keep_start and len(prompt_ids) >= limit:
-        return None
     samples = []
     truncated = False
-    for completion in (chosen_ids, rejected_ids):
+    for prompt_ids, completion in (chosen, rejected):
+        if settings.max_prompt_length is not None:
+            prompt_ids = prompt_ids[-settings.max_prompt_length:]
+        if keep_start and len(prompt_ids) >= limit:
+            return None
         ids = prompt_ids + completion
         labels = [IGNORE_INDEX] * len(prompt_ids) + completion
         if len(ids) > limit:
@@ -201,11 +268,12 @@ def tokenize_chunk(rows: Sequence[Mapping], first: int, columns: Mapping[str, st
     pairs = [read_pair(row, columns, f"{split} row {first + k + 1}") for k, row in enumerate(rows)]
     samples: list[Sample] = []
     truncated = dropped = 0
-    tokenized = tokenize_pairs(tokenizer, pairs, chat_template, settings.chat_template_kwargs)
-    for k, (prompt_ids, chosen_ids, rejected_ids) in enumerate(tokenized):
-        if not chosen_ids or not rejected_ids:
+    tokenized = tokenize_pairs(tokenizer, pairs, chat_template, settings.chat_template_kwargs,
+                               settings.trl_tokenization)
+    for k, (chosen, rejected) in enumerate(tokenized):
+        if not chosen[1] or not rejected[1]:
             raise DataError(f"{split} row {first + k + 1}: a completion has no token of its own after the prompt")
-        got = pair_samples(prompt_ids, chosen_ids, rejected_ids, settings)
+        got = pair_samples(chosen, rejected, settings)
         if got is None:
             dropped += 1
             continue

@@ -33,6 +33,7 @@ class TokenizeSpec(Protocol):
     num_proc: int | str
     max_prompt_length: int | None
     truncation_mode: str
+    trl_tokenization: str
 
 _CHUNK = 1000
 

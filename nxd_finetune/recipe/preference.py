@@ -12,6 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Objective = Literal["sft", "dpo", "orpo"]
 Reference = Literal["base", "init_from"]
+# beta multiplies summed log-prob differences and IPO / SimPO divide by it (1 / (2 beta), gamma / beta):
+# within these bounds every objective's loss, rewards and gradients stay far inside float32's range
+# (usual values: beta 0.01 to 10, simpo_gamma 0.5 to 2); beyond them the loss is NaN or inf from step 1
+BETA_RANGE = (1e-4, 1e4)
+SIMPO_GAMMA_MAX = 1e4
 
 
 class PreferenceSection(BaseModel):
@@ -27,14 +32,16 @@ class PreferenceSection(BaseModel):
     ``keep_end`` of the sequence). ``reference`` (dpo with a reference): ``base`` (the weights with
     the adapter off, or the initial full model) or ``init_from`` (the adapter the run starts from,
     the default when ``lora.init_from`` is set). Reference log-probs are computed in one pass
-    before training (``precompute_ref_log_probs``; no second model in memory)."""
+    before training (``precompute_ref_log_probs``; no second model in memory). ``beta`` lies within
+    :data:`BETA_RANGE` and ``simpo_gamma`` within [0, :data:`SIMPO_GAMMA_MAX`] (beyond: a loss
+    that overflows)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    beta: float = Field(default=0.1, gt=0)
+    beta: float = 0.1
     loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
-    simpo_gamma: float = Field(default=0.5, ge=0.0)
+    simpo_gamma: float = 0.5
     orpo_nll: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
     max_prompt_length: int | None = Field(default=None, ge=1)
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
@@ -43,6 +50,13 @@ class PreferenceSection(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PreferenceSection:
+        low, high = BETA_RANGE
+        if not low <= self.beta <= high:
+            raise ValueError(f"preference.beta={self.beta:g} is outside [{low:g}, {high:g}]: beyond it the "
+                             "preference loss overflows (NaN or inf from the first step); usual values: 0.01 to 10")
+        if not 0 <= self.simpo_gamma <= SIMPO_GAMMA_MAX:
+            raise ValueError(f"preference.simpo_gamma={self.simpo_gamma:g} is outside [0, {SIMPO_GAMMA_MAX:g}] "
+                             "(a margin of at least 0; larger ones overflow the SimPO loss); usual values: 0.5 to 2")
         if not self.precompute_ref_log_probs:
             raise ValueError("preference.precompute_ref_log_probs=false is not supported: reference log-probs are "
                              "computed in one pass before training (no second model in memory)")

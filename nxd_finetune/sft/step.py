@@ -6,18 +6,27 @@ objective's units (target tokens for SFT) over the micro-batches and every data-
 runs the engine's forward and backward (micro-batch losses divided by that count, through the
 pipeline schedule at ``pp > 1``), then the optimizer step (the engine's: gradient reductions,
 clipping, AdamW, the LR step; or the caller's, e.g. Lightning's through its precision plugin).
+:func:`stop_if_diverged` ends a run at the first step whose loss or gradient norm is NaN or
+infinite, in one line, before the value reaches a metrics file or a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nxd_finetune.data.loader import TrainLoader
+from nxd_finetune.data.pairs import pair_tokens
+from nxd_finetune.errors import NxdError
 from nxd_finetune.objective import Objective, TokenBatch
+from nxd_finetune.recipe import PreferenceSection
+
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import Recipe
 
 
 class Stepper(Protocol):
@@ -78,9 +87,33 @@ def step_batches(train_loader: TrainLoader, grad_accum: int, packing: bool) -> I
         step, n_tokens = [], 0
         for _ in range(grad_accum):
             batch = next(it)
-            # preference pairs are unpacked and carry no segment ids: every position counts
-            n_tokens += int((batch["segment_ids"] > 0).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+            # preference pairs carry no segment ids: their rows' lengths, padding not counted
+            segments = batch.get("segment_ids")
+            n_tokens += int((segments > 0).sum()) if segments is not None else pair_tokens(batch["labels"])
             if not packing:
                 batch = {k: v for k, v in batch.items() if k != "segment_ids"}
             step.append(batch)
         yield step, n_tokens
+
+
+_WHAT = {"loss": "the training loss", "grad_norm": "the gradient norm"}
+
+
+def divergence_hint(recipe: Recipe) -> str:
+    """What to change when a run's numbers stop being finite (the end of :func:`stop_if_diverged`'s line)."""
+    t = recipe.training
+    change = [f"lower training.lr (now {t.lr:g})"]
+    if recipe.objective != "sft":
+        change.append(f"preference.beta (now {(recipe.preference or PreferenceSection()).beta:g})")
+    clip = "" if t.grad_clip else ", or set training.grad_clip"
+    return f"training diverged: {' or '.join(change)}{clip}; nothing of this step was logged or checkpointed"
+
+
+def stop_if_diverged(step: int, values: Mapping[str, object], hint: str) -> None:
+    """Raise NxdError (one line: ``step`` (0: before training), the first value of ``values``
+    (host numbers: the step's loss and gradient norm, or an eval record) that is NaN or infinite,
+    then ``hint``); return when every number is finite."""
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            where = f"step {step}" if step else "before training"
+            raise NxdError(f"{where}: {_WHAT.get(name, name)} is {value}; {hint}")

@@ -47,7 +47,7 @@ from nxd_finetune.sft.engine import autocast
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
 from nxd_finetune.sft.setup import setup_rank
-from nxd_finetune.sft.step import train_step
+from nxd_finetune.sft.step import divergence_hint, stop_if_diverged, train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
 from nxd_finetune.xla import HostValues, StepRuntime
@@ -109,22 +109,27 @@ def train(
     a step closure after the step's graph ran on XLA, where ``runtime.end_step()`` is the step's one
     ``mark_step``. ``history``: a resumed run's records, appended to. ``ckpt``
     (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's logging and
-    eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT."""
+    eval, and raises ``TrainingStopped`` after SIGTERM / SIGINT. Every step's loss and gradient
+    norm (and every eval record) are checked: the first NaN or infinity stops the run in one line
+    (:func:`~nxd_finetune.sft.step.stop_if_diverged`) before it is logged or checkpointed."""
     runtime = runtime or StepRuntime(engine.device)
     log_every = recipe.logging.every_n_steps
     progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
     history = [] if history is None else history
     window = {"start": time.perf_counter(), "tokens": 0}
+    hint = divergence_hint(recipe)
 
-    def on_values(step: int, lr: float, v: HostValues) -> None:
-        """Token accounting and, on logging steps, the record; ``v`` holds host values."""
+    def on_values(step: int, lr: float, logging: bool, v: HostValues) -> None:
+        """Token accounting, the finiteness check and, on logging steps, the record; ``v`` holds
+        host values."""
         counts, loss, grad_norm, objective = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
         assert isinstance(counts, list)  # [targets, inputs]
         n_targets_all, n_input_all = (int(c) for c in counts)
         state.input_tokens += n_input_all
         state.tokens += n_targets_all
         window["tokens"] += n_input_all
-        if "loss" not in v:
+        stop_if_diverged(step, {"loss": loss, "grad_norm": grad_norm}, hint)
+        if not logging:
             progress.update(step)
             return
         elapsed = time.perf_counter() - window["start"]
@@ -151,16 +156,20 @@ def train(
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             result = train_step(engine, micro_batches, n_input)
             state.step += 1
-            values: dict[str, torch.Tensor | float | None] = {"counts": result.counts}
-            if state.step % log_every == 0 or state.step == total_steps:
-                values.update(loss=engine.dp_sum(result.loss), grad_norm=result.grad_norm)
+            # every step's loss reaches the host (checked), as its counts already do: no extra sync
+            values: dict[str, torch.Tensor | float | None] = {
+                "counts": result.counts, "loss": engine.dp_sum(result.loss), "grad_norm": result.grad_norm}
+            logging = state.step % log_every == 0 or state.step == total_steps
+            if logging:
                 # summed since the last logging step: the record's metrics cover the whole window
                 extra = engine.objective.take_train_stats()
                 values["objective"] = None if extra is None else engine.dp_sum(extra)
-            runtime.on_host(functools.partial(on_values, state.step, float(engine.scheduler.get_last_lr()[0])), values)
+            lr = float(engine.scheduler.get_last_lr()[0])
+            runtime.on_host(functools.partial(on_values, state.step, lr, logging), values)
             runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
                 rec = eval_fn()
+                stop_if_diverged(state.step, rec, hint)
                 if rec:
                     metrics.log(state.step, rec)
                     history.append({"step": state.step, **rec})
@@ -301,6 +310,7 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     metrics = MetricsWriter(out_dir, recipe.logging.tensorboard, enabled=engine.is_logger, trackers=trackers)
     history = resumed.history if resumed else []
     before = resumed.eval_before if resumed else eval_fn() if recipe.eval.before else {}
+    stop_if_diverged(0, before, "the starting model's scores are not finite: check its weights (and lora.init_from)")
     if before and not resumed:
         metrics.log(0, before)
         history.append({"step": 0, **before})  # checkpoints carry it with the history
@@ -310,6 +320,9 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
         history = train(engine, steps, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
                         state, recipe.logging.progress, runtime, ckpt, history)
         ckpt.finish(state, history)
+    except BaseException:
+        metrics.close()  # what was logged reaches its files (TensorBoard's buffered events too)
+        raise
     finally:
         ckpt.close()
     steps.close()
