@@ -250,3 +250,37 @@ def test_a_live_push_past_the_ttl_keeps_its_claim_on_its_machine(reg_uri, tmp_pa
     assert reg.storage.list("bot/1/") == [] and reg.storage.leftovers("") == []  # nothing left behind
     if reg_uri.startswith("s3://"):
         assert _uploads(request.getfixturevalue("s3_endpoint"), reg_uri) == []
+
+
+def test_gc_removes_only_the_files_a_dead_push_or_rm_wrote(reg_uri, tmp_path):
+    """A user's own file in an orphaned version directory (one a killed push or a killed rm left) is
+    left alone, even when its name is one a push could upload: gc removes by the names the claim or
+    the retired record lists, and says what it left."""
+    reg = open_registry(reg_uri)
+    push(make_adapter(tmp_path / "small", seed=4), f"{reg_uri}/gone")
+    src = make_adapter(tmp_path / "big", seed=3, pad_bytes=11 * MIB)
+    killed_push(reg_uri, src, tmp_path)
+    reg.storage.put_bytes("bot/1/notes.txt", b"my notes")
+    reg.storage.put_bytes("bot/1/eval.json", b"{}")
+    report = collect(reg)
+    removed = {g.key for g in report.removed}
+    assert "bot/1/.claim-1.json" in removed and removed.isdisjoint({"bot/1/notes.txt", "bot/1/eval.json"})
+    assert sorted(reg.storage.list("bot/")) == ["bot/1/eval.json", "bot/1/notes.txt"]
+    assert sorted(report.left) == ["bot/1/eval.json", "bot/1/notes.txt"]
+
+    # an rm killed after it retired the number and removed the manifest, before the files
+    reg.storage.put_bytes("gone/1/mine.json", b"{}")
+
+    def killed(prefix: str) -> None:
+        raise KeyboardInterrupt  # the rm dies here
+
+    reg.storage.delete_prefix = killed  # type: ignore[method-assign]
+    try:
+        reg.remove("gone", 1)
+    except KeyboardInterrupt:
+        pass
+    reg = open_registry(reg_uri)
+    report = collect(reg)
+    assert reg.storage.list("gone/1/") == ["gone/1/mine.json"]
+    assert {g.key for g in report.removed} == {"gone/1/adapter_config.json", "gone/1/adapter_model.safetensors"}
+    assert "gone/1/mine.json" in report.left and reg.storage.exists("bot/1/notes.txt")

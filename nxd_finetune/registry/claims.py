@@ -109,14 +109,16 @@ class Claims:
         created = holder.get("created")
         return not isinstance(created, int | float) or time.time() - created > self.ttl
 
-    def _holder(self, push_id: str) -> dict[str, Any]:
+    def _holder(self, push_id: str, files: Iterable[str] = ()) -> dict[str, Any]:
         pid = os.getpid()
         return {"push_id": push_id, "host": socket.gethostname(), "pidns": _pid_namespace(), "pid": pid,
-                "started": _start_time(pid), "created": time.time()}
+                "started": _start_time(pid), "created": time.time(), "files": sorted(files)}
 
-    def take(self, name: str, v: int | str, push_id: str) -> int | None:
+    def take(self, name: str, v: int | str, push_id: str, files: Iterable[str] = ()) -> int | None:
         """Claim ``name/v`` if it is free (no claim, or a dead holder's): the new generation, or None
-        when a live holder has it. ``v`` may also be a non-numeric lock name (see :meth:`Registry.push`)."""
+        when a live holder has it. ``v`` may also be a non-numeric lock name (see :meth:`Registry.push`).
+        ``files``: the names the holder will write under ``name/v`` (recorded in the claim: they are
+        all ``adapters gc`` removes there if the holder dies)."""
         for _ in range(100):
             gens = self.generations(name, v)
             if gens:
@@ -129,7 +131,7 @@ class Claims:
                 if not self.is_stale(current):
                     return None
             gen = gens[-1] + 1 if gens else 1
-            if self.storage.put_bytes(self._key(name, v, gen), dumps(self._holder(push_id)), if_none_match=True):
+            if self.storage.put_bytes(self._key(name, v, gen), dumps(self._holder(push_id, files)), if_none_match=True):
                 return gen
         return None
 
@@ -139,14 +141,15 @@ class Claims:
             if g <= gen:
                 self.storage.delete(self._key(name, v, g))
 
-    def claim(self, name: str, push_id: str, start: int) -> tuple[int, int]:
-        """Claim the lowest free version number >= ``start``; return ``(version, generation)``."""
+    def claim(self, name: str, push_id: str, start: int, files: Iterable[str] = ()) -> tuple[int, int]:
+        """Claim the lowest free version number >= ``start`` for writing ``files``; return
+        ``(version, generation)``."""
         v = start
         for _ in range(10_000):
             if self.storage.exists(f"{name}/{v}/{MANIFEST}"):
                 v += 1
                 continue
-            gen = self.take(name, v, push_id)
+            gen = self.take(name, v, push_id, files)
             if gen is None:
                 v += 1
                 continue

@@ -306,7 +306,7 @@ class Registry:
     def _push_new(self, name, files, entries, adapter_base, meta, tags, push_id, progress) -> Version:
         versions, retired = self.versions(name), self.retired(name)
         for _ in range(_MAX_ATTEMPTS):
-            v, gen = self.claims.claim(name, push_id, max([0, *versions, *retired]) + 1)
+            v, gen = self.claims.claim(name, push_id, max([0, *versions, *retired]) + 1, files)
             try:
                 published = self._upload_and_publish(name, v, gen, files, entries, adapter_base, meta, progress)
             except BaseException:
@@ -432,7 +432,10 @@ class Registry:
             found = Version(self.uri, name, v, cast(mf.AdapterManifest, {}))
         # the number is retired before the version disappears: no later push takes it again, so a
         # REF to it (lineage, a tag copied elsewhere) never names other weights
-        self.storage.put_bytes(f"{name}/{RETIRED}/{found.version}.json", mf.dumps({"version": found.version}))
+        # with the files it lists: all that gc removes there if this rm dies before deleting them
+        listed = sorted((found.manifest or {}).get("files", {}))
+        self.storage.put_bytes(f"{name}/{RETIRED}/{found.version}.json",
+                               mf.dumps({"version": found.version, "files": listed}))
         self.storage.delete(f"{name}/{found.version}/{mf.MANIFEST}")
         self.storage.delete_prefix(f"{name}/{found.version}/")
         # listed again now that the manifest is gone: a tag written before that is dropped here, a

@@ -10,11 +10,12 @@ What gc removes, each only where a push (or ``rm``) of this registry provably wr
 
 - a dead push's claim (``<name>/<v>/.claim-<gen>.json``; dead by the rules of
   :mod:`nxd_finetune.registry.claims`: on this machine, only once its process is gone) and, in an
-  unpublished version directory, the adapter files (names a push uploads) next to it. gc first
+  unpublished version directory, the files next to it that the claim lists (the names its push was
+  uploading; a claim written before claims listed files vouches for every name a push uploads). gc first
   takes the claim itself, so no push starts writing there while it deletes;
 - claims left in a published version (a push killed between the manifest and the cleanup);
-- the adapter files of a version whose number is retired (an ``rm`` killed after it removed the
-  manifest);
+- the files of a version whose number is retired (an ``rm`` killed after it removed the
+  manifest) that the retired record lists (the manifest's files);
 - temp files (local, ``.nxdtmp-<id>-<file>``) and incomplete multipart uploads (S3) of those
   files in a published version or one whose claim is dead; temp files of the registry's own small
   files (aliases, retired numbers, claims, the marker) older than :data:`MIN_AGE_S`;
@@ -159,12 +160,17 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
         return
     if not claims:  # no push holds it: an rm killed midway (a retired number), else not ours
         if v in reg.retired(name):
-            _delete_files(reg, report, "file of a removed version", name, v, ours)
+            written = _listed(reg, [f"{name}/{RETIRED}/{v}.json"], ours)
+            _delete_files(reg, report, "file of a removed version", name, v, written)
             _drop_all(reg, report, stray)
-            report.left += [f"{name}/{v}/{f}" for f in others]
+            report.left += [f"{name}/{v}/{f}" for f in others + [f for f in ours if f not in written]]
         else:
             report.left += [f"{name}/{v}/{f}" for f in files]
         return
+    # the names the dead pushes said they would write: only those are theirs to remove
+    written = _listed(reg, [f"{name}/{v}/{f}" for f in claims], ours)
+    others += [f for f in ours if f not in written]
+    ours = written
     # unpublished: take the claim (as a push taking over would), so nobody writes here meanwhile
     gen = None if report.dry_run else reg.claims.take(name, v, f"gc-{uuid.uuid4().hex}")
     if report.dry_run:
@@ -185,6 +191,25 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
     report.left += [f"{name}/{v}/{f}" for f in others]
     if gen is not None:
         reg.claims.drop(name, v, gen)
+
+
+def _listed(reg: Registry, record_keys: list[str], candidates: list[str]) -> list[str]:
+    """Those of ``candidates`` (file names a push may upload) that the claims or retired records at
+    ``record_keys`` list (``files``: what their push wrote or their rm was removing). A record
+    without that list (written by a release before it existed) vouches for every candidate, as gc
+    did then; one that is gone or does not parse vouches for none."""
+    names: set[str] = set()
+    for key in record_keys:
+        try:
+            record = json.loads(reg.storage.get_bytes(key))
+        except (StorageNotFoundError, ValueError):
+            continue
+        files = record.get("files") if isinstance(record, dict) else None
+        if files is None and isinstance(record, dict):
+            return candidates
+        if isinstance(files, list):
+            names.update(f for f in files if isinstance(f, str))
+    return [f for f in candidates if f in names]
 
 
 def _dead(reg: Registry, claim_key: str) -> bool:
