@@ -84,3 +84,43 @@ def test_s3_data_errors_are_one_line(s3, quickstart_cache, tmp_path, capsys):
             main(["validate", str(QUICKSTART), f"data.train={source}", f"data.cache_dir={tmp_path}"])
         assert e.value.code == 2
         assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_damaged_sha256_record_is_a_missing_one_and_dead_fetches_are_cleaned(s3, tmp_path):
+    """An empty or non-UTF-8 ``.sha256`` record means the copy is not known complete: fetched again,
+    no traceback. A ``.part`` (and a record being written) that a killed fetch left is removed by the
+    next fetch; a live fetch's is not."""
+    import subprocess
+    import sys
+
+    from nxd_finetune.storage.fetch import fetch_s3
+
+    s3.put_object(Bucket="nxd-test", Key="data/rec.jsonl", Body=TRAIN.read_bytes())
+    uri = "s3://nxd-test/data/rec.jsonl"
+    copy = fetch_s3(uri, tmp_path)
+    record = copy.with_name("rec.jsonl.sha256")
+    for damaged in (b"", b"\xff\xfe\x00 not utf-8"):
+        record.write_bytes(damaged)
+        stamp = copy.stat().st_mtime_ns
+        assert fetch_s3(uri, tmp_path) == copy and copy.read_bytes() == TRAIN.read_bytes()
+        assert copy.stat().st_mtime_ns != stamp  # fetched again
+        assert record.read_text().split()[0] == hashlib.sha256(TRAIN.read_bytes()).hexdigest()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    left = [copy.parent / f".rec.jsonl.{pid}.part", copy.parent / f".rec.jsonl.{pid}.sha256"]
+    live = copy.parent / f".rec.jsonl.{1}.part"  # pid 1 runs
+    for p in (*left, live):
+        p.write_bytes(b"x" * 1000)
+    fetch_s3(uri, tmp_path)
+    assert not any(p.exists() for p in left) and live.exists()
+
+
+def test_a_full_disk_while_fetching_is_one_line_and_leaves_nothing(s3, full_disk):
+    from nxd_finetune.storage.fetch import fetch_s3
+
+    s3.put_object(Bucket="nxd-test", Key="data/big.jsonl", Body=b"x" * (2 << 20))
+    with pytest.raises(DataError) as e:
+        fetch_s3("s3://nxd-test/data/big.jsonl", full_disk / "cache")
+    assert str(e.value).startswith("s3://nxd-test/data/big.jsonl: no space left on the device to fetch it into ")
+    assert "\n" not in str(e.value)
+    assert list((full_disk / "cache").rglob("*")) in ([], [full_disk / "cache" / "s3"])
