@@ -267,6 +267,59 @@ def test_k8s_refuses_a_layout_that_does_not_split(capsys, neuron_recipe):
     assert "job name '8b-lora-pre' is not a Kubernetes name" in capsys.readouterr().err
 
 
+BAD_POD_FLAGS = [
+    ("--image", "my registry/nxd:neuron", "is not a container image reference"),
+    ("--image", "acct.dkr.ecr.us-east-1.amazonaws.com/nxd:neuron;rm", "is not a container image reference"),
+    ("--namespace", "team\nkube-system", "is not a Kubernetes namespace"),
+    ("--namespace", "Team", "is not a Kubernetes namespace"),
+    ("--cpu", "lots", "is not a Kubernetes quantity"),
+    ("--cpu", "-4", "is not a Kubernetes quantity"),
+    ("--memory", "480 GiB; rm", "is not a Kubernetes quantity"),
+    ("--memory", "480GB", "is not a Kubernetes quantity"),
+    ("--service-account", "Bad Account!", "is not a Kubernetes object name"),
+    ("--pvc", "fsx claim", "is not a Kubernetes object name"),
+    ("--instance-type", "trn1.32xlarge\nx", "is not a Kubernetes label value"),
+    ("--mount-path", "fsx", "is not a container mount path"),
+]
+GOOD_IMAGE = "acct.dkr.ecr.us-east-1.amazonaws.com:443/team/nxd-finetune:neuron-2.21@sha256:" + "a" * 64
+GOOD_POD_FLAGS = ["--image", GOOD_IMAGE,
+                  "--namespace", "ml-team", "--cpu", "120", "--memory", "480Gi", "--service-account", "nxd.trainer",
+                  "--pvc", "fsx-claim", "--instance-type", "trn1.32xlarge", "--mount-path", "/fsx"]
+
+
+@pytest.mark.parametrize("command", ["pytorchjob", "precompile-job", "trainjob"])
+def test_k8s_flags_kubernetes_would_reject_are_one_line(capsys, neuron_recipe, command):
+    from nxd_finetune.cli import main
+
+    good = dict(zip(GOOD_POD_FLAGS[::2], GOOD_POD_FLAGS[1::2], strict=True))
+    for flag, value, rule in BAD_POD_FLAGS:
+        argv = [arg for k, v in {**good, flag: value}.items() for arg in (k, v)]
+        with pytest.raises(SystemExit) as e:
+            main(["k8s", command, str(neuron_recipe), "parallel.nproc=8", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {flag} {value!r} {rule}") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", command, str(neuron_recipe), "parallel.nproc=8", *GOOD_POD_FLAGS])
+    assert not e.value.code and "kind:" in capsys.readouterr().out
+
+
+def test_k8s_output_that_cannot_be_written_is_one_line(capsys, neuron_recipe, tmp_path):
+    from nxd_finetune.cli import main
+
+    base = ["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=8", "--image", "acct/nxd:neuron"]
+    (tmp_path / "file").write_text("x")
+    for out, says in ((tmp_path, "it is a directory"), (tmp_path / "file" / "job.yaml", "is a file, not a directory")):
+        with pytest.raises(SystemExit) as e:
+            main([*base, "-o", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: cannot write ") and says in err and err.count("\n") == 1
+    existing = tmp_path / "job.yaml"
+    existing.write_text("old")
+    with pytest.raises(SystemExit) as e:
+        main([*base, "-o", str(existing)])
+    assert not e.value.code and "kind: PyTorchJob" in existing.read_text()
+
+
 # ----------------------------------------------------------------------------- container images
 
 

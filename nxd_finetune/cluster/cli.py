@@ -71,10 +71,17 @@ def _pod(image: str, accelerator: str, efa: int, instance_type: str | None, pvc:
 
 
 def _write(text: str, output: Path | None) -> None:
+    """The manifest on stdout, or into ``output`` (beside it, then renamed: a failed write leaves an
+    existing file whole; an unwritable path is one line)."""
     if output is None:
         typer.echo(text, nl=False)
     else:
-        output.write_text(text)
+        from nxd_finetune.storage.atomic import publish_file, write_error
+
+        try:
+            publish_file(output, text.encode())
+        except OSError as e:
+            raise write_error(e, output) from None
         typer.echo(f"wrote {output}", err=True)
 
 

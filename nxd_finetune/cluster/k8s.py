@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from nxd_finetune.cluster import validate
 from nxd_finetune.cluster.spec import (
     INSTANCE_TYPE_LABEL,
     NodeLayout,
@@ -73,6 +74,21 @@ class PodSettings:
     namespace: str = "default"
     env: tuple[tuple[str, str], ...] = ()
     service_account: str | None = None
+
+    def __post_init__(self) -> None:
+        """Each value against Kubernetes' syntax for it (:mod:`~nxd_finetune.cluster.validate`):
+        NxdError naming the flag."""
+        validate.check_image(self.image)
+        validate.check_namespace(self.namespace)
+        validate.check_mount_path(self.mount_path)
+        for flag, value in (("--service-account", self.service_account), ("--pvc", self.pvc)):
+            if value is not None:
+                validate.check_subdomain(flag, value)
+        for flag, value in (("--cpu", self.cpu), ("--memory", self.memory)):
+            if value is not None:
+                validate.check_quantity(flag, value)
+        if self.instance_type is not None:
+            validate.check_label_value("--instance-type", self.instance_type)
 
 
 def parse_env(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
