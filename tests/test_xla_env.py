@@ -28,7 +28,7 @@ from nxd_finetune.neuron import (
 )
 from nxd_finetune.parallel import launch
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
-from nxd_finetune.xla import DeviceLoader, StepRuntime, make_runtime
+from nxd_finetune.runtime import DeviceLoader, StepRuntime, make_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

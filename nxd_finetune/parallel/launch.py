@@ -16,7 +16,7 @@
 - :class:`DeviceBackend`: ``cpu`` -> gloo, ``cuda`` -> nccl (device ``cuda:LOCAL_RANK``), ``xla``
   (Trainium / Neuron, or torch_xla on CPU for tests) -> the ``xla`` process-group backend on the
   process's XLA device (one NeuronCore per process on Trainium; torch_xla is imported only here,
-  through :mod:`nxd_finetune.xla`). :func:`dist_backend_for` maps a ``training.device`` to its backend.
+  through :mod:`nxd_finetune.runtime`). :func:`dist_backend_for` maps a ``training.device`` to its backend.
 
 Temporary files (the launcher's logs and error files) go under ``TMPDIR`` (``tempfile``), and the
 launcher's log directory is removed after the run.
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from nxd_finetune import neuron  # neuron.neuron_available looked up at call time (tests patch it)
 from nxd_finetune.errors import NxdError
-from nxd_finetune.xla import refuse_unformable_world, xla_device
+from nxd_finetune.runtime import refuse_unformable_world, xla_device
 
 R = TypeVar("R")
 

@@ -1,7 +1,7 @@
 """One rank's setup from a recipe, the same for ``run``, ``eval`` and the Lightning module.
 
 :func:`setup_rank` builds, in order: the device and the process groups (or takes the caller's:
-Lightning's strategy makes its own), the device runtime hooks (:mod:`nxd_finetune.xla`), the
+Lightning's strategy makes its own), the device runtime hooks (:mod:`nxd_finetune.runtime`), the
 model directory and tokenizer, this data-parallel rank's loaders, the step count, and the
 :class:`~nxd_finetune.sft.engine.Engine` (model, optimizer, schedule, objective). It returns them
 as one :class:`RankRun`. Rank 0 fills the caches (model, tokenized data) before the others read.
@@ -29,9 +29,9 @@ from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.preference import preference_objective
+from nxd_finetune.runtime import DeviceLoader, StepRuntime, make_runtime
 from nxd_finetune.sft.engine import Engine, build_engine
 from nxd_finetune.sft.step import StepItem, step_batches
-from nxd_finetune.xla import DeviceLoader, StepRuntime, make_runtime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -125,7 +125,7 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
     if layout is None:
         backend = init_distributed(dist_backend_for(device.type))
         layout = ParallelState(Layout.for_world(backend.world_size, tp=par.tp, pp=par.pp))
-    runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.xla)
+    runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.runtime)
     if write_recipe and layout.rank == 0:
         out_dir = Path(recipe.output.dir)
         out_dir.mkdir(parents=True, exist_ok=True)

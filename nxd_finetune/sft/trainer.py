@@ -41,6 +41,7 @@ from nxd_finetune.parallel.layers import ShardSpec
 from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.recipe import check_against_model, recipe_from_dict, reference_of
 from nxd_finetune.registry.publish import check_publish_target, publish_run
+from nxd_finetune.runtime import HostValues, StepRuntime
 from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.engine import autocast
@@ -50,7 +51,6 @@ from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.step import divergence_hint, stop_if_diverged, train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
-from nxd_finetune.xla import HostValues, StepRuntime
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -105,7 +105,7 @@ def train(
     """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
     their number of non-padding tokens (counted on the host). Returns the logged records (the same
     on every rank). Device values (token counts; loss and grad norm on logging steps) reach the
-    host only through ``runtime.on_host`` (:mod:`nxd_finetune.xla`): at once on eager devices, in
+    host only through ``runtime.on_host`` (:mod:`nxd_finetune.runtime`): at once on eager devices, in
     a step closure after the step's graph ran on XLA, where ``runtime.end_step()`` is the step's one
     ``mark_step``. ``history``: a resumed run's records, appended to. ``ckpt``
     (:class:`~nxd_finetune.checkpoint.training.TrainingCheckpoints`) saves after a step's logging and

@@ -1,4 +1,4 @@
-"""The device hooks of :mod:`nxd_finetune.xla` on a real XLA device: one graph execution per step
+"""The device hooks of :mod:`nxd_finetune.runtime` on a real XLA device: one graph execution per step
 however many values are read through step closures, batches prefetched onto the device, state
 moved to CPU, the xla device backend."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("torch_xla", reason="torch_xla is not installed (make test-x
 import torch  # noqa: E402
 
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed  # noqa: E402
-from nxd_finetune.xla import XlaRuntime, make_runtime  # noqa: E402
+from nxd_finetune.runtime import XlaRuntime, make_runtime  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""XLA devices in the training loop: Trainium through torch-neuronx, or any torch_xla device
-(``PJRT_DEVICE=CPU`` gives a real XLA device on CPU, used by ``make test-xla``).
+"""The training loop's device runtime (:class:`StepRuntime`): eager devices (CPU, CUDA) and XLA
+devices, i.e. Trainium through torch-neuronx or any torch_xla device (``PJRT_DEVICE=CPU`` gives a
+real XLA device on CPU, used by ``make test-xla``).
 
 ``torch_xla`` is imported only when a run is on xla. Model code never imports this module; the
 trainer calls the small hooks of :class:`StepRuntime`, so one loop serves eager and lazy devices:
