@@ -4,6 +4,11 @@ once into the data cache, checked by sha256, the same samples as the local file,
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -86,13 +91,9 @@ def test_s3_data_errors_are_one_line(s3, quickstart_cache, tmp_path, capsys):
         assert capsys.readouterr().err == f"error: {message}\n"
 
 
-def test_a_damaged_sha256_record_is_a_missing_one_and_dead_fetches_are_cleaned(s3, tmp_path):
+def test_a_damaged_sha256_record_is_a_missing_one(s3, tmp_path):
     """An empty or non-UTF-8 ``.sha256`` record means the copy is not known complete: fetched again,
-    no traceback. A ``.part`` (and a record being written) that a killed fetch left is removed by the
-    next fetch; a live fetch's is not."""
-    import subprocess
-    import sys
-
+    no traceback."""
     from nxd_finetune.storage.fetch import fetch_s3
 
     s3.put_object(Bucket="nxd-test", Key="data/rec.jsonl", Body=TRAIN.read_bytes())
@@ -105,14 +106,48 @@ def test_a_damaged_sha256_record_is_a_missing_one_and_dead_fetches_are_cleaned(s
         assert fetch_s3(uri, tmp_path) == copy and copy.read_bytes() == TRAIN.read_bytes()
         assert copy.stat().st_mtime_ns != stamp  # fetched again
         assert record.read_text().split()[0] == hashlib.sha256(TRAIN.read_bytes()).hexdigest()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)  # a process that has exited
-    left = [copy.parent / f".rec.jsonl.{pid}.part", copy.parent / f".rec.jsonl.{pid}.sha256"]
-    live = copy.parent / f".rec.jsonl.{1}.part"  # pid 1 runs
-    for p in (*left, live):
-        p.write_bytes(b"x" * 1000)
-    fetch_s3(uri, tmp_path)
-    assert not any(p.exists() for p in left) and live.exists()
+
+
+def _fetch_stopped_midway(uri: str, cache: Path, sig: signal.Signals) -> subprocess.Popen:
+    """A real fetch of ``uri`` in another process, sent ``sig`` once its download has bytes on disk."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from nxd_finetune.storage.fetch import fetch_s3; "
+                             "fetch_s3(sys.argv[1], sys.argv[2])", uri, str(cache)])
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(p.stat().st_size for p in (cache / "s3").glob("*/.big.jsonl.*part*")):
+            proc.send_signal(sig)
+            return proc
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError(f"the fetch ended (rc {proc.returncode}) before it could be stopped midway")
+
+
+def test_a_killed_fetch_is_cleaned_by_the_next_and_a_live_one_is_left_to_finish(s3, tmp_path):
+    """A fetch killed (SIGKILL) mid-download leaves its temporary files: the next fetch of the object
+    removes them. A fetch that is alive (here: stopped, SIGSTOP) keeps its files while another fetch
+    runs beside it, and completes when it goes on."""
+    from nxd_finetune.storage.fetch import fetch_s3
+
+    body = os.urandom(64 << 20)
+    s3.put_object(Bucket="nxd-test", Key="data/big.jsonl", Body=body)
+    uri = "s3://nxd-test/data/big.jsonl"
+    killed = _fetch_stopped_midway(uri, tmp_path, signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL
+    (entry,) = (tmp_path / "s3").iterdir()
+    assert [p for p in entry.iterdir() if "part" in p.name]  # what the dead fetch left
+    copy = fetch_s3(uri, tmp_path)
+    assert sorted(p.name for p in entry.iterdir()) == ["big.jsonl", "big.jsonl.sha256"]
+
+    copy.with_name("big.jsonl.sha256").write_bytes(b"")  # fetched again by the next two
+    live = _fetch_stopped_midway(uri, tmp_path, signal.SIGSTOP)
+    try:
+        theirs = [p for p in entry.iterdir() if "part" in p.name]
+        assert theirs and fetch_s3(uri, tmp_path) == copy and copy.read_bytes() == body
+        assert all(p.exists() for p in theirs)  # a live fetch's files are its own
+    finally:
+        live.send_signal(signal.SIGCONT)
+    assert live.wait(timeout=120) == 0 and copy.read_bytes() == body
+    assert sorted(p.name for p in entry.iterdir()) == ["big.jsonl", "big.jsonl.sha256"]
 
 
 def test_a_full_disk_while_fetching_is_one_line_and_leaves_nothing(s3, full_disk):
@@ -123,4 +158,4 @@ def test_a_full_disk_while_fetching_is_one_line_and_leaves_nothing(s3, full_disk
         fetch_s3("s3://nxd-test/data/big.jsonl", full_disk / "cache")
     assert str(e.value).startswith("s3://nxd-test/data/big.jsonl: no space left on the device to fetch it into ")
     assert "\n" not in str(e.value)
-    assert list((full_disk / "cache").rglob("*")) in ([], [full_disk / "cache" / "s3"])
+    assert list((full_disk / "cache").rglob("*")) == []

@@ -9,24 +9,32 @@ it, its sha256 computed, then renamed into place with the digest in ``<name>.sha
 run of the same object (same ETag and size) reads the cached copy after checking it against that
 digest (a damaged copy is fetched again); a changed object gets a new entry. When the object
 carries a sha256 (user metadata ``sha256``, or S3's ``ChecksumSHA256``), the download must match
-it. A fetch removes the temporary files of earlier fetches of the same entry whose process is gone
-(a killed download); a full disk is one line and leaves no entry behind. Errors are one line: a
-missing object is ``data file not found: s3://...`` as for a local file; credentials, bucket and
-access problems are the storage layer's (:mod:`nxd_finetune.storage`).
+it. A fetch holds a shared lock on ``.<name>.lock`` in the entry while it writes there (``flock``:
+the kernel drops it when the process dies, SIGKILL included); one that finds no other fetch holding
+it removes the entry's temporary files, which are then a dead fetch's (a killed download), and a
+live fetch's files are never touched. A full disk is one line and leaves no entry behind. Errors are
+one line: a missing object is ``data file not found: s3://...`` as for a local file; credentials,
+bucket and access problems are the storage layer's (:mod:`nxd_finetune.storage`).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import hashlib
 import os
 import posixpath
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from nxd_finetune.errors import DataError
 from nxd_finetune.storage.errors import StorageNotFoundError
+
+if TYPE_CHECKING:
+    from nxd_finetune.storage.s3 import ObjectHead, S3Storage
 
 S3_SCHEME = "s3://"
 _CHUNK = 1 << 20
@@ -55,34 +63,88 @@ def _cached(path: Path) -> bool:
         return False
     try:
         words = record.read_text(encoding="utf-8").split()
+        return bool(words) and words[0] == sha256_file(path)
     except (OSError, UnicodeDecodeError):
-        return False  # an unreadable record is a missing one: the copy is fetched again
-    return bool(words) and words[0] == sha256_file(path)
+        return False  # an unreadable record (or copy) is a missing one: the copy is fetched again
 
 
-def _pid_alive(pid: int) -> bool:
+@contextmanager
+def _fetch_lock(entry: Path, name: str) -> Iterator[None]:
+    """Held by a fetch into ``entry`` while it writes there: a shared ``flock`` on
+    ``.<name>.lock``, which the kernel drops when the process dies (SIGKILL included). Taken
+    exclusively first: got, no fetch of this entry is alive, so every temporary file of the entry
+    is a dead fetch's and is removed. The last fetch out removes the lock file. On a file system
+    without locks, nothing is removed (a live fetch is never told from a dead one)."""
+    lock = entry / f".{name}.lock"
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+        fd = _open_locked(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # fetches are running: their files are theirs
+        fd = _open_locked(lock, fcntl.LOCK_SH)
+    else:
+        if fd is not None:
+            _remove_temp_files(entry, name)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock.unlink(missing_ok=True)  # the last one out
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
 
 
-def _clean_dead_fetches(entry: Path, name: str) -> None:
-    """Remove the temporary files (``.<name>.<pid>.part`` / ``.sha256``) of fetches whose process
-    is gone (killed mid-download); a live fetch's are left to it."""
-    prefix = f".{name}."
+def _open_locked(lock: Path, op: int) -> int | None:
+    """A descriptor of ``lock`` (created, with its directory, if absent) holding ``flock`` ``op``;
+    None where the file system has no locks. BlockingIOError: ``op`` is non-blocking and refused."""
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # the emptied entry was removed meanwhile: made again
+        try:
+            fcntl.flock(fd, op)
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return None
+            raise
+        os.close(fd)  # the lock file was removed by the last fetch out meanwhile: lock the new one
+
+
+def _remove_temp_files(entry: Path, name: str) -> None:
+    """Remove the temporary files of dead fetches (``.<name>.<pid>.part*``, records being written):
+    every ``.<name>.*`` but the lock."""
+    lock = f".{name}.lock"
     for p in entry.glob(f".{glob.escape(name)}.*"):
-        pid, _, suffix = p.name[len(prefix):].partition(".")
-        if suffix in ("part", "sha256") and pid.isdigit() and not _pid_alive(int(pid)):
+        if p.name != lock:
             p.unlink(missing_ok=True)
+
+
+def _swept(entry: Path, name: str) -> None:
+    """The temporary files dead fetches left beside a complete copy removed, if no fetch is running;
+    nothing changes where that cannot be done (a read-only cache: the copy is still used)."""
+    if not any(p.name != f".{name}.lock" for p in entry.glob(f".{glob.escape(name)}.*")):
+        return
+    try:
+        with _fetch_lock(entry, name):
+            pass
+    except OSError:
+        pass
 
 
 def fetch_s3(uri: str, cache_root: str | os.PathLike) -> Path:
     """The local copy of object ``uri`` (``s3://bucket/key``) under ``<cache_root>/s3/``, fetched
-    if absent or damaged. Raises DataError (one line) for a missing object or a sha256 mismatch."""
+    if absent or damaged. Raises DataError (one line) for a missing object, a sha256 mismatch or a
+    cache that cannot take it (a full disk)."""
     from nxd_finetune.storage.s3 import S3Storage  # boto3: only when an s3:// source is used
 
     parent, name = posixpath.split(uri[len(S3_SCHEME):])
@@ -96,35 +158,45 @@ def fetch_s3(uri: str, cache_root: str | os.PathLike) -> Path:
     key = hashlib.sha256(f"{uri}\n{head.etag}\n{head.size}".encode()).hexdigest()[:16]
     entry = Path(cache_root) / "s3" / key
     local = entry / name
-    if entry.is_dir():
-        _clean_dead_fetches(entry, name)
     if _cached(local):
+        _swept(entry, name)
         return local
     created = not entry.exists()
-    tmp = entry / f".{name}.{os.getpid()}.part"
-    record = entry / f".{name}.{os.getpid()}.sha256"
     try:
-        entry.mkdir(parents=True, exist_ok=True)
+        with _fetch_lock(entry, name):
+            if not _cached(local):  # else another fetch completed it meanwhile
+                _download(storage, uri, head, local)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"{uri}: no space left on the device to fetch it into {entry} "
+                            f"({head.size} bytes): free some space or set NXD_FINETUNE_CACHE") from None
+        raise DataError(f"{uri}: cannot fetch it into {entry}: {e.strerror or e}") from None
+    finally:
+        if created and not local.exists():
+            _remove_empty(entry, Path(cache_root))
+    return local
+
+
+def _download(storage: S3Storage, uri: str, head: ObjectHead, local: Path) -> None:
+    """Object ``local.name`` of ``storage`` into ``local``: fetched beside it, checked against
+    ``head`` (size, sha256), renamed into place, then its sha256 record (written last: it marks the
+    copy complete). Temporary files are removed on any failure."""
+    name = local.name
+    tmp = local.with_name(f".{name}.{os.getpid()}.part")
+    record = local.with_name(f".{name}.{os.getpid()}.sha256")
+    try:
         storage.get_file(name, tmp)
         digest = sha256_file(tmp)
         if tmp.stat().st_size != head.size:
             raise DataError(f"{uri}: fetched {tmp.stat().st_size} bytes, the object has {head.size}")
         if head.sha256 is not None and head.sha256 != digest:
             raise DataError(f"{uri}: the fetched bytes have sha256 {digest}, the object says {head.sha256}")
+        record.write_text(f"{digest}  {name}\n")  # before the copy: a full disk fails here with nothing placed
         os.replace(tmp, local)
-        record.write_text(f"{digest}  {name}\n")
-        os.replace(record, local.with_name(name + ".sha256"))  # written last: marks the copy complete
-    except OSError as e:
-        if created and not local.exists():
-            _remove_empty(entry, Path(cache_root))
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DataError(f"{uri}: no space left on the device to fetch it into {entry} "
-                            f"({head.size} bytes): free some space or set NXD_FINETUNE_CACHE") from None
-        raise DataError(f"{uri}: cannot fetch it into {entry}: {e.strerror or e}") from None
+        os.replace(record, local.with_name(name + ".sha256"))
     finally:
         tmp.unlink(missing_ok=True)
         record.unlink(missing_ok=True)
-    return local
 
 
 def _remove_empty(entry: Path, root: Path) -> None:
