@@ -60,7 +60,7 @@ _HANG_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from nxd_finetune.registry import open_registry
 
-    src, uri, marker = sys.argv[1:4]
+    src, uri, marker, name = sys.argv[1:5]
 
     def progress(fname, n):
         if fname.endswith(".safetensors"):
@@ -69,7 +69,7 @@ _HANG_SCRIPT = textwrap.dedent(
 
     opts = dict(multipart_threshold=5 << 20, multipart_chunksize=5 << 20, max_concurrency=1) \\
         if uri.startswith("s3://") else {}
-    open_registry(uri, **opts).push(src, "bot", progress=progress)
+    open_registry(uri, **opts).push(src, name, progress=progress)
     """
 )
 
@@ -78,12 +78,12 @@ def worker_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
 
 
-def killed_push(uri: str, src: Path, tmp_path: Path) -> None:
-    """A push SIGKILLed in the middle of uploading its weights."""
+def killed_push(uri: str, src: Path, tmp_path: Path, name: str = "bot") -> None:
+    """A push of ``src`` as ``name`` SIGKILLed in the middle of uploading its weights."""
     marker = tmp_path / f"uploading-{time.monotonic_ns()}"
     script = tmp_path / "push_and_hang.py"
     script.write_text(_HANG_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(src), uri, str(marker)], env=worker_env(tmp_path))
+    proc = subprocess.Popen([sys.executable, str(script), str(src), uri, str(marker), name], env=worker_env(tmp_path))
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():

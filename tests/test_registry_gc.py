@@ -266,7 +266,7 @@ def test_gc_removes_only_the_files_a_dead_push_or_rm_wrote(reg_uri, tmp_path):
     removed = {g.key for g in report.removed}
     assert "bot/1/.claim-1.json" in removed and removed.isdisjoint({"bot/1/notes.txt", "bot/1/eval.json"})
     assert sorted(reg.storage.list("bot/")) == ["bot/1/eval.json", "bot/1/notes.txt"]
-    assert sorted(report.left) == ["bot/1/eval.json", "bot/1/notes.txt"]
+    assert sorted(report.left) == ["bot/1/eval.json", "bot/1/notes.txt"] and report.kept == ["bot/1"]
 
     # an rm killed after it retired the number and removed the manifest, before the files
     reg.storage.put_bytes("gone/1/mine.json", b"{}")
@@ -284,3 +284,19 @@ def test_gc_removes_only_the_files_a_dead_push_or_rm_wrote(reg_uri, tmp_path):
     assert reg.storage.list("gone/1/") == ["gone/1/mine.json"]
     assert {g.key for g in report.removed} == {"gone/1/adapter_config.json", "gone/1/adapter_model.safetensors"}
     assert "gone/1/mine.json" in report.left and reg.storage.exists("bot/1/notes.txt")
+    assert report.kept == ["bot/1", "gone/1"]
+
+    # the directory goes once nothing but a push's files is in it; gc says in one line why it keeps one
+    for key in ("bot/1/eval.json", "gone/1/mine.json"):
+        reg.storage.delete(key)
+    killed_push(reg_uri, src, tmp_path, name="other")
+    r = CliRunner().invoke(adapters_app, ["gc", reg_uri])
+    assert r.exit_code == 0, r.output
+    assert ("kept bot/1/: no manifest, not a version, but it holds 1 file no push of this registry wrote "
+            "(left alone above); remove it to have the directory go\n") in r.output, r.output
+    assert "kept other/" not in r.output and "kept gone/" not in r.output
+    assert reg.storage.list("other/") == [] and reg.storage.list("gone/1/") == []
+    if not reg_uri.startswith("s3://"):
+        root = Path(reg_uri)
+        assert not (root / "other" / "1").exists() and not (root / "gone" / "1").exists()
+        assert (root / "bot" / "1").is_dir()

@@ -246,6 +246,11 @@ def gc_cmd(
         _say(f"left alone {key}: no push of this registry wrote it", console)
     if len(report.left) > _LEFT_SHOWN:
         _say(f"left alone {len(report.left) - _LEFT_SHOWN} more files no push of this registry wrote", console)
+    for key in report.kept:
+        n = sum(k.startswith(f"{key}/") for k in report.left)
+        _say(f"{'would keep' if dry_run else 'kept'} {key}/: no manifest, not a version, but it holds {n} "
+             f"file{'s' * (n != 1)} no push of this registry wrote (left alone above); remove "
+             f"{'them' if n != 1 else 'it'} to have the directory go", console)
     total = f" ({_size(report.bytes)})" if report.bytes else ""
     summary = f"{verb} {len(report.removed)} object{'s' * (len(report.removed) != 1)}{total}" if report.removed \
         else "nothing to remove"

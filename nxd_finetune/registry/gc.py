@@ -75,7 +75,9 @@ class GcReport:
     """What ``gc`` found: ``removed`` (or, with ``dry_run``, what it would remove), ``damaged``
     versions as ``name:version`` with the reason, ``busy``: version dirs a live push holds,
     ``left``: keys in version directories that no push of this registry wrote (never touched),
-    ``adopted``: the root was marked as a registry by this call."""
+    ``kept``: version directories without a manifest (``name/v``) that stay because they hold such
+    files (gc removes a directory only when nothing else is in it), ``adopted``: the root was marked as a
+    registry by this call."""
 
     registry: str
     dry_run: bool
@@ -83,6 +85,7 @@ class GcReport:
     damaged: list[tuple[str, str]] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
     adopted: bool = False
 
     @property
@@ -163,9 +166,9 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
             written = _listed(reg, [f"{name}/{RETIRED}/{v}.json"], ours)
             _delete_files(reg, report, "file of a removed version", name, v, written)
             _drop_all(reg, report, stray)
-            report.left += [f"{name}/{v}/{f}" for f in others + [f for f in ours if f not in written]]
+            _keep(report, name, v, others + [f for f in ours if f not in written])
         else:
-            report.left += [f"{name}/{v}/{f}" for f in files]
+            _keep(report, name, v, files)
         return
     # the names the dead pushes said they would write: only those are theirs to remove
     written = _listed(reg, [f"{name}/{v}/{f}" for f in claims], ours)
@@ -188,9 +191,17 @@ def _version_dir(reg: Registry, report: GcReport, name: str, v: int, files: list
         _delete(reg, report, Garbage("claim of a dead push", f"{name}/{v}/{f}"))
     _delete_files(reg, report, "file of an unpublished version", name, v, ours)
     _drop_all(reg, report, stray)
-    report.left += [f"{name}/{v}/{f}" for f in others]
+    _keep(report, name, v, others)
     if gen is not None:
         reg.claims.drop(name, v, gen)
+
+
+def _keep(report: GcReport, name: str, v: int, files: list[str]) -> None:
+    """``files`` (in ``name/v``, a directory without a manifest) are no push's: left, and with them
+    the directory."""
+    report.left += [f"{name}/{v}/{f}" for f in files]
+    if files:
+        report.kept.append(f"{name}/{v}")
 
 
 def _listed(reg: Registry, record_keys: list[str], candidates: list[str]) -> list[str]:
