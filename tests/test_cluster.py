@@ -261,10 +261,10 @@ def test_k8s_refuses_a_layout_that_does_not_split(capsys, neuron_recipe):
     for bad in ("Bad_Name", "8b-lora-run", "run-"):  # a DNS-1035 label starts with a letter
         with pytest.raises(SystemExit):
             main(["k8s", "pytorchjob", str(neuron_recipe), "parallel.nproc=8", "--name", bad])
-        assert f"job name {bad!r} is not a Kubernetes name" in capsys.readouterr().err
+        assert f"error: --name {bad!r} is not a Kubernetes name" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["k8s", "precompile-job", str(neuron_recipe), "parallel.nproc=8", "--name", "8b-lora-pre", "--pvc", "c"])
-    assert "job name '8b-lora-pre' is not a Kubernetes name" in capsys.readouterr().err
+    assert "error: --name '8b-lora-pre' is not a Kubernetes name" in capsys.readouterr().err
 
 
 BAD_POD_FLAGS = [
@@ -303,6 +303,50 @@ def test_k8s_flags_kubernetes_would_reject_are_one_line(capsys, neuron_recipe, c
     assert not e.value.code and "kind:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("command", "flag"), [("pytorchjob", "--name"), ("precompile-job", "--name"),
+                                             ("trainjob", "--name"), ("trainjob", "--runtime")])
+def test_k8s_object_names_are_refused_naming_their_flag(capsys, neuron_recipe, command, flag):
+    from nxd_finetune.cli import main
+
+    for bad in ("Bad Runtime!", "x\ny", "-run", "a" * 53):
+        with pytest.raises(SystemExit) as e:
+            main(["k8s", command, str(neuron_recipe), "parallel.nproc=8", "--image", "acct/nxd:neuron", "--pvc", "c",
+                  flag, bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {flag} {bad!r} is not a Kubernetes name: "), err
+        assert err.count("\n") == 1
+    if command == "precompile-job":  # a name of 50 gives job names of 53 on the node counts of a range
+        trn1 = ROOT / "recipes" / "llama3-8b-lora-trn1.yaml"
+        with pytest.raises(SystemExit) as e:
+            main(["k8s", command, str(trn1), "training.global_batch_size=96", "--nodes", "1:4", "--pvc", "c",
+                  "--image", "acct/nxd:neuron", "--name", "a" * 50])
+        assert e.value.code == 2 and capsys.readouterr().err == (
+            f"error: --name {'a' * 50!r}: the job name of a node count, {'a' * 50 + '-4n'!r}, is over 52 characters; "
+            "give a shorter --name\n")
+
+
+def test_k8s_quantities_are_kubernetes_quantities():
+    """``--cpu`` / ``--memory`` follow Kubernetes' quantity grammar: what they accept, the Kubernetes
+    client's ``parse_quantity`` reads as the number meant; what they refuse includes what that lax
+    parser would pass on (a space before the suffix, ``Infinity``, ``1_000``, a ``K``)."""
+    from decimal import Decimal
+
+    from kubernetes.utils import parse_quantity
+
+    from nxd_finetune.cluster.validate import check_quantity
+
+    good = {"8": 8, "500m": Decimal("0.5"), "480Gi": 480 << 30, "1e3": 1000, "1.5": Decimal("1.5"),
+            ".5": Decimal("0.5"), "2k": 2000, "64M": 64 * 10**6, "1Ei": 1 << 60, "+4": 4, "100n": Decimal("1e-7"),
+            "1E2": 100}
+    for text, value in good.items():
+        check_quantity("--cpu", text)
+        assert parse_quantity(text) == value, text
+    for text in ("lots", "480 GiB; rm", "480 Gi", "480GB", "-4", "Infinity", "NaN", "1_000", "2K", "1ki", "", " 8",
+                 "8\n", "1e", "e3", "5mi"):
+        with pytest.raises(NxdError, match=r"^--cpu .* is not a Kubernetes quantity"):
+            check_quantity("--cpu", text)
+
+
 def test_k8s_output_that_cannot_be_written_is_one_line(capsys, neuron_recipe, tmp_path):
     from nxd_finetune.cli import main
 
@@ -318,6 +362,24 @@ def test_k8s_output_that_cannot_be_written_is_one_line(capsys, neuron_recipe, tm
     with pytest.raises(SystemExit) as e:
         main([*base, "-o", str(existing)])
     assert not e.value.code and "kind: PyTorchJob" in existing.read_text()
+    with pytest.raises(SystemExit) as e:  # a missing folder is made
+        main([*base, "-o", str(tmp_path / "new" / "dir" / "job.yaml")])
+    assert not e.value.code and "kind: PyTorchJob" in (tmp_path / "new" / "dir" / "job.yaml").read_text()
+    capsys.readouterr()
+    locked = tmp_path / "ro"  # unwritable even for root: a read-only mount
+    locked.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(locked)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        for out in (locked / "job.yaml", locked / "sub" / "job.yaml"):
+            with pytest.raises(SystemExit) as e:
+                main([*base, "-o", str(out)])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.startswith("error: cannot write ") and err.count("\n") == 1, err
+            assert "read-only" in err.lower(), err
+    finally:
+        subprocess.run(["umount", "-l", str(locked)], capture_output=True)
 
 
 # ----------------------------------------------------------------------------- container images

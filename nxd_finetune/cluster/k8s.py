@@ -104,11 +104,12 @@ def parse_env(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def check_name(name: str) -> str:
+def check_name(name: str, flag: str = "--name") -> str:
     """``name`` if it is a DNS-1035 label (what the training operator accepts: lowercase letters,
-    digits and ``-``, starting with a letter, ending with a letter or digit), else NxdError."""
+    digits and ``-``, starting with a letter, ending with a letter or digit), else NxdError naming
+    ``flag``, the option that gave it."""
     if not _NAME.fullmatch(name):
-        raise NxdError(f"job name {name!r} is not a Kubernetes name: lowercase letters, digits and '-', "
+        raise NxdError(f"{flag} {name!r} is not a Kubernetes name: lowercase letters, digits and '-', "
                        "starting with a letter and ending with a letter or digit, at most 52 characters")
     return name
 
@@ -279,7 +280,11 @@ def precompile_jobs(recipe: Recipe, recipe_path: str, overrides: Sequence[str], 
     if min_nodes is None or min_nodes >= nodes:
         return [precompile_job(recipe, recipe_path, overrides, pod, nodes=nodes, name=name, steps=steps)]
     per_node = elastic_layout(recipe, min_nodes, nodes, overrides).nproc_per_node
-    names = {n: check_name(f"{name}-{n}n") for n in range(min_nodes, nodes + 1)}
+    check_name(name)
+    names = {n: f"{name}-{n}n" for n in range(min_nodes, nodes + 1)}
+    if too_long := [job for job in names.values() if not _NAME.fullmatch(job)]:
+        raise NxdError(f"--name {name!r}: the job name of a node count, {too_long[-1]!r}, is over 52 characters; "
+                       "give a shorter --name")
     recipe, overrides = for_pods(recipe, overrides, pod, precompile=True)
     return [_precompile(recipe, recipe_path, overrides, pod, NodeLayout(n, per_node), job, steps)
             for n, job in names.items()]

@@ -42,7 +42,7 @@ def cluster_training_runtime(image: str, name: str = RUNTIME) -> K8sObject:
     return {
         "apiVersion": TRAINER_API,
         "kind": "ClusterTrainingRuntime",
-        "metadata": {"name": check_name(name), "labels": {"trainer.kubeflow.org/framework": "torch"}},
+        "metadata": {"name": check_name(name, "--runtime"), "labels": {"trainer.kubeflow.org/framework": "torch"}},
         "spec": {
             "mlPolicy": {"numNodes": 1, "torch": {}},
             "template": {"spec": {"replicatedJobs": [{
