@@ -40,6 +40,7 @@ from nxd_finetune.cluster.spec import (
     node_layout,
     torchrun_command,
 )
+from nxd_finetune.cluster.validate import check_name
 from nxd_finetune.cluster.volume import cache_on_volume, warn_unseen_paths
 from nxd_finetune.errors import NxdError
 from nxd_finetune.neuron import PARALLEL_COMPILE, precompile_overrides
@@ -47,7 +48,6 @@ from nxd_finetune.recipe import Recipe
 
 PYTORCHJOB_API = "kubeflow.org/v1"
 MASTER_PORT = 23456  # the training operator's default port (container port "pytorchjob-port")
-_NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")  # a DNS-1035 label: the operator names Services after it
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NODES_LABEL = "nxd-finetune/nodes"  # a precompile job's node count (kubectl apply -l nxd-finetune/nodes=N)
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
@@ -102,16 +102,6 @@ def parse_env(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
                            "with a digit)")
         out.append((key, value))
     return tuple(out)
-
-
-def check_name(name: str, flag: str = "--name") -> str:
-    """``name`` if it is a DNS-1035 label (what the training operator accepts: lowercase letters,
-    digits and ``-``, starting with a letter, ending with a letter or digit), else NxdError naming
-    ``flag``, the option that gave it."""
-    if not _NAME.fullmatch(name):
-        raise NxdError(f"{flag} {name!r} is not a Kubernetes name: lowercase letters, digits and '-', "
-                       "starting with a letter and ending with a letter or digit, at most 52 characters")
-    return name
 
 
 def pod_resources(pod: PodSettings, nproc_per_node: int) -> dict[str, dict[str, str]]:
@@ -282,7 +272,7 @@ def precompile_jobs(recipe: Recipe, recipe_path: str, overrides: Sequence[str], 
     per_node = elastic_layout(recipe, min_nodes, nodes, overrides).nproc_per_node
     check_name(name)
     names = {n: f"{name}-{n}n" for n in range(min_nodes, nodes + 1)}
-    if too_long := [job for job in names.values() if not _NAME.fullmatch(job)]:
+    if too_long := [job for job in names.values() if not validate.JOB_NAME.fullmatch(job)]:
         raise NxdError(f"--name {name!r}: the job name of a node count, {too_long[-1]!r}, is over 52 characters; "
                        "give a shorter --name")
     recipe, overrides = for_pods(recipe, overrides, pod, precompile=True)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from nxd_finetune.cluster.k8s import (
     K8sObject,
     PodSettings,
-    check_name,
     for_pods,
     pod_env,
     pod_mounts,
@@ -27,6 +26,7 @@ from nxd_finetune.cluster.k8s import (
     pod_volumes,
 )
 from nxd_finetune.cluster.spec import INSTANCE_TYPE_LABEL, check_image, job_env, node_layout
+from nxd_finetune.cluster.validate import check_name
 from nxd_finetune.errors import NxdError
 from nxd_finetune.recipe import Recipe
 

@@ -19,6 +19,8 @@ from nxd_finetune.errors import NxdError
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_LABEL = re.compile(_LABEL)
 DNS1123_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+# a DNS-1035 label of at most 52 characters: the training operator names Services after a job
+JOB_NAME = re.compile(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?")
 LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 # resource.Quantity: <signedNumber><suffix>, suffix binary (Ki..Ei), decimal (n u m k M G T P E) or an exponent
 QUANTITY = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?")
@@ -68,3 +70,13 @@ def check_mount_path(value: str) -> None:
     if not value.startswith("/") or ":" in value or any(ord(c) < 32 for c in value) or len(value) > 4096:
         raise NxdError(f"--mount-path {value!r} is not a container mount path: an absolute path without ':' "
                        "or control characters")
+
+
+def check_name(name: str, flag: str = "--name") -> str:
+    """``name`` if it is a DNS-1035 label (what the training operator accepts: lowercase letters,
+    digits and ``-``, starting with a letter, ending with a letter or digit), else NxdError naming
+    ``flag``, the option that gave it."""
+    if not JOB_NAME.fullmatch(name):
+        raise NxdError(f"{flag} {name!r} is not a Kubernetes name: lowercase letters, digits and '-', "
+                       "starting with a letter and ending with a letter or digit, at most 52 characters")
+    return name
