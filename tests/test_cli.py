@@ -16,6 +16,7 @@ import torch
 
 from nxd_finetune.cli import main
 from nxd_finetune.preflight import estimate_memory
+from tests.model_helpers import num_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,7 +172,7 @@ def test_validate_shipped_recipes(capsys, assets, name):
     assert f"path: {assets.models[name]}" in out  # the resolved recipe is printed
     total, trainable = (int(x.replace(",", "")) for x in
                         re.search(r"parameters: total ([\d,]+)\s+trainable ([\d,]+)", out).groups())
-    assert total == DecoderConfig.from_hf(STANDINS[name]).num_parameters() + LORA_TRAINABLE.get(name, 0)
+    assert total == num_parameters(DecoderConfig.from_hf(STANDINS[name])) + LORA_TRAINABLE.get(name, 0)
     assert trainable == LORA_TRAINABLE.get(name, total)
     for row in ("weights", "gradients", "optimizer", "activations", "total"):
         assert re.search(rf"{row}\s+.*\d+\.\d+ (KiB|MiB|GiB)", out), row
@@ -239,7 +240,7 @@ def test_validate_json(capsys, assets):
     assert lay["global_batch_size"] == 16 and lay["grad_accum"] == 16 // (lay["micro_batch_size"] * 2)
     total, trainable = doc["parameters"]["total"], doc["parameters"]["trainable"]
     config = DecoderConfig.from_hf(STANDINS[name])
-    assert total == config.num_parameters() + LORA_TRAINABLE[name] and trainable == LORA_TRAINABLE[name]
+    assert total == num_parameters(config) + LORA_TRAINABLE[name] and trainable == LORA_TRAINABLE[name]
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [f"model.path={assets.models[name]}",
                                                               *assets.data[name], *layout_args])
     targets = doc["max_targets_per_micro_batch"]  # counted in the tokenized data

@@ -385,10 +385,30 @@ def test_k8s_output_that_cannot_be_written_is_one_line(capsys, neuron_recipe, tm
 # ----------------------------------------------------------------------------- container images
 
 
+def parse_dockerfile(text: str) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` per instruction: comments and blank lines dropped, lines ending
+    in ``\\`` joined with the next (whitespace around the join collapsed to one space)."""
+    steps: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        line = (pending + line).strip()
+        pending = ""
+        if line:
+            word, _, rest = line.partition(" ")
+            steps.append((word.upper(), " ".join(rest.split()) if not rest.lstrip().startswith("[") else rest.strip()))
+    return steps
+
+
 def dockerfile(name: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of ``docker/<name>``, continuation lines joined, comments dropped."""
-    from nxd_finetune.cluster.images import parse_dockerfile
-
     return parse_dockerfile((ROOT / "docker" / name).read_text())
 
 
@@ -439,7 +459,5 @@ def test_images_can_rendezvous_through_etcd(name):
 
 
 def test_parse_dockerfile_joins_continuations():
-    from nxd_finetune.cluster.images import parse_dockerfile
-
     assert parse_dockerfile("# c\nARG A=1\nRUN a \\\n  && b\n\nCMD [\"x\"]\n") == [
         ("ARG", "A=1"), ("RUN", "a && b"), ("CMD", '["x"]')]

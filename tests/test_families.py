@@ -27,6 +27,7 @@ from nxd_finetune.preflight.memory import layer_tensors
 from nxd_finetune.quickstart import ensure_tiny_model
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.safetensors_io import header_bytes
+from tests.model_helpers import num_parameters
 from tests.released_configs import PUBLISHED_NON_EMBEDDING_B, PUBLISHED_PARAMETERS, RELEASED_CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +171,7 @@ def test_parameter_counts_equal_transformers(name):
     if name in PUBLISHED_NON_EMBEDDING_B:
         embeddings = hf.get_input_embeddings().weight.numel() * (1 if hf_config.tie_word_embeddings else 2)
         assert round((expected - embeddings) / 1e9, 2) == PUBLISHED_NON_EMBEDDING_B[name]
-    assert config.num_parameters() == expected
+    assert num_parameters(config) == expected
     assert sum(p.numel() for p in build_model(config).parameters()) == expected
     tied = config.tie_word_embeddings
     assert sorted(n for n in build_model(config).state_dict() if n != "lm_head.weight" or not tied) \
@@ -234,7 +235,7 @@ def test_shipped_recipe_validates_against_the_released_config(capsys, tmp_path, 
     total, trainable = (int(x.replace(",", "")) for x in
                         re.search(r"parameters: total ([\d,]+)\s+trainable ([\d,]+)", out.out).groups())
     assert trainable == lora_trainable
-    assert total == DecoderConfig.from_hf(RELEASED_CONFIGS[real]).num_parameters() + lora_trainable
+    assert total == num_parameters(DecoderConfig.from_hf(RELEASED_CONFIGS[real])) + lora_trainable
 
 
 def test_gemma3_config_written_before_transformers_5(make_tiny_hf):

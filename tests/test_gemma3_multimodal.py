@@ -22,6 +22,7 @@ from nxd_finetune.lora import LoraConfig, inject_lora, load_adapter, save_adapte
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained
 from nxd_finetune.models.config import GEMMA3_TEXT_DEFAULTS
 from nxd_finetune.quickstart import ensure_tiny_model
+from tests.model_helpers import num_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 2048  # the quickstart tokenizer's, so the CLI run can use it
@@ -134,7 +135,7 @@ def test_sparse_text_config_takes_transformers_defaults():
     with torch.device("meta"):
         hf = Gemma3ForConditionalGeneration(Gemma3Config(**{k: v for k, v in raw.items() if k != "model_type"}))
     expected = sum(p.numel() for p in hf.model.language_model.parameters())
-    assert config.num_parameters() == expected == sum(p.numel() for p in build_model(config).parameters())
+    assert num_parameters(config) == expected == sum(p.numel() for p in build_model(config).parameters())
 
 
 def _adapter(ours, tmp_path: Path, targets, base: Path) -> Path:

@@ -40,15 +40,17 @@ from nxd_finetune.parallel import (
     tp_plan_for,
 )
 from nxd_finetune.parallel.mappings import (
+    SEQ_DIM,
     all_gather,
     all_reduce_sum,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
+    group_rank,
+    group_size,
     reduce_from_tp,
     reduce_from_tp_,
     reduce_scatter_to_sequence,
-    scatter_to_sequence,
     scatter_to_tp,
 )
 
@@ -56,6 +58,25 @@ from nxd_finetune.parallel.mappings import (
 
 
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Forward keep this rank's chunk of the sequence dim; backward all-gather on it (the package's
+    ``all_gather``). No layer scatters onto the sequence dim; the checks use it as the pair of
+    ``gather_from_sequence``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(group_size(group), dim=SEQ_DIM)[group_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else ScatterToSequence.apply(x, group)
 
 
 # ----------------------------------------------------------------------------- workers

@@ -3,7 +3,7 @@
 Unit tests cover ``split_layers`` (and its errors) and stage cutting in one process. The
 distributed tests fork 2 gloo ranks (pp=2) once per test and run several cases each on a tiny
 Llama (hidden 64, 4 layers, 4 heads / 2 kv heads, vocab 128, fixed seed) with packed micro-batches
-(position/segment ids, -100 labels). The reference is the trainer's own ``micro_step`` (loss summed
+(position/segment ids, -100 labels). The reference is ``micro_step`` below (full logits, loss summed
 over a micro-batch's targets / targets of the whole step) with gradient accumulation, computed in
 the parent before forking. Workers return ``{check: (got, expected)}``; the parent asserts to 1e-5.
 """
@@ -31,7 +31,7 @@ from nxd_finetune.parallel.pipeline import (
     split_layers,
     stage_ids_of_rank,
 )
-from nxd_finetune.sft.trainer import micro_step
+from nxd_finetune.sft.engine import autocast
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2)
@@ -113,6 +113,18 @@ def step_batches(step: int, ragged: bool = False) -> list[dict[str, torch.Tensor
 def n_targets(mbs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """As ``sft.trainer.train`` counts them."""
     return sum((shift_labels(b["labels"]) != IGNORE_INDEX).sum() for b in mbs).clamp(min=1)
+
+
+def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets: torch.Tensor,
+               device: torch.device, precision: str) -> torch.Tensor:
+    """Forward + backward of one micro-batch on a whole (unsharded) model with full logits;
+    returns its summed loss / ``n_targets`` (detached). The reference the parallel paths are
+    tested against (the engine computes the same loss, at target positions only)."""
+    with autocast(device, precision):
+        logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
+    loss = causal_lm_loss(logits, batch["labels"], reduction="sum") / n_targets
+    loss.backward()
+    return loss.detach()
 
 
 def reference_step(model: torch.nn.Module, mbs: list[dict[str, torch.Tensor]]) -> float:

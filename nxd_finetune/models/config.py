@@ -226,19 +226,6 @@ class DecoderConfig:
             return None
         return self.sliding_window
 
-    def num_parameters(self) -> int:
-        """Total parameter count, computed from shapes (no tensors built)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        assert self.head_dim is not None and self.num_key_value_heads is not None  # set by __post_init__
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
-        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + mlp + norms
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
-
 
 def _gemma_kwargs(arch: str, raw: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """Gemma's fields into ``kwargs``: the activation (``hidden_activation``), tied embeddings unless

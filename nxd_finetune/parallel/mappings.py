@@ -12,7 +12,6 @@ last dim):
 
 Sequence-parallel region (activations ``[B, T, H]`` split on the sequence dim, ``SEQ_DIM = 1``):
 
-- ``ScatterToSequence``:        forward keep this rank's sequence chunk; backward all-gather.
 - ``GatherFromSequence``:       forward all-gather;      backward reduce-scatter (sum).
 - ``ReduceScatterToSequence``:  forward reduce-scatter (sum); backward all-gather.
 
@@ -162,19 +161,6 @@ class GatherFromTP(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class ScatterToSequence(torch.autograd.Function):
-    """Forward keep this rank's chunk of the sequence dim; backward all-gather on it."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
-
-
 class GatherFromSequence(torch.autograd.Function):
     """Forward all-gather on the sequence dim; backward reduce-scatter (sum) on it.
 
@@ -230,10 +216,6 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else GatherFromTP.apply(x, group)
-
-
-def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return x if group_size(group) == 1 else ScatterToSequence.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -32,7 +32,6 @@ from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
 from nxd_finetune.export import ExportSpec, export_model
-from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
 from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
@@ -44,7 +43,6 @@ from nxd_finetune.registry.publish import check_publish_target, publish_run
 from nxd_finetune.runtime import HostValues, StepRuntime
 from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
-from nxd_finetune.sft.engine import autocast
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
 from nxd_finetune.sft.setup import setup_rank
@@ -57,18 +55,6 @@ if TYPE_CHECKING:
 
     from nxd_finetune.recipe import Recipe
     from nxd_finetune.sft.engine import Engine
-
-
-def micro_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], n_targets: torch.Tensor,
-               device: torch.device, precision: str) -> torch.Tensor:
-    """Forward + backward of one micro-batch on a whole (unsharded) model with full logits;
-    returns its summed loss / ``n_targets`` (detached). The reference the parallel paths are
-    tested against (the engine computes the same loss, at target positions only)."""
-    with autocast(device, precision):
-        logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
-    loss = causal_lm_loss(logits, batch["labels"], reduction="sum") / n_targets
-    loss.backward()
-    return loss.detach()
 
 
 def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
