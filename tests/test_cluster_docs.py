@@ -1,6 +1,6 @@
-"""The cluster commands of the README and ``docs/trainium.md`` as written: TorchX lines rendered
-with ``--dryrun``, ``torchx log`` handles parsed by TorchX, every ``torchrun`` line with the
-restart-safe store variable."""
+"""The cluster commands of the README and docs/ (``docs/cluster.md``, ``docs/trainium.md``, ...) as
+written: TorchX lines rendered with ``--dryrun``, ``torchx log`` handles parsed by TorchX, every
+``torchrun`` line with the restart-safe store variable."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = {name: (ROOT / name).read_text() for name in ("README.md", "docs/trainium.md")}
+DOCS = {name: (ROOT / name).read_text()
+        for name in ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]}
+# the docs whose inline `torchrun ...` commands are for a user to copy (docs/trainium.md's inline
+# mentions describe what tests ran)
+INLINE_COMMANDS = ("README.md", "docs/cluster.md")
 STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 
@@ -40,8 +44,8 @@ def torchx_dryrun(argv: list[str], tmp_path: Path) -> dict:
     return yaml.safe_load(proc.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
 
 
-def test_readme_torchx_kubernetes_line_renders(tmp_path):
-    (line,) = [c for c in shell_blocks(DOCS["README.md"]) if c.startswith("torchx run") and "kubernetes" in c]
+def test_cluster_doc_torchx_kubernetes_line_renders(tmp_path):
+    (line,) = [c for c in shell_blocks(DOCS["docs/cluster.md"]) if c.startswith("torchx run") and "kubernetes" in c]
     job = torchx_dryrun(shlex.split(line), tmp_path)
     assert job["spec"]["queue"] == "default" and len(job["spec"]["tasks"]) == 2
     container = job["spec"]["tasks"][0]["template"]["spec"]["containers"][0]
@@ -60,14 +64,15 @@ def test_torchx_log_handles_parse():
 
 def test_every_documented_torchrun_sets_the_store_variable():
     """Every torchrun command a user copies: the docs' bash blocks (a block may export it once) and
-    the README's inline commands (docs/trainium.md's inline mentions describe what tests ran)."""
+    the inline commands of the README and docs/cluster.md."""
     for name, text in DOCS.items():
         for block in re.findall(r"^ *```bash\n(.*?)^ *```", text, re.S | re.M):
             if "torchrun " in block and f"export {STORE_ENV}" not in block:
                 for command in shell_blocks(f"```bash\n{block}```"):
                     assert "torchrun " not in command or STORE_ENV in command, (name, command)
-    for command in re.findall(r"`([^`]*\btorchrun --[^`]*)`", DOCS["README.md"]):
-        assert STORE_ENV in command, command
+    for name in INLINE_COMMANDS:
+        for command in re.findall(r"`([^`]*\btorchrun --[^`]*)`", DOCS[name]):
+            assert STORE_ENV in command, (name, command)
 
 
 def doc_commands(prefix: str) -> list[list[str]]:

@@ -63,7 +63,7 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     The order is by tensor name, so resharding a checkpoint (or other safetensors metadata) keeps
     the fingerprint; another dtype, or any changed value, changes it. Each file's header is
     checked by ``safetensors`` first (:func:`~nxd_finetune.models.loading.open_checkpoint_file`).
-    It reads the whole checkpoint once, at hashing speed (the cost is in the README). Raises
+    It reads the whole checkpoint once, at hashing speed (the cost is in docs/checkpoints.md). Raises
     ModelLoadError for an unreadable checkpoint."""
     spans = _tensor_spans(model_dir)
     threads = max(1, min(_THREADS, os.cpu_count() or 1, len(spans)))

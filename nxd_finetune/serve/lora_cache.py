@@ -203,7 +203,7 @@ class AdapterCache:
             if self._pull(registry, name, version, files, dest):
                 return dest
         raise IntegrityError(f"{parent}: no verified copy of {name}:{version} among {MAX_COPIES}; "
-                             "clear the cache (see the README)")
+                             "clear the cache (see docs/serving.md)")
 
     @staticmethod
     def _pull(registry: Registry, name: str, version: int, files: Mapping[str, Mapping], dest: Path) -> bool:

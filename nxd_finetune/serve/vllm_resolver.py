@@ -17,7 +17,7 @@ What vLLM 0.32's interface leaves to it, and what this module does about it:
 
 - vLLM asks resolvers only for a name it has not loaded, keeps the answer under that name until
   ``POST /v1/unload_lora_adapter`` removes it, and numbers adapters after the resolver answers. So
-  ``NAME`` and ``NAME@TAG`` stay the version they named at their first request (the README says how
+  ``NAME`` and ``NAME@TAG`` stay the version they named at their first request (docs/serving.md says how
   to unload). So that names of one version take one LoRA slot, :func:`register` wraps
   ``OpenAIServingModels.resolve_lora`` (in the API server): a name resolved to the cached copy that
   another loaded name uses takes that name's adapter id.
