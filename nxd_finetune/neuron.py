@@ -1,11 +1,11 @@
 """Neuron (Trainium) specifics: run-time detection and the environment a recipe asks for.
 
-Light to import (no torch), so recipe validation can use the presets. Nothing here is required:
-``torch_neuronx`` is only tried at run time; the packages of that name on the public index are
-placeholders that raise ImportError, and count as absent.
+Light to import (no torch). Nothing here is required: ``torch_neuronx`` is only tried at run time;
+the packages of that name on the public index are placeholders that raise ImportError, and count
+as absent. The precision presets are in :mod:`nxd_finetune.neuron_presets`, which the recipe's
+validation reads too.
 
 - :func:`neuron_available` / :func:`torch_xla_available`: whether the package imports.
-- :data:`PRESETS` and :func:`resolve_preset`: the precision presets and which recipes they fit.
 - :func:`neuron_env`: a pure function of the recipe -> ``NEURON_CC_FLAGS`` (``--model-type``,
   ``--cache_dir`` from ``neuron.compile_cache``, the preset's and the recipe's extra flags),
   ``XLA_USE_BF16``, ``XLA_DOWNCAST_BF16``, ``NEURON_RT_STOCHASTIC_ROUNDING_EN``.
@@ -16,7 +16,6 @@ placeholders that raise ImportError, and count as absent.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import shlex
@@ -26,11 +25,11 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.neuron_presets import PRESETS, SR_VAR, resolve_preset
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
 
-SR_VAR = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 CC_FLAGS_VAR = "NEURON_CC_FLAGS"
 PARALLEL_COMPILE = "neuron_parallel_compile"
 
@@ -58,61 +57,6 @@ def neuron_available() -> bool:
 
 
 # ---------------------------------------------------------------- Neuron environment
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionPreset:
-    """Environment of one precision mode on Neuron. ``cc_flags`` go into ``NEURON_CC_FLAGS``
-    unless the user's flags already set the same option."""
-
-    name: str
-    env: Mapping[str, str]
-    cc_flags: tuple[str, ...] = ()
-    summary: str = ""
-
-
-PRESETS: dict[str, PrecisionPreset] = {
-    p.name: p
-    for p in (
-        PrecisionPreset(
-            "fp32", {"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", SR_VAR: "0"}, ("--auto-cast=none",),
-            "fp32 everywhere; the compiler's own fp32->bf16 matmul cast is turned off"),
-        PrecisionPreset(
-            "bf16-sr", {"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "0", SR_VAR: "1"}, (),
-            "every float tensor on the device is bf16 (weights, grads, optimizer states); stochastic "
-            "rounding keeps small updates from vanishing"),
-        PrecisionPreset(
-            "bf16-master", {"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", SR_VAR: "0"}, ("--auto-cast=none",),
-            "bf16 weights and compute (training.precision=bf16), fp32 master weights and optimizer "
-            "states sharded by ZeRO-1 (parallel.zero1=true)"),
-        PrecisionPreset(
-            "autocast", {"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", SR_VAR: "0"}, ("--auto-cast=none",),
-            "fp32 weights, torch.autocast bf16 forward (training.precision=bf16-mixed); the compiler "
-            "casts nothing more"),
-    )
-}
-
-# preset -> the training.precision values it works with
-PRESET_PRECISIONS: dict[str, tuple[str, ...]] = {
-    "fp32": ("fp32",), "bf16-sr": ("fp32", "bf16"), "bf16-master": ("bf16",), "autocast": ("bf16-mixed",),
-}
-
-
-def resolve_preset(precision: str, zero1: bool, preset: str = "auto") -> str:
-    """The preset name for ``neuron.precision`` (``auto``: fp32 -> fp32, bf16 -> bf16-master with
-    ZeRO-1 else bf16-sr, bf16-mixed -> autocast). Raises NxdError for a preset that does not fit
-    ``training.precision`` / ``parallel.zero1``."""
-    if preset == "auto":
-        return {"fp32": "fp32", "bf16": "bf16-master" if zero1 else "bf16-sr", "bf16-mixed": "autocast"}[precision]
-    if preset not in PRESETS:
-        raise NxdError(f"unknown neuron.precision {preset!r}; use auto, {', '.join(PRESETS)}")
-    allowed = PRESET_PRECISIONS[preset]
-    if precision not in allowed:
-        raise NxdError(f"neuron.precision={preset} needs training.precision={' or '.join(allowed)} "
-                       f"(got {precision})")
-    if preset == "bf16-master" and not zero1:
-        raise NxdError("neuron.precision=bf16-master keeps fp32 master weights in ZeRO-1; set parallel.zero1=true")
-    return preset
 
 
 def _drop_flag(flags: list[str], name: str) -> list[str]:

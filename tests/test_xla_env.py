@@ -19,13 +19,8 @@ import torch
 from nxd_finetune import neuron
 from nxd_finetune.cli import main
 from nxd_finetune.errors import NxdError, RecipeError
-from nxd_finetune.neuron import (
-    PRESETS,
-    apply_neuron_env,
-    neuron_env,
-    precompile_command,
-    resolve_preset,
-)
+from nxd_finetune.neuron import apply_neuron_env, neuron_env, precompile_command
+from nxd_finetune.neuron_presets import PRESETS, resolve_preset
 from nxd_finetune.parallel import launch
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
 from nxd_finetune.runtime import DeviceLoader, StepRuntime, make_runtime

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS, TemplateValue, template_kwargs_problem
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
-from nxd_finetune.neuron import resolve_preset
+from nxd_finetune.neuron_presets import resolve_preset
 from nxd_finetune.recipe.messages import suggest
 from nxd_finetune.recipe.preference import Objective, PreferenceSection, check_objective
 
