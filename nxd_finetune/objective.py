@@ -30,11 +30,13 @@ loop, the pipeline schedule, the checkpoint and the exporter stay as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
+from pydantic import BaseModel
 
 from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
 
@@ -128,3 +130,52 @@ class CrossEntropy(NoTrainStats):
 
 
 SFT = CrossEntropy()
+
+
+Section = BaseModel | None
+"""An objective's recipe section as the recipe holds it (None: absent, the defaults apply)."""
+
+
+def no_reference(section: Section, lora_init_from: str | None) -> str | None:
+    return None
+
+
+def no_problem(section: Section, lora_init_from: str | None, full: bool) -> str | None:
+    return None
+
+
+def no_setting(section: Section) -> str | None:
+    return None
+
+
+def dpo_pairs(section: Section) -> str:
+    return "dpo"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveRecord:
+    """One objective as a recipe names it (``objective: <name>``), registered in
+    :mod:`nxd_finetune.objectives`; everything outside the objective's own module reads these.
+
+    ``build(section)``: the objective from its recipe section (``section``: the name of the
+    recipe's section it reads, None: none); ``data_format``: the ``data.format`` it trains on
+    (None: the supervised formats, no other objective's); ``reference(section, lora_init_from)``:
+    the reference model its loss is measured against (``base``, ``init_from``; None: none, no
+    reference pass); ``check(section, lora_init_from, full)``: its own cross-section rule (one
+    line, else None); ``metadata(section)``: what an adapter records of it besides its name and
+    reference (None: nothing is recorded, SFT); ``pair_tokenization(section)``: whose TRL
+    trainer its pairs are tokenized as (``dpo``, ``orpo``); ``diverged(section)``: the setting a
+    user lowers when training diverges (None: only the learning rate)."""
+
+    name: str
+    build: Callable[[Section], Objective]
+    section: str | None = None
+    data_format: str | None = None
+    reference: Callable[[Section, str | None], str | None] = no_reference
+    check: Callable[[Section, str | None, bool], str | None] = no_problem
+    metadata: Callable[[Section], dict[str, str]] | None = None
+    pair_tokenization: Callable[[Section], str] = dpo_pairs
+    diverged: Callable[[Section], str | None] = no_setting
+
+
+SFT_RECORD = ObjectiveRecord("sft", build=lambda section: SFT)

@@ -35,13 +35,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
-from nxd_finetune.objective import TokenBatch
+from nxd_finetune.objective import ObjectiveRecord, Section, TokenBatch
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 _PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
@@ -277,14 +279,139 @@ class OddsRatioPreference(_PairObjective):
         return loss, stats
 
 
-def preference_objective(objective: str, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                         simpo_gamma: float = 0.5,
-                         orpo_nll: str = "prompt_and_completion") -> DirectPreference | OddsRatioPreference:
-    """The objective of ``objective: dpo`` (with its ``loss_type``) or ``orpo`` (``orpo_nll``: the
-    tokens of its NLL term, :class:`OddsRatioPreference`)."""
-    if objective == "orpo":
-        return OddsRatioPreference(beta=beta, nll=orpo_nll)
-    if objective == "dpo":
-        return DirectPreference(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-                                simpo_gamma=simpo_gamma)
-    raise ValueError(f"{objective!r} is not a preference objective (dpo, orpo)")
+# ---------------------------------------------------------------------- the recipe's side
+
+Reference = Literal["base", "init_from"]
+# beta multiplies summed log-prob differences and IPO / SimPO divide by it (1 / (2 beta), gamma / beta):
+# within these bounds every objective's loss, rewards and gradients stay far inside float32's range
+# (usual values: beta 0.01 to 10, simpo_gamma 0.5 to 2); beyond them the loss is NaN or inf from step 1
+BETA_RANGE = (1e-4, 1e4)
+SIMPO_GAMMA_MAX = 1e4
+
+
+class PreferenceSection(BaseModel):
+    """Preference tuning (``objective: dpo`` or ``orpo``).
+
+    ``beta``: DPO's KL weight (IPO: its tau; SimPO and ORPO: their reward scale / odds-ratio weight).
+    ``loss_type`` (dpo only): ``sigmoid`` (DPO; ``label_smoothing`` > 0: conservative DPO),
+    ``ipo``, ``hinge``, or ``simpo`` (no reference; ``simpo_gamma``: the target reward margin).
+    ``orpo_nll`` (orpo only): the tokens of ORPO's NLL term on the chosen sequences,
+    ``prompt_and_completion`` (TRL's ``ORPOTrainer``) or ``completion`` (the chosen completion only).
+    ``max_prompt_length`` / ``truncation_mode``: how the data layer shortens a pair over
+    ``data.max_seq_len`` (prompt first to ``max_prompt_length``, then ``keep_start`` /
+    ``keep_end`` of the sequence). ``reference`` (dpo with a reference): ``base`` (the weights with
+    the adapter off, or the initial full model) or ``init_from`` (the adapter the run starts from,
+    the default when ``lora.init_from`` is set). Reference log-probs are computed in one pass
+    before training (``precompute_ref_log_probs``; no second model in memory). ``beta`` lies within
+    :data:`BETA_RANGE` and ``simpo_gamma`` within [0, :data:`SIMPO_GAMMA_MAX`] (beyond: a loss
+    that overflows)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo"] = "sigmoid"
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5)
+    simpo_gamma: float = 0.5
+    orpo_nll: Literal["prompt_and_completion", "completion"] = "prompt_and_completion"
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    precompute_ref_log_probs: bool = True
+    reference: Reference | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PreferenceSection:
+        low, high = BETA_RANGE
+        if not low <= self.beta <= high:
+            raise ValueError(f"preference.beta={self.beta:g} is outside [{low:g}, {high:g}]: beyond it the "
+                             "preference loss overflows (NaN or inf from the first step); usual values: 0.01 to 10")
+        if not 0 <= self.simpo_gamma <= SIMPO_GAMMA_MAX:
+            raise ValueError(f"preference.simpo_gamma={self.simpo_gamma:g} is outside [0, {SIMPO_GAMMA_MAX:g}] "
+                             "(a margin of at least 0; larger ones overflow the SimPO loss); usual values: 0.5 to 2")
+        if not self.precompute_ref_log_probs:
+            raise ValueError("preference.precompute_ref_log_probs=false is not supported: reference log-probs are "
+                             "computed in one pass before training (no second model in memory)")
+        if self.label_smoothing and self.loss_type in ("ipo", "hinge"):
+            raise ValueError(f"preference.label_smoothing={self.label_smoothing} has no effect with "
+                             f"loss_type={self.loss_type} (only sigmoid and simpo use it)")
+        if self.loss_type == "simpo" and self.reference is not None:
+            raise ValueError(f"preference.reference={self.reference} but loss_type=simpo uses no reference model")
+        return self
+
+
+def settings(section: Section) -> PreferenceSection:
+    """The recipe's ``preference`` section (its defaults when absent)."""
+    if section is not None and not isinstance(section, PreferenceSection):
+        raise TypeError(f"a preference objective reads a PreferenceSection, got {type(section).__name__}")
+    return section or PreferenceSection()
+
+
+def dpo_objective(section: Section) -> DirectPreference:
+    """``objective: dpo`` with its ``preference`` settings (``loss_type``: DPO, IPO, hinge, SimPO)."""
+    p = settings(section)
+    return DirectPreference(beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing,
+                            simpo_gamma=p.simpo_gamma)
+
+
+def orpo_objective(section: Section) -> OddsRatioPreference:
+    """``objective: orpo`` (``orpo_nll``: the tokens of its NLL term)."""
+    p = settings(section)
+    return OddsRatioPreference(beta=p.beta, nll=p.orpo_nll)
+
+
+def dpo_reference(section: Section, lora_init_from: str | None) -> str | None:
+    """DPO's reference: ``preference.reference``, else ``init_from`` with ``lora.init_from``, else
+    ``base``; none for SimPO."""
+    p = settings(section)
+    if p.loss_type == "simpo":
+        return None
+    if p.reference is not None:
+        return p.reference
+    return "init_from" if lora_init_from else "base"
+
+
+def _check_reference(p: PreferenceSection, lora_init_from: str | None, full: bool) -> str | None:
+    if p.reference == "init_from" and not lora_init_from:
+        return "preference.reference=init_from needs lora.init_from (the adapter the run starts from)"
+    if p.reference == "init_from" and full:
+        return "preference.reference=init_from needs a lora section (full fine-tuning has no adapter)"
+    return None
+
+
+def check_dpo(section: Section, lora_init_from: str | None, full: bool) -> str | None:
+    p = settings(section)
+    if p.orpo_nll != "prompt_and_completion":  # the default: written back out
+        return f"preference.orpo_nll={p.orpo_nll} is an ORPO setting; objective=dpo has no use for it"
+    return _check_reference(p, lora_init_from, full)
+
+
+def check_orpo(section: Section, lora_init_from: str | None, full: bool) -> str | None:
+    p = settings(section)
+    if p.reference is not None:
+        return f"preference.reference={p.reference} but objective=orpo uses no reference model"
+    if p.loss_type != "sigmoid":  # the default: a recipe written back out keeps it
+        return f"preference.loss_type={p.loss_type} is a DPO setting; objective=orpo has its own loss"
+    if p.label_smoothing:
+        return f"preference.label_smoothing={p.label_smoothing} is a DPO setting; objective=orpo has no use for it"
+    return _check_reference(p, lora_init_from, full)
+
+
+def beta_setting(section: Section) -> str:
+    return f"preference.beta (now {settings(section).beta:g})"
+
+
+def orpo_pairs(section: Section) -> str:
+    return "orpo"
+
+
+def dpo_pairs_of(section: Section) -> str:
+    """SimPO's pairs are tokenized as TRL's CPOTrainer does (ORPOTrainer's rule); DPO's as DPOTrainer's."""
+    return "orpo" if settings(section).loss_type == "simpo" else "dpo"
+
+
+DPO = ObjectiveRecord("dpo", build=dpo_objective, section="preference", data_format="preference",
+                      reference=dpo_reference, check=check_dpo,
+                      metadata=lambda section: {"nxd_loss_type": settings(section).loss_type},
+                      pair_tokenization=dpo_pairs_of, diverged=beta_setting)
+ORPO = ObjectiveRecord("orpo", build=orpo_objective, section="preference", data_format="preference",
+                       check=check_orpo, metadata=lambda section: {}, pair_tokenization=orpo_pairs,
+                       diverged=beta_setting)

@@ -32,6 +32,7 @@ from nxd_finetune.data import formats
 from nxd_finetune.data.preference import TRL_TOKENIZATIONS, TRUNCATION_MODES
 from nxd_finetune.data.tokenize import TokenizedDataset, tokenize_rows
 from nxd_finetune.errors import DataError
+from nxd_finetune.objectives import objective_record, section_of
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
 from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
@@ -104,17 +105,15 @@ class DataSpec:
     def from_recipe(cls, recipe: Recipe) -> DataSpec:
         """The recipe's ``data`` section, with ``max_prompt_length`` / ``truncation_mode`` from its
         ``preference`` section when it has one and the TRL trainer whose tokenization its objective
-        follows (they change how pairs are tokenized): ``orpo`` for ORPO and SimPO (TRL's
-        ``ORPOTrainer`` / ``CPOTrainer``), ``dpo`` for the rest."""
+        follows (they change how pairs are tokenized; the objective's record says which): ``orpo``
+        for ORPO and SimPO (TRL's ``ORPOTrainer`` / ``CPOTrainer``), ``dpo`` for the rest."""
         values = dataclasses.asdict(cls.of(recipe.data))
         section = getattr(recipe, "preference", None)
         for name in ("max_prompt_length", "truncation_mode"):
             if section is not None and getattr(section, name, None) is not None:
                 values[name] = getattr(section, name)
-        objective = getattr(recipe, "objective", "sft")
-        simpo = section is not None and getattr(section, "loss_type", None) == "simpo"
-        if objective == "orpo" or (objective == "dpo" and simpo):
-            values["trl_tokenization"] = "orpo"
+        record = objective_record(getattr(recipe, "objective", "sft"))
+        values["trl_tokenization"] = record.pair_tokenization(section_of(recipe, record))
         return cls.of(values)
 
 

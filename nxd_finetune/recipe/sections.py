@@ -15,7 +15,7 @@ from nxd_finetune.data.formats import OPTIONAL_FIELDS, REQUIRED_FIELDS, Template
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.neuron_presets import resolve_preset
 from nxd_finetune.recipe.messages import suggest
-from nxd_finetune.recipe.preference import Objective, PreferenceSection, check_objective
+from nxd_finetune.recipe.preference import PreferenceSection, check_objective, known_objective
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -312,11 +312,12 @@ class NeuronSection(_Section):
 
 class Recipe(_Section):
     """A validated recipe. ``lora`` None means full fine-tuning. ``objective``: ``sft`` (default),
-    or preference tuning (``dpo``, ``orpo``) with its ``preference`` section."""
+    or preference tuning (``dpo``, ``orpo``) with its ``preference`` section: a name in the
+    objective registry (:mod:`nxd_finetune.objectives`)."""
 
     model: ModelSection
     data: DataSection
-    objective: Objective = "sft"
+    objective: str = "sft"
     preference: PreferenceSection | None = None
     lora: LoraSection | None = None
     parallel: ParallelSection = Field(default_factory=ParallelSection)
@@ -326,6 +327,11 @@ class Recipe(_Section):
     output: OutputSection = Field(default_factory=OutputSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     neuron: NeuronSection = Field(default_factory=NeuronSection)
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, name: str) -> str:
+        return known_objective(name)
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -344,7 +350,7 @@ class Recipe(_Section):
         if self.eval.every_n_steps and self.data.eval is None and self.data.eval_fraction == 0:
             raise ValueError(f"eval.every_n_steps={self.eval.every_n_steps} but there is no eval data; "
                              "set data.eval or data.eval_fraction")
-        wrong = check_objective(self.objective, self.preference, self.data.format,
+        wrong = check_objective(self.objective, {"preference": self.preference}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:
             raise ValueError(wrong)

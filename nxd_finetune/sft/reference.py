@@ -36,8 +36,8 @@ from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.lora.identity import weights_fingerprint
 from nxd_finetune.loss import Scores
 from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
+from nxd_finetune.objectives import run_reference
 from nxd_finetune.preference import pack_target, sequence_logps
-from nxd_finetune.recipe import reference_of
 from nxd_finetune.sft.engine import Engine
 from nxd_finetune.sft.init_from import StartAdapter, resolve_start
 
@@ -161,7 +161,7 @@ def attach_reference(recipe: Recipe, engine: Engine, data: DataLoaders, model_di
     if started is not None:
         ident = started
     else:
-        reference = reference_of(run.objective, run.preference, run.lora.init_from if run.lora else None)
+        reference = run_reference(run)
         if reference is None:
             return None
         ident = reference_identity(run, reference, model_dir, _start(run, reference, engine, run_recipe))

@@ -25,10 +25,10 @@ from nxd_finetune.data.datasets import DataSpec
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
-from nxd_finetune.objective import SFT, Objective
+from nxd_finetune.objective import Objective
+from nxd_finetune.objectives import objective_of
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
-from nxd_finetune.preference import preference_objective
 from nxd_finetune.runtime import DeviceLoader, StepRuntime, make_runtime
 from nxd_finetune.sft.engine import Engine, build_engine
 from nxd_finetune.sft.step import StepItem, step_batches
@@ -97,17 +97,6 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
     if t.max_steps:
         return t.max_steps
     return max(1, math.ceil((t.epochs or 1.0) * batches_per_epoch / recipe.grad_accum_steps))
-
-
-def objective_of(recipe: Recipe) -> Objective:
-    """The recipe's objective: supervised cross entropy, or the preference objective of
-    ``objective: dpo | orpo`` with its ``preference`` settings."""
-    if recipe.objective == "sft":
-        return SFT
-    p = recipe.preference
-    if p is None:
-        return preference_objective(recipe.objective)
-    return preference_objective(recipe.objective, p.beta, p.loss_type, p.label_smoothing, p.simpo_gamma, p.orpo_nll)
 
 
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,

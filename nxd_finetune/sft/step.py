@@ -23,7 +23,7 @@ from nxd_finetune.data.loader import TrainLoader
 from nxd_finetune.data.pairs import pair_tokens
 from nxd_finetune.errors import NxdError
 from nxd_finetune.objective import Objective, TokenBatch
-from nxd_finetune.recipe import PreferenceSection
+from nxd_finetune.objectives import objective_record, section_of
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -103,8 +103,10 @@ def divergence_hint(recipe: Recipe) -> str:
     """What to change when a run's numbers stop being finite (the end of :func:`stop_if_diverged`'s line)."""
     t = recipe.training
     change = [f"lower training.lr (now {t.lr:g})"]
-    if recipe.objective != "sft":
-        change.append(f"preference.beta (now {(recipe.preference or PreferenceSection()).beta:g})")
+    record = objective_record(recipe.objective)
+    setting = record.diverged(section_of(recipe, record))  # the objective's own scale, e.g. preference.beta
+    if setting is not None:
+        change.append(setting)
     clip = "" if t.grad_clip else ", or set training.grad_clip"
     return f"training diverged: {' or '.join(change)}{clip}; nothing of this step was logged or checkpointed"
 

@@ -34,11 +34,12 @@ from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
+from nxd_finetune.objectives import objective_record, run_reference, section_of
 from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
 from nxd_finetune.parallel.launch import in_launched_env, launch
 from nxd_finetune.parallel.layers import ShardSpec
 from nxd_finetune.preflight.hardware import check_cpu_formats
-from nxd_finetune.recipe import check_against_model, recipe_from_dict, reference_of
+from nxd_finetune.recipe import check_against_model, recipe_from_dict
 from nxd_finetune.registry.publish import check_publish_target, publish_run
 from nxd_finetune.runtime import HostValues, StepRuntime
 from nxd_finetune.serve.samples import EvalSamples
@@ -216,17 +217,15 @@ def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dic
     (``nxd_reference``: ``base``, ``init_from:<source>`` with the source resolved, e.g. the
     registry version pulled, or ``none``; ``reference``: the identity the run used, else the
     recipe's). Empty for SFT."""
-    if recipe.objective == "sft":
+    record = objective_record(recipe.objective)
+    if record.metadata is None:
         return {}
     init_from = recipe.lora.init_from if recipe.lora else None
-    kind = reference_of(recipe.objective, recipe.preference, init_from)
-    p = recipe.preference
-    meta = {"nxd_objective": recipe.objective,
+    kind = run_reference(recipe)
+    return {"nxd_objective": recipe.objective,
             "nxd_reference": reference_label(reference) if reference is not None else "none" if kind is None else
-            f"init_from:{init_from}" if kind == "init_from" else kind}
-    if recipe.objective == "dpo":
-        meta["nxd_loss_type"] = p.loss_type if p is not None else "sigmoid"
-    return meta
+            f"init_from:{init_from}" if kind == "init_from" else kind,
+            **record.metadata(section_of(recipe, record))}
 
 
 def _worker(recipe_dict: JsonDict) -> JsonDict | None:
