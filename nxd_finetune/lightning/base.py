@@ -11,7 +11,6 @@ with Lightning's ``manual_backward`` and its optimizer step (precision plugin, h
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from nxd_finetune.objective import TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
-from nxd_finetune.sft.step import Stepper, train_step
+from nxd_finetune.sft.step import StepLog, Stepper, train_step
 
 Batch = dict[str, torch.Tensor]
 SHOWN = ("train_loss", "lr", "grad_norm", "tokens_per_s")  # on the progress bar
@@ -39,7 +38,7 @@ class NxdModuleBase(pl.LightningModule):
         self.automatic_optimization = False
         self.train_state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self._tick = 0.0
+        self.step_log = StepLog(self.train_state, self.history)  # run's step bookkeeping
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -72,7 +71,7 @@ class NxdModuleBase(pl.LightningModule):
     def on_train_start(self) -> None:
         for m in self.rank_modules:
             m.train(True)
-        self._tick = time.perf_counter()
+        self.step_log.restart()
 
     def _optimizer_step(self) -> torch.Tensor | None:
         optimizer = self.optimizers()
@@ -99,19 +98,10 @@ class NxdModuleBase(pl.LightningModule):
 
     def _record(self, loss: torch.Tensor, counts: torch.Tensor, grad_norm: torch.Tensor | None, lr: float,
                 extra: dict[str, float] | None = None) -> None:
-        n_targets, n_input = (int(c) for c in counts.tolist())
         st = self.train_state
         st.step += 1
-        st.tokens += n_targets
-        st.input_tokens += n_input
-        now = time.perf_counter()
-        rec: dict[str, Any] = {"train_loss": float(loss), "lr": lr,
-                               "tokens_per_s": n_input / max(now - self._tick, 1e-9), "tokens": st.tokens}
-        self._tick = now
-        if grad_norm is not None:
-            rec["grad_norm"] = float(grad_norm)
-        rec.update(extra or {})
-        self.history.append({"step": st.step, **rec})
+        self.step_log.count(counts.tolist())
+        rec = self.step_log.record(st.step, float(loss), lr, None if grad_norm is None else float(grad_norm), extra)
         if extra:
             self.log_dict(extra, on_step=True, batch_size=1)
         self.log_dict({k: v for k, v in rec.items() if k in SHOWN}, prog_bar=True, on_step=True, batch_size=1)
@@ -128,4 +118,4 @@ class NxdModuleBase(pl.LightningModule):
     def restore_run_state(self, saved: RunState) -> None:
         """Counters and history of a checkpoint (before training)."""
         self.train_state.restore(saved.train_state)
-        self.history = list(saved.history)
+        self.history[:] = saved.history  # the list the step log appends to

@@ -42,6 +42,7 @@ from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Hyperparameter
+from nxd_finetune.sft.step import backward_micro_batches
 
 
 class NxdModelModule(NxdModuleBase):
@@ -137,15 +138,13 @@ class NxdModelModule(NxdModuleBase):
                          backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Each micro-batch's objective loss (supervised cross entropy over this rank's vocabulary
         shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum."""
-        total = torch.zeros(())
-        for b in micro_batches:
-            target = self.objective.target(b)
-            scores = LogitScores(self.forward_logits(b), shift_labels(self.objective.labels(target)),
-                                   self._tp_group)
-            loss = self.objective.loss_sum(scores, target) / n_targets
-            (backward or self.manual_backward)(loss)
-            total = total.to(loss.device) + loss.detach()
-        return total
+        return backward_micro_batches(micro_batches, n_targets, self._loss_sum, backward or self.manual_backward)
+
+    def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
+        """The objective's summed loss of a micro-batch on this rank's logits."""
+        target = self.objective.target(batch)
+        scores = LogitScores(self.forward_logits(batch), shift_labels(self.objective.labels(target)), self._tp_group)
+        return self.objective.loss_sum(scores, target)
 
     def step(self) -> torch.Tensor | None:
         """Unused: the step's optimizer step is Lightning's (:meth:`NxdModuleBase.lightning_step`)."""

@@ -54,6 +54,7 @@ from nxd_finetune.parallel.pipeline import PipelineRunner
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.sft.init_from import StartAdapter, init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
+from nxd_finetune.sft.step import backward_micro_batches
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import ParallelSection, Recipe, TrainingSection
@@ -205,16 +206,8 @@ class Engine:
         with autocast(self.device, self.precision):
             if self.runner is not None:
                 return self.runner.step(micro_batches, n_targets)
-            total = torch.zeros((), device=self.device)
-            for batch in micro_batches:
-                loss = self.loss_sum(batch) / n_targets
-                if backward is None:
-                    loss.backward()
-                else:
-                    backward(loss)
-                total += loss.detach()
-                del loss  # its graph's nodes, kept by it, would stay through the next forward
-            return total
+            return backward_micro_batches(micro_batches, n_targets.to(self.device), self.loss_sum,
+                                          backward or torch.Tensor.backward)
 
     def step(self) -> torch.Tensor | None:
         """Gradient reductions, clipping, optimizer and LR steps, zeroed grads; returns the global

@@ -8,17 +8,22 @@ pipeline schedule at ``pp > 1``), then the optimizer step (the engine's: gradien
 clipping, AdamW, the LR step; or the caller's, e.g. Lightning's through its precision plugin).
 :func:`stop_if_diverged` ends a run at the first step whose loss or gradient norm is NaN or
 infinite, in one line, before the value reaches a metrics file or a checkpoint.
+:func:`backward_micro_batches` is the micro-batch loop of a whole model (the engine's at pp == 1,
+the Lightning model-function module's), :class:`StepLog` the step's bookkeeping (counters, the
+logged record, the history) of ``run``'s loop and of both Lightning modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.data.loader import TrainLoader
 from nxd_finetune.data.pairs import pair_tokens
 from nxd_finetune.errors import NxdError
@@ -72,6 +77,61 @@ def train_step(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: in
     loss = engine.forward_backward(micro_batches, n_units, backward)
     grad_norm = optimizer_step() if optimizer_step is not None else engine.step()
     return StepResult(loss, counts, grad_norm)
+
+
+def backward_micro_batches(micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
+                           loss_sum: Callable[[TokenBatch], torch.Tensor],
+                           backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> torch.Tensor:
+    """Each micro-batch's ``loss_sum(batch) / n_targets`` (the objective's summed loss over the step's
+    units) backpropagated with ``backward`` (gradients accumulate); returns their detached sum, on
+    ``n_targets``' device."""
+    total = torch.zeros((), device=n_targets.device)
+    for batch in micro_batches:
+        loss = loss_sum(batch) / n_targets
+        backward(loss)
+        total += loss.detach()
+        del loss  # its graph's nodes, kept by it, would stay through the next forward
+    return total
+
+
+class StepLog:
+    """The bookkeeping of optimizer steps, one for ``run``'s loop and the Lightning modules:
+    :meth:`count` adds a step's counts to ``state`` (:class:`TrainState`, which checkpoints carry);
+    :meth:`record` makes a logging step's record and appends it, with its step, to ``history``.
+    ``tokens_per_s``: the input tokens counted since the last record (or :meth:`restart`) over the
+    time since then."""
+
+    def __init__(self, state: TrainState, history: list[dict[str, float]]) -> None:
+        self.state, self.history = state, history
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the throughput window now (training starts)."""
+        self._start, self._tokens = time.perf_counter(), 0
+
+    def count(self, counts: Sequence[float]) -> None:
+        """Add a step's ``[objective units, input tokens]`` over every dp rank (host numbers,
+        :attr:`StepResult.counts`) to the counters."""
+        n_targets, n_input = (int(c) for c in counts)
+        self.state.input_tokens += n_input
+        self.state.tokens += n_targets
+        self._tokens += n_input
+
+    def record(self, step: int, loss: float, lr: float, grad_norm: float | None,
+               objective: Mapping[str, float] | None = None, **more: float) -> dict[str, float]:
+        """Step ``step``'s record: ``train_loss``, ``lr``, ``tokens_per_s``, ``tokens`` (the target
+        tokens so far), ``more`` (``run``: ``peak_host_mb``), ``grad_norm`` (when clipping), then
+        the objective's own metrics (preference: rewards/...); appended to the history."""
+        now = time.perf_counter()
+        rec: dict[str, float] = {"train_loss": loss, "lr": lr,
+                                 "tokens_per_s": self._tokens / max(now - self._start, 1e-9),
+                                 "tokens": self.state.tokens, **more}
+        if grad_norm is not None:
+            rec["grad_norm"] = grad_norm
+        rec.update(objective or {})
+        self._start, self._tokens = now, 0
+        self.history.append({"step": step, **rec})
+        return rec
 
 
 StepItem = tuple[list[dict[str, torch.Tensor]], int]

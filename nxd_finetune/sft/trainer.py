@@ -47,7 +47,7 @@ from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
 from nxd_finetune.sft.setup import setup_rank
-from nxd_finetune.sft.step import divergence_hint, stop_if_diverged, train_step
+from nxd_finetune.sft.step import StepLog, divergence_hint, stop_if_diverged, train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
 
@@ -103,7 +103,7 @@ def train(
     log_every = recipe.logging.every_n_steps
     progress = Progress(total_steps, show_progress and engine.is_logger, start=state.step)
     history = [] if history is None else history
-    window = {"start": time.perf_counter(), "tokens": 0}
+    log = StepLog(state, history)  # the counters, the records and their throughput window
     hint = divergence_hint(recipe)
 
     def on_values(step: int, lr: float, logging: bool, v: HostValues) -> None:
@@ -111,26 +111,17 @@ def train(
         host values."""
         counts, loss, grad_norm, objective = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
         assert isinstance(counts, list)  # [targets, inputs]
-        n_targets_all, n_input_all = (int(c) for c in counts)
-        state.input_tokens += n_input_all
-        state.tokens += n_targets_all
-        window["tokens"] += n_input_all
+        log.count(counts)
         stop_if_diverged(step, {"loss": loss, "grad_norm": grad_norm}, hint)
         if not logging:
             progress.update(step)
             return
-        elapsed = time.perf_counter() - window["start"]
-        assert isinstance(loss, float)
-        rec: dict[str, float] = {"train_loss": loss, "lr": lr, "tokens_per_s": window["tokens"] / max(elapsed, 1e-9),
-               "tokens": state.tokens, "peak_host_mb": host_peak_mb()}
-        if grad_norm is not None:
-            assert isinstance(grad_norm, float)
-            rec["grad_norm"] = grad_norm
-        if objective is not None:  # the objective's own metrics (preference: rewards/...)
-            rec.update(engine.objective.train_record([objective] if isinstance(objective, float) else objective))
-        window["start"], window["tokens"] = time.perf_counter(), 0
+        assert isinstance(loss, float) and (grad_norm is None or isinstance(grad_norm, float))
+        # the objective's own metrics (preference: rewards/...)
+        extra = None if objective is None else engine.objective.train_record(
+            [objective] if isinstance(objective, float) else objective)
+        rec = log.record(step, loss, lr, grad_norm, extra, peak_host_mb=host_peak_mb())
         metrics.log(step, rec)
-        history.append({"step": step, **rec})
         shown = engine.objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
         more = f"  {shown} {rec[shown]:.2f}" if shown is not None and shown in rec else ""
         info = f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s"
