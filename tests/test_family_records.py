@@ -19,10 +19,16 @@ from nxd_finetune.errors import ModelLoadError, NxdError
 from nxd_finetune.models import FAMILIES, DecoderConfig, build_model
 from nxd_finetune.models.families import MULTIMODAL
 from nxd_finetune.parallel.plan import STYLES, tp_plan_for
+from tests.moe_helpers import MOE_FAMILIES, tiny_moe_config
 
 TINY_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                "Gemma3ForCausalLM": "gemma3"}
+
+
+def _tiny_config(arch: str):
+    """The tiny transformers config of ``arch``'s family (the mixture-of-experts ones from moe_helpers)."""
+    return tiny_moe_config(MOE_FAMILIES[arch]) if arch in MOE_FAMILIES else tiny_hf_config(TINY_FAMILY[arch])
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -30,7 +36,7 @@ def test_records_use_transformers_names(arch):
     family = FAMILIES[arch]
     assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family.model_type] == arch
     assert family.model_type in CONFIG_MAPPING
-    hf = tiny_hf_config(TINY_FAMILY[arch]).to_dict()
+    hf = _tiny_config(arch).to_dict()
     assert hf["model_type"] == family.model_type
     hf.pop("architectures", None)  # read by model_type alone
     assert DecoderConfig.from_hf(hf).architecture == arch
@@ -48,7 +54,7 @@ def test_multimodal_records_use_transformers_names():
 def test_each_plan_places_every_parameter_once(arch):
     """Every linear, embedding and norm of the family's model matches exactly one pattern of its
     plan, with a known style; no pattern matches nothing."""
-    config = DecoderConfig.from_hf(tiny_hf_config(TINY_FAMILY[arch]).to_dict())
+    config = DecoderConfig.from_hf(_tiny_config(arch).to_dict())
     plan = tp_plan_for(config)
     assert set(plan.values()) <= set(STYLES)
     model = build_model(config, device="meta")

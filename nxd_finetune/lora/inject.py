@@ -96,15 +96,26 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Names of the modules ``cfg.target_modules`` selects, in module order.
 
     Raises AdapterError when nothing matches (listing the linear layers that exist, by short
-    name) or when a match is not a linear layer LoRA can wrap.
+    name) or when a match is not a linear layer LoRA can wrap. On a mixture-of-experts model the
+    names PEFT reads as the experts (:meth:`DecoderConfig.expert_module_names`: a dense layer's
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` in Qwen3-MoE) are left out of ``all-linear`` and
+    refused when named.
     """
     found = []
     config = getattr(model, "config", None)
+    experts = config.expert_module_names() if isinstance(config, DecoderConfig) else frozenset()
     for name, module in model.named_modules():
         if not name or isinstance(module, (LoraLinear, ModulesToSaveWrapper)):
             continue
         hf_name = config.module_name(name) if isinstance(config, DecoderConfig) else None
         if _is_target(name, module, cfg, hf_name):
+            short = name.rpartition(".")[2]
+            if short in experts and cfg.target_modules == ALL_LINEAR:
+                continue  # a dense layer's MLP of a mixture-of-experts model: see below
+            if short in experts:
+                raise AdapterError(f"lora target {name}: on a mixture-of-experts model PEFT reads target_modules "
+                                   f"{short!r} as the experts' fused tensors, so the adapter would not load as "
+                                   "trained; target the attention projections (q_proj, k_proj, v_proj, o_proj)")
             if lora_layer_for(module) is None:
                 raise AdapterError(f"lora target {name} is a {type(module).__name__}; LoRA wraps only linear layers")
             found.append(name)

@@ -16,7 +16,7 @@ from typing import Any
 
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.jsontypes import JsonObject
-from nxd_finetune.models.families import FAMILIES, MULTIMODAL, architecture_of_type
+from nxd_finetune.models.families import FAMILIES, MULTIMODAL, REFUSED, Family, architecture_of_type
 
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -33,7 +33,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 }
 # fields of ours that are not HF config keys (never written by to_hf)
 _DERIVED = ("raw", "architecture", "qkv_bias", "qk_norm", "fused_qkv", "fused_gate_up", "embed_scale",
-            "norm_unit_offset", "sandwich_norms", "multimodal")
+            "norm_unit_offset", "sandwich_norms", "multimodal", "router_fp32_weights")
+# the mixture-of-experts fields, written by to_hf only for a model with experts
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "router_jitter_noise")
 
 
 @dataclasses.dataclass
@@ -60,6 +63,15 @@ class DecoderConfig:
     ``multimodal``: read from a multimodal checkpoint (``Gemma3ForConditionalGeneration``): the fields
     are its ``text_config``'s, ``raw`` the whole config; :meth:`checkpoint_keys` and
     :meth:`module_name` name the language model's tensors and modules as that checkpoint does.
+
+    Mixture of experts (Qwen3-MoE, Mixtral; ``models/moe.py``): ``num_experts`` (0: a dense model)
+    experts of width ``moe_intermediate_size`` on the layers :meth:`is_moe_layer` names (Qwen3-MoE's
+    ``decoder_sparse_step`` / ``mlp_only_layers``; the others keep an MLP of ``intermediate_size``),
+    ``num_experts_per_tok`` of them per token, their softmax weights renormalised over the top k with
+    ``norm_topk_prob``; ``router_fp32_weights`` (Mixtral) keeps those weights in fp32 where Qwen3-MoE
+    casts them to the model's dtype. ``router_aux_loss_coef`` / ``output_router_logits``: transformers'
+    load-balancing loss settings (:func:`nxd_finetune.models.moe.router_aux_loss` computes it);
+    ``router_jitter_noise``: Mixtral's multiplicative noise on the block's input while training.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -96,6 +108,16 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()  # a plain default: adapters recorded before it compare equal
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    router_jitter_noise: float = 0.0
+    router_fp32_weights: bool = False
     multimodal: bool = False
     raw: JsonObject = dataclasses.field(default_factory=dict, repr=False)  # the HF config.json read
 
@@ -113,6 +135,11 @@ class DecoderConfig:
             raise ModelLoadError(f"hidden_act={self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must lie in 1..num_experts="
+                                 f"{self.num_experts}")
+        if self.num_experts and self.decoder_sparse_step < 1:
+            raise ModelLoadError(f"decoder_sparse_step={self.decoder_sparse_step} must be at least 1")
 
     @classmethod
     def from_hf(cls, source: str | Path | JsonObject) -> DecoderConfig:
@@ -139,6 +166,8 @@ class DecoderConfig:
         arch = archs[0] if archs else ""
         if arch in MULTIMODAL:
             return cls._from_multimodal(arch, raw)
+        if arch in REFUSED:
+            raise ModelLoadError(f"{arch} is not supported: {REFUSED[arch]}")
         if arch not in FAMILIES:
             supported = ", ".join(FAMILIES)
             raise ModelLoadError(f"unsupported architecture {arch or raw.get('model_type')!r}; supported: {supported}")
@@ -160,6 +189,7 @@ class DecoderConfig:
             kind = rope_params.get("rope_type", rope_params.get("type", "default"))
             kwargs["rope_scaling"] = None if kind == "default" else rope_params
         kwargs.update(family.flags)
+        _expert_kwargs(family, raw, kwargs)
         if family.attention_bias_all:
             kwargs["qkv_bias"] = bool(raw.get("attention_bias", False))
         if family.window_needs_flag and not raw.get("use_sliding_window", False):
@@ -190,9 +220,35 @@ class DecoderConfig:
         for a text model; for a multimodal one the layout transformers writes
         (``language_model.model.*``, ``language_model.lm_head.weight``), then its module names
         (``model.language_model.*``, ``lm_head.weight``), which it also reads."""
-        if not self.multimodal:
-            return (name,)
-        return ("language_model." + name, self.module_name(name))
+        if self.multimodal:
+            return ("language_model." + name, self.module_name(name))
+        layout = FAMILIES[self.architecture].experts if self.architecture in FAMILIES else None
+        if layout is not None and layout.block != "mlp" and name.endswith(".mlp.gate.weight"):
+            return (name, name.removesuffix(".mlp.gate.weight") + f".{layout.block}.gate.weight")
+        return (name,)
+
+    def expert_module_names(self) -> frozenset[str]:
+        """The short module names PEFT reads as this model's experts in an adapter's ``target_modules``
+        (transformers 5 fused the per-expert ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's
+        ``w1`` / ``w3`` / ``w2``, and PEFT maps those names onto the fused tensors, for every layer):
+        empty for a dense model."""
+        layout = FAMILIES[self.architecture].experts if self.architecture in FAMILIES else None
+        if layout is None or not self.num_experts:
+            return frozenset()
+        return frozenset((layout.gate, layout.up, layout.down))
+
+    def expert_keys(self, name: str) -> tuple[tuple[str, ...], ...] | None:
+        """The per-expert checkpoint keys our fused expert tensor ``name`` is made of (None for
+        any other tensor): ``mlp.experts.gate_up_proj`` is each expert's gate weights stacked, then
+        each one's up weights (concatenated along dim 1), ``mlp.experts.down_proj`` each one's down
+        weights stacked, under the family's names (:class:`~nxd_finetune.models.families.ExpertLayout`)."""
+        layout = FAMILIES[self.architecture].experts if self.architecture in FAMILIES else None
+        prefix, _, param = name.rpartition(".mlp.experts.")
+        if layout is None or not prefix or param not in ("gate_up_proj", "down_proj"):
+            return None
+        parts = (layout.gate, layout.up) if param == "gate_up_proj" else (layout.down,)
+        return tuple(tuple(f"{prefix}.{layout.block}.experts.{e}.{part}.weight" for e in range(self.num_experts))
+                     for part in parts)
 
     def module_name(self, name: str) -> str:
         """Our module or parameter ``name`` as transformers' model names it (PEFT's adapter keys):
@@ -207,7 +263,8 @@ class DecoderConfig:
         if self.raw:
             return dict(self.raw)
         model_type = FAMILIES[self.architecture].model_type
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in _DERIVED}
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in _DERIVED and (self.num_experts or k not in _MOE_FIELDS)}
         out.update(architectures=[self.architecture], model_type=model_type, torch_dtype="float32")
         return out
 
@@ -220,11 +277,33 @@ class DecoderConfig:
     def o_bias(self) -> bool:
         return self.attention_bias and FAMILIES[self.architecture].attention_bias_all
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` has a mixture-of-experts block (else a dense MLP), as transformers'
+        Qwen3-MoE decides: not in ``mlp_only_layers`` and ``index + 1`` a multiple of
+        ``decoder_sparse_step``."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
+
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index`` (None: full causal attention)."""
         if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
             return None
         return self.sliding_window
+
+
+def _expert_kwargs(family: Family, raw: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """A mixture-of-experts family's expert fields into ``kwargs`` (nothing for a dense family): the
+    family's config keys over transformers' defaults (``num_experts`` is ``num_local_experts`` in
+    Mixtral's configs and in those transformers 5 writes for Qwen3-MoE)."""
+    layout = family.experts
+    if layout is None:
+        return
+    read = {**layout.defaults, **raw}
+    kwargs["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", layout.defaults[layout.experts_key]))
+    kwargs["num_experts_per_tok"] = read["num_experts_per_tok"]
+    kwargs["moe_intermediate_size"] = read.get(layout.intermediate_key)
+    kwargs["norm_topk_prob"] = read.get("norm_topk_prob") if layout.norm_topk_prob is None else layout.norm_topk_prob
+    kwargs["mlp_only_layers"] = tuple(read.get("mlp_only_layers") or ())
 
 
 def _gemma_kwargs(arch: str, raw: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any] | None:

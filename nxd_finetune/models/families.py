@@ -50,8 +50,43 @@ GEMMA2_TP_PLAN: Mapping[str, str] = MappingProxyType({
     "model.layers.*.post_feedforward_layernorm": "replicate",
 })
 GEMMA3_TP_PLAN: Mapping[str, str] = MappingProxyType({**GEMMA2_TP_PLAN, **_HEAD_NORMS})
+# mixture-of-experts families train in one process for now (recipe/checks.py): the router and the
+# experts are in no plan; Qwen3-MoE's dense layers (``mlp_only_layers``) keep Llama's MLP entries
+MIXTRAL_TP_PLAN: Mapping[str, str] = MappingProxyType({
+    k: v for k, v in LLAMA_TP_PLAN.items() if not k.endswith(("gate_proj", "up_proj", "down_proj"))})
 
 _GEMMA_FLAGS = {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How a mixture-of-experts family's ``config.json`` and checkpoints name its MoE block.
+
+    The model holds transformers 5's fused tensors (``mlp.gate.weight [E, H]``,
+    ``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``); checkpoints (the
+    Hub's, and what transformers 5.24 writes) hold one tensor per expert:
+    ``<block>.experts.<e>.<gate|up|down>.weight``, and the router as ``<block>.gate.weight``.
+    ``experts_key`` / ``intermediate_key``: the config keys of the expert count and width;
+    ``defaults``: transformers' values for MoE keys a ``config.json`` may leave out;
+    ``norm_topk_prob``: fixed by the family (Mixtral renormalises its top-k always), None: read.
+    """
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    experts_key: str
+    intermediate_key: str
+    defaults: Mapping[str, int | float | bool]
+    norm_topk_prob: bool | None = None
+
+
+QWEN3_MOE_EXPERTS = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj", "num_experts", "moe_intermediate_size",
+                                 MappingProxyType({"num_experts": 128, "num_experts_per_tok": 8,
+                                                   "moe_intermediate_size": 768, "norm_topk_prob": False}))
+MIXTRAL_EXPERTS = ExpertLayout("block_sparse_moe", "w1", "w3", "w2", "num_local_experts", "intermediate_size",
+                               MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2}),
+                               norm_topk_prob=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +99,8 @@ class Family:
     ``attention_bias_all``: ``attention_bias`` puts a bias on q, k, v and o (else only ``flags``
     say where biases are). ``gemma``: Gemma's config reading (rope per layer type, ``layer_types``
     kept). ``window_needs_flag``: a ``sliding_window`` applies only with ``use_sliding_window``
-    (Qwen2 / Qwen3). ``tp_plan``: module pattern -> parallel style.
+    (Qwen2 / Qwen3). ``tp_plan``: module pattern -> parallel style. ``experts``: a
+    mixture-of-experts family's names (:class:`ExpertLayout`; ``models/moe.py`` is its block).
     """
 
     architecture: str
@@ -74,6 +110,7 @@ class Family:
     attention_bias_all: bool = False
     gemma: bool = False
     window_needs_flag: bool = False
+    experts: ExpertLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +133,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.architecture: f for f in (
     Family("Gemma2ForCausalLM", "gemma2", GEMMA2_TP_PLAN, _GEMMA_FLAGS, attention_bias_all=True, gemma=True),
     Family("Gemma3ForCausalLM", "gemma3_text", GEMMA3_TP_PLAN, {**_GEMMA_FLAGS, "qk_norm": True},
            attention_bias_all=True, gemma=True),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", QWEN3_TP_PLAN, {"qk_norm": True}, attention_bias_all=True,
+           window_needs_flag=True, experts=QWEN3_MOE_EXPERTS),
+    Family("MixtralForCausalLM", "mixtral", MIXTRAL_TP_PLAN, {"router_fp32_weights": True},
+           experts=MIXTRAL_EXPERTS),
 )})
 """Every supported text architecture, by its ``config.json`` name."""
+
+REFUSED: Mapping[str, str] = MappingProxyType({
+    "GptOssForCausalLM": "its attention sinks (a learned per-head logit in the softmax) have no kernel in the "
+                         "decoder's SDPA / flex attention, and its experts (biases, clamped SwiGLU over interleaved "
+                         "gate/up, a router with a bias and softmax after top-k) are not the Qwen3-MoE / Mixtral block",
+})
+"""Architectures refused with a reason (one line), by their ``config.json`` name."""
 
 MULTIMODAL: Mapping[str, MultimodalFamily] = MappingProxyType({f.architecture: f for f in (
     MultimodalFamily("Gemma3ForConditionalGeneration", "gemma3", "Gemma3ForCausalLM"),

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.models.activations import _SwiGLU, swiglu
 from nxd_finetune.models.attention import (
     RUN_MULTIPLE,
     Attention,
@@ -35,30 +36,14 @@ from nxd_finetune.models.attention import (
 )
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.models.flex import ATTENTIONS, flex_block_mask, uses_flex
-from nxd_finetune.models.norms import AutogradCtx, RMSNorm
+from nxd_finetune.models.moe import SparseMoeBlock
+from nxd_finetune.models.norms import RMSNorm
 from nxd_finetune.models.rope import RopeTables
 
 # re-exported: tests and bench/ reach the attention helpers through this module
-__all__ = ["RMSNorm", "DecoderForCausalLM", "DecoderModel", "DecoderLayer", "Attention", "MLP", "RUN_MULTIPLE",
+__all__ = ["RMSNorm", "DecoderForCausalLM", "DecoderModel", "DecoderLayer", "Attention", "MLP", "SparseMoeBlock",
+           "_SwiGLU", "RUN_MULTIPLE",
            "SegmentRuns", "attention_layout", "attention_mask", "segment_runs", "_run_attention"]
-
-
-class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` that keeps only ``gate`` and ``up`` for backward and recomputes
-    ``silu(gate)`` there: one ``[N, intermediate]`` tensor less per layer held between forward and
-    backward than the two autograd ops would keep (the MLP holds most of a layer's activations)."""
-
-    @staticmethod
-    def forward(ctx: AutogradCtx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx: AutogradCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        gate, up = ctx.saved_tensors
-        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
-        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
-        return d_gate, d_up
 
 
 class MLP(nn.Module):
@@ -84,21 +69,20 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.gelu:
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            return self.down_proj(_SwiGLU.apply(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
     """Layer ``index`` of the decoder. With ``sandwich_norms`` (Gemma) ``post_attention_layernorm``
     norms the attention output before the residual, and ``pre_feedforward_layernorm`` /
     ``post_feedforward_layernorm`` the MLP's input and output; otherwise ``post_attention_layernorm``
-    is the MLP's input norm (Llama). ``layer_type``: HF's ``layer_types`` entry."""
+    is the MLP's input norm (Llama). ``layer_type``: HF's ``layer_types`` entry. ``mlp`` is a
+    mixture-of-experts block on the layers :meth:`DecoderConfig.is_moe_layer` names."""
 
     def __init__(self, config: DecoderConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, index)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config, index) if config.is_moe_layer(index) else MLP(config)
         self.layer_type = config.layer_types[index] if config.layer_types else "full_attention"
 
         def norm() -> RMSNorm:

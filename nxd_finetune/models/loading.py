@@ -130,11 +130,16 @@ def materialize(
     config = getattr(model, "config", None)
     tied = getattr(config, "tie_word_embeddings", False)
     by_file: dict[Path, list[tuple[str, str, nn.Module, str]]] = {}
+    experts: list[tuple[nn.Module, str, tuple[tuple[str, ...], ...]]] = []
     for full_name, param in list(model.named_parameters(remove_duplicate=False)):
         name = name_map(full_name) if name_map else full_name
         key = checkpoint_key(config, name, index) if isinstance(config, DecoderConfig) else name
         module_name, _, attr = full_name.rpartition(".")
         module = model.get_submodule(module_name)
+        parts = config.expert_keys(name) if isinstance(config, DecoderConfig) and key not in index else None
+        if parts is not None and all(k in index for group in parts for k in group):
+            experts.append((module, attr, parts))
+            continue
         if key not in index:
             if tied and name == "lm_head.weight":
                 continue
@@ -158,6 +163,13 @@ def materialize(
                     )
                 setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype),
                                                   requires_grad=target.requires_grad))
+    for module, attr, parts in experts:
+        target = getattr(module, attr)
+        tensor = _read_experts(index, parts, model_dir)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(f"experts {parts[0][0]!r}... make shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(target.shape)}")
+        setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=target.requires_grad))
     tie_weights = getattr(model, "tie_weights", None)
     if tie_weights is not None:
         tie_weights()
@@ -165,6 +177,49 @@ def materialize(
     if leftover:
         raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {leftover[0]!r}")
     return model
+
+
+def _read_experts(index: Mapping[str, Path], parts: tuple[tuple[str, ...], ...], model_dir: str | Path) -> torch.Tensor:
+    """A fused expert tensor from its per-expert checkpoint tensors (:meth:`DecoderConfig.expert_keys`):
+    each group's experts stacked, the groups (gate, up) concatenated along dim 1. Read whole: mixture-of-
+    experts models train in one process for now, so no rank reads a slice."""
+    by_file: dict[Path, list[str]] = {}
+    for key in (k for group in parts for k in group):
+        by_file.setdefault(index[key], []).append(key)
+    read: dict[str, torch.Tensor] = {}
+    for path, keys in by_file.items():
+        with open_checkpoint_file(path) as f:
+            read.update((key, f.get_tensor(key)) for key in keys)
+    shapes = {tuple(t.shape) for t in read.values()}
+    if len(shapes) != 1:
+        raise ModelLoadError(f"checkpoint {model_dir}: the tensors of experts {parts[0][0]!r}... differ in shape "
+                             f"({sorted(shapes)})")
+    return torch.cat([torch.stack([read[k] for k in group]) for group in parts], dim=1)
+
+
+def checkpoint_shapes(config: DecoderConfig, name: str, shape: Iterable[int],
+                      index: Mapping[str, object]) -> dict[str, list[int]]:
+    """The checkpoint keys our tensor ``name`` (of ``shape``) is read from, with each one's shape: its
+    :func:`checkpoint_key`, or a fused expert tensor's per-expert keys when the checkpoint holds those
+    (what ``validate`` checks in the headers)."""
+    shape = list(shape)
+    key = checkpoint_key(config, name, index)
+    parts = config.expert_keys(name) if key not in index else None
+    if parts is None:
+        return {key: shape}
+    part = [shape[1] // len(parts), *shape[2:]]
+    return {k: part for group in parts for k in group}
+
+
+def split_experts(config: DecoderConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Our tensor ``name`` as the checkpoint keys transformers writes: a fused expert tensor one
+    tensor per expert (the inverse of :func:`_read_experts`), the router under the family's block
+    name; any other tensor itself."""
+    parts = config.expert_keys(name)
+    if parts is None:
+        return [(config.checkpoint_keys(name)[-1] if config.num_experts else name, tensor)]
+    halves = tensor.chunk(len(parts), dim=1)
+    return [(key, half[e]) for group, half in zip(parts, halves, strict=True) for e, key in enumerate(group)]
 
 
 def build_model(config: DecoderConfig, device: str | torch.device = "meta") -> DecoderForCausalLM:
@@ -212,7 +267,9 @@ def save_pretrained(
     bytes, copied in 8 MiB pieces) once it is full, so peak memory is one tensor (plus what the
     generator holds), never a shard or the model. Shards are written under temporary names and
     renamed once their count is known; an error removes them, so none is left named as a complete one.
-    ``lm_head.weight`` is skipped for tied-embedding configs, as HF does.
+    ``lm_head.weight`` is skipped for tied-embedding configs, as HF does; a mixture-of-experts model's
+    fused expert tensors and router are written under the per-expert keys transformers writes
+    (:func:`split_experts`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +291,7 @@ def save_pretrained(
             data.seek(0)
             data.truncate()
 
-        for name, t in tensors:
+        for name, t in ((key, part) for n, full in tensors for key, part in split_experts(config, n, full)):
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()

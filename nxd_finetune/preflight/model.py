@@ -13,7 +13,8 @@ from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.lora import LoraConfig, inject_lora
 from nxd_finetune.lora.init_from import check_init_from
-from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index, checkpoint_key
+from nxd_finetune.models import DecoderConfig, build_model, checkpoint_index
+from nxd_finetune.models.loading import checkpoint_shapes
 from nxd_finetune.preflight.data import first_line
 from nxd_finetune.registry.fetch import fetch_adapter
 
@@ -42,10 +43,11 @@ def check_weights(model: torch.nn.Module, config: DecoderConfig, model_dir: Path
     from safetensors import safe_open
 
     index = checkpoint_index(model_dir)
-    expected = dict(model.state_dict())
+    tensors = dict(model.state_dict())
     if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    expected = {checkpoint_key(config, n, index): t for n, t in expected.items()}
+        tensors.pop("lm_head.weight", None)
+    expected = {key: shape for name, t in tensors.items()
+                for key, shape in checkpoint_shapes(config, name, t.shape, index).items()}
     missing = [n for n in expected if n not in index]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -60,7 +62,7 @@ def check_weights(model: torch.nn.Module, config: DecoderConfig, model_dir: Path
         except Exception as e:  # a truncated or corrupt header
             raise ModelLoadError(f"{file}: unreadable safetensors file: {first_line(e)}") from None
         for name, shape in shapes.items():
-            want = list(expected[name].shape)
+            want = expected[name]
             if shape != want:
                 raise ModelLoadError(f"{file.name}: tensor {name} has shape {shape}, the config implies {want}")
 

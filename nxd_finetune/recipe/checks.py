@@ -33,9 +33,16 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
       cuts, which must then lie inside ``1 .. num_hidden_layers-1``;
     - a multimodal checkpoint (``config.multimodal``: its language model is trained, text only)
       takes LoRA with an ``adapter`` or ``base_and_adapter`` artefact: full SFT and ``merged`` would
-      write a checkpoint without its vision tower.
+      write a checkpoint without its vision tower;
+    - a mixture-of-experts model (``config.num_experts``) trains in one process for now: tp, pp and
+      dp do not place its experts yet.
     Raises RecipeError with the numbers.
     """
+    experts = getattr(config, "num_experts", 0)
+    if experts and recipe.parallel.nproc > 1:
+        par = recipe.parallel
+        raise RecipeError(f"parallel.nproc={par.nproc} (tp={par.tp}, pp={par.pp}, dp={par.dp}): a mixture-of-experts "
+                          f"model ({experts} experts) trains in one process for now; set parallel.nproc=1")
     if getattr(config, "multimodal", False):
         what = ("full fine-tuning" if recipe.lora is None else
                 "checkpoint.save_mode=merged" if recipe.checkpoint.save_mode == "merged" else None)

@@ -1,0 +1,190 @@
+"""The mixture-of-experts block of Qwen3-MoE and Mixtral, with transformers 5's names and layout,
+and transformers' router auxiliary (load-balancing) loss.
+
+``mlp.gate`` (:class:`TopKRouter`, ``weight [E, H]``; not an ``nn.Linear``, as transformers', so
+``all-linear`` LoRA leaves it alone) picks ``num_experts_per_tok`` experts per token from the
+softmax of its logits (renormalised over the top k with ``norm_topk_prob``); ``mlp.experts``
+(:class:`Experts`: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, as ``F.linear`` weights)
+runs each token through its experts' SwiGLU and sums the outputs by those weights. The experts run
+as two grouped GEMMs over the tokens sorted by expert (``torch._grouped_mm``, which torch 2.13 has
+on CPU too, forward and backward); :meth:`Experts.loop` is transformers' per-expert loop, the
+reference the tests compare it with. Dropless: every token reaches its k experts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.models.activations import swiglu
+from nxd_finetune.models.config import DecoderConfig
+
+KERNELS = ("grouped", "loop")
+
+
+class TopKRouter(nn.Module):
+    """``x [N, H]`` -> (router logits ``[N, E]``, top-k weights ``[N, k]``, expert ids ``[N, k]``):
+    transformers' ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``. The softmax is in fp32; the
+    weights are cast back to the logits' dtype unless ``router_fp32_weights`` (Mixtral)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.fp32_weights = config.router_fp32_weights
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top if self.fp32_weights else top.to(logits.dtype), index
+
+
+class Experts(nn.Module):
+    """The experts' SwiGLU weights, fused as transformers 5 holds them: ``gate_up_proj [E, 2I, H]``
+    (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]``. ``kernel``: ``grouped``
+    (default) or ``loop`` (the reference)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        e, h = config.num_experts, config.hidden_size
+        i = config.moe_intermediate_size or config.intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.kernel = "grouped"
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [N, H]``, ``index`` / ``weights [N, k]`` -> ``[N, H]``: the sum over each token's k
+        experts of its weight times the expert's output."""
+        return self.loop(x, index, weights) if self.kernel == "loop" else self.grouped(x, index, weights)
+
+    def grouped(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The N*k (token, expert) pairs sorted by expert (stable: tokens keep their order), each
+        expert's contiguous run through ``torch._grouped_mm`` (offsets: the runs' ends), weighted
+        and added back to the tokens in expert order, as the loop does."""
+        k = index.shape[1]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        gate_up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(swiglu(gate, up), self.down_proj.transpose(1, 2), offs=offsets)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    def loop(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """transformers' reference: one expert at a time over the tokens routed to it."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(index == expert)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(swiglu(gate, up), self.down_proj[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """A layer's mixture-of-experts MLP (HF's ``mlp``): ``gate`` (:class:`TopKRouter`) and
+    ``experts`` (:class:`Experts`). ``x [..., H]`` -> ``[..., H]``, every token on its own (packed
+    rows route as separate ones). While :func:`record_router_logits` is open, each forward stores
+    its router logits there under the layer's index (a recomputed forward overwrites its own)."""
+
+    def __init__(self, config: DecoderConfig, index: int) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = Experts(config)
+        self.index = index
+        self.jitter_noise = config.router_jitter_noise
+        self.recorder: dict[int, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.training and self.jitter_noise > 0:  # Mixtral's router_jitter_noise (its block's input)
+            flat = flat * torch.empty_like(flat).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        logits, weights, index = self.gate(flat)
+        if self.recorder is not None:
+            self.recorder[self.index] = logits
+        return self.experts(flat, index, weights).reshape(x.shape)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's mixture-of-experts blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def set_expert_kernel(model: nn.Module, kernel: str) -> None:
+    """Every experts module's kernel: ``grouped`` or ``loop`` (:data:`KERNELS`); NxdError for another."""
+    if kernel not in KERNELS:
+        raise NxdError(f"expert kernel {kernel!r} is not one of {', '.join(KERNELS)}")
+    for block in moe_blocks(model):
+        block.experts.kernel = kernel
+
+
+@contextlib.contextmanager
+def record_router_logits(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block, the model's forward passes store each MoE layer's router logits
+    (``[tokens, E]``, the tokens of every row of the batch) in the yielded dict, keyed by layer
+    index; :func:`load_balancing_loss` turns them into transformers' auxiliary loss."""
+    logits: dict[int, torch.Tensor] = {}
+    blocks = moe_blocks(model)
+    for block in blocks:
+        block.recorder = logits
+    try:
+        yield logits
+    finally:
+        for block in blocks:
+            block.recorder = None
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's eqs. 4-6 summed over the
+    layers' tokens): ``num_experts * sum_e f_e * P_e``, ``f_e`` the share of top-k assignments and
+    ``P_e`` the mean router probability of expert ``e``, over every layer's tokens; ``mask``
+    (``[B, T]``, 1 for real tokens, as the attention mask transformers takes) leaves padding out.
+    Every layer's logits must cover the same tokens (a forward with ``logits_index`` routes only the
+    kept positions in its last layer: NxdError)."""
+    if not router_logits:
+        raise NxdError("no router logits recorded: the model has no mixture-of-experts layer")
+    rows = {t.shape[0] for t in router_logits}
+    if len(rows) != 1:
+        raise NxdError(f"router logits cover different token counts per layer ({sorted(rows)}): run the forward "
+                       "without logits_index")
+    flat_mask = None if mask is None else mask.reshape(-1).to(router_logits[0].device, torch.float32)
+    tokens = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs_sum = torch.zeros_like(tokens)
+    total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+    for layer in router_logits:
+        probs = torch.softmax(layer, dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        weight = (torch.ones_like(chosen, dtype=torch.float32) if flat_mask is None
+                  else flat_mask.repeat_interleave(top_k))
+        tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, chosen, weight)
+        row_weight = torch.ones(probs.shape[0], device=tokens.device) if flat_mask is None else flat_mask
+        probs_sum = probs_sum + (probs.float() * row_weight.unsqueeze(-1)).sum(dim=0)
+        total = total + row_weight.sum()
+    return torch.sum((tokens / total) * (probs_sum / total)) * num_experts
+
+
+def router_aux_loss(model: nn.Module, logits: dict[int, torch.Tensor],
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The auxiliary loss transformers reports (``aux_loss``, ``output_router_logits``) for the
+    router ``logits`` :func:`record_router_logits` recorded from ``model``'s forward (without the
+    ``router_aux_loss_coef`` factor, as transformers' ``aux_loss``)."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, DecoderConfig) or not config.num_experts:
+        raise NxdError("router_aux_loss needs a mixture-of-experts DecoderForCausalLM")
+    return load_balancing_loss([logits[i] for i in sorted(logits)], config.num_experts,
+                               config.num_experts_per_tok, mask)
