@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader)   # loader: the batches the loop draws
+    ckpt = TrainingCheckpoints(recipe, engine, out_dir, loader)   # loader: the batch source the loop draws from
     resumed = ckpt.resume(state)          # before the metrics writer opens; None: a fresh start
     ...                                   # each step, after logging and eval: ckpt.after_step(state, history)
     ckpt.finish(state, history)           # the end-of-run checkpoint; waits for async saves
@@ -63,11 +63,12 @@ if TYPE_CHECKING:
 
 
 class Resumable(Protocol):
-    """A data position that checkpoints carry (the trainer's batch stream)."""
+    """What the loop draws its steps from, whose state checkpoints carry as their ``data`` record
+    (the run's batch source, ``sft.source``: by default the train loader's position)."""
 
-    def state_dict(self) -> dict[str, int] | None: ...
+    def state_dict(self) -> dict[str, object] | None: ...
 
-    def load_state_dict(self, state: dict[str, int]) -> None: ...
+    def load_state_dict(self, state: dict[str, object]) -> None: ...
 
 
 class Trained(Protocol):
@@ -238,9 +239,10 @@ class TrainingCheckpoints:
     """Checkpoints of one run from its recipe's ``checkpoint`` section.
 
     ``engine``: has ``state`` (ParallelState), ``modules``, ``optimizer`` and ``scheduler``
-    (``sft.engine.Engine``); ``loader``: the resumable train loader (``state_dict`` /
-    ``load_state_dict``; may be replaced by an object standing in for it, e.g. a prefetching device
-    loader that reports the position of the batches handed out); ``out_dir``: the run's output
+    (``sft.engine.Engine``); ``loader``: what the steps are drawn from (``state_dict`` /
+    ``load_state_dict``): the run's batch source (``sft.source``; the default reports the train
+    loader's position of the batches handed out, not of those prefetched), or a resumable loader
+    itself; ``out_dir``: the run's output
     directory (metrics files, default ``checkpoint.dir = <out_dir>/checkpoints``). ``group``: the
     world's group for collectives on CPU tensors (``Engine.host.world``: gloo; None: the default
     group, which must then be gloo). The eval before training travels in the history (its

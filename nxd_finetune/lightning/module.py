@@ -8,15 +8,17 @@ has made the process groups) it builds the rank's :class:`~nxd_finetune.sft.engi
 warmup + decay schedule) and the data of its data-parallel rank (``data.loader``), with the recipe's
 ``parallel`` section taking the strategy's sizes and ``training.precision`` the precision plugin's.
 
-One ``training_step`` is one optimizer step, as in ``run`` (``sft/trainer.py``): the train
-dataloader yields a step's micro-batches (``training.grad_accum`` of them, or as
-``global_batch_size`` says); the target tokens of the step are counted over every data-parallel
-rank; each micro-batch's token-summed cross-entropy (:mod:`nxd_finetune.loss`, vocab-parallel at
-tp > 1) divided by that count goes through ``manual_backward``; the optimizer step (Lightning's,
-through the precision plugin) sums the data-parallel gradients and clips; the LR scheduler steps.
-So the loss is the token mean over the global batch whatever the split into micro-batches and
-ranks. Manual optimization because automatic optimization would backward one loss per batch
-and could not see the step's global token count (NxD's module is manual too).
+One ``training_step`` is one optimizer step, as in ``run`` (``sft/trainer.py``): the module's batch
+source (:mod:`nxd_finetune.sft.source`; by default the recipe's train data) gives the step's
+micro-batches (``training.grad_accum`` of them, or as ``global_batch_size`` says) inside the step,
+while the train dataloader Lightning iterates only counts the steps; the target tokens of the step
+are counted over every data-parallel rank; each micro-batch's token-summed cross-entropy
+(:mod:`nxd_finetune.loss`, vocab-parallel at tp > 1) divided by that count goes through
+``manual_backward``; the optimizer step (Lightning's, through the precision plugin) sums the
+data-parallel gradients and clips; the LR scheduler steps. So the loss is the token mean over the
+global batch whatever the split into micro-batches and ranks. Manual optimization because automatic
+optimization would backward one loss per batch and could not see the step's global token count
+(NxD's module is manual too).
 
 Logged every step through ``self.log`` (progress bar, and any Lightning logger: ``CSVLogger``,
 ``TensorBoardLogger``): ``train_loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens``. At the
@@ -26,10 +28,11 @@ end of training the run's artefact is written with the recipe's ``checkpoint.sav
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
@@ -44,38 +47,26 @@ from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.recipe import Recipe, load_recipe, recipe_from_dict
 from nxd_finetune.sft.reference import attach_reference
-from nxd_finetune.sft.setup import setup_rank
-from nxd_finetune.sft.step import step_batches
+from nxd_finetune.sft.setup import SourceFactory, loader_source, setup_rank
 from nxd_finetune.sft.trainer import export_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from nxd_finetune.data.loader import EvalLoader, TrainLoader
+    from nxd_finetune.data.loader import EvalLoader
     from nxd_finetune.sft.engine import Engine
+    from nxd_finetune.sft.source import BatchSource
 
 
-class StepBatch(TypedDict):
-    """One item of :class:`StepStream`: an optimizer step's micro-batches, their input tokens,
-    and the data position after them."""
+class StepTicks:
+    """The train dataloader Lightning iterates: one item per optimizer step (its number, from 1),
+    endless (the Trainer's ``max_steps`` ends training). The step's micro-batches come from the
+    module's batch source inside ``training_step``, with the model as the previous step left it:
+    Lightning fetches its dataloader a step ahead, which a source that generates with the model, or
+    whose state a checkpoint saves after the step, must not be."""
 
-    micro_batches: list[dict[str, torch.Tensor]]
-    n_input: int
-    position: dict[str, int]
-
-
-class StepStream:
-    """The train dataloader Lightning iterates: per optimizer step ``{"micro_batches": [...],
-    "n_input": int, "position": dict}``, endless (the Trainer's ``max_steps`` ends training).
-    ``position`` is the data loader's state right after the step's batches were drawn: Lightning
-    fetches a step ahead, so the module keeps the position of the step it trained for checkpoints."""
-
-    def __init__(self, loader: TrainLoader, grad_accum: int, packing: bool) -> None:
-        self.loader, self.grad_accum, self.packing = loader, grad_accum, packing
-
-    def __iter__(self) -> Iterator[StepBatch]:
-        for micro_batches, n_input in step_batches(self.loader, self.grad_accum, self.packing):
-            yield {"micro_batches": micro_batches, "n_input": n_input, "position": self.loader.state_dict()}
+    def __iter__(self) -> Iterator[int]:
+        return itertools.count(1)
 
 
 class NxdLightningModule(NxdModuleBase):
@@ -87,15 +78,18 @@ class NxdLightningModule(NxdModuleBase):
     its ``checkpoint`` (but ``save_mode``) and ``logging`` sections and ``eval.every_n_steps`` are
     Lightning's business here (callbacks, loggers, ``val_check_interval``) and not read; the eval
     set is the validation dataloader (``eval.max_batches`` per rank); ``output.registry`` is an NxdError.
+    ``source``: makes the rank's batch source (:mod:`nxd_finetune.sft.source`) from its
+    :class:`~nxd_finetune.sft.setup.RankRun` (None: the recipe's train data), as ``run``'s.
     """
 
-    def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = ()) -> None:
+    def __init__(self, recipe: Recipe | str | os.PathLike, overrides: Sequence[str] = (),
+                 source: SourceFactory | None = None) -> None:
         super().__init__()
         self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
         self.engine: Engine | None = None
         self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
-        self._stream: StepStream | None = None
-        self._position: dict[str, int] | None = None
+        self._make_source = source or loader_source
+        self._source: BatchSource | None = None
         self._eval: EvalLoader | None = None  # the recipe's eval loader (None: no eval data)
         self._eval_stats: torch.Tensor | None = None
         self._model_dir: Path | None = None
@@ -132,7 +126,7 @@ class NxdLightningModule(NxdModuleBase):
         recipe = self.recipe = self._recipe_for(strategy, device)
         layout = strategy.parallel_state
         assert layout is not None
-        rr = setup_rank(recipe, device=device, layout=layout)
+        rr = setup_rank(recipe, device=device, layout=layout, source=self._make_source)
         attach_reference(recipe, rr.engine, rr.data, rr.model_dir)  # preference: reference log-probs, before training
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
@@ -142,7 +136,7 @@ class NxdLightningModule(NxdModuleBase):
         self._model_dir, self._tokenizer = rr.model_dir, rr.tokenizer
         self.engine = rr.engine
         self.layers = torch.nn.ModuleList(self.engine.modules)
-        self._stream = StepStream(rr.data.train, rr.grad_accum, recipe.data.packing)
+        self._source = rr.source
         self._eval = rr.data.eval
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
@@ -151,9 +145,9 @@ class NxdLightningModule(NxdModuleBase):
         return {"optimizer": self.engine.optimizer,
                 "lr_scheduler": {"scheduler": self.engine.scheduler, "interval": "step"}}
 
-    def train_dataloader(self) -> StepStream:
-        assert self._stream is not None, "configure_model builds the data first"
-        return self._stream
+    def train_dataloader(self) -> StepTicks:
+        assert self._source is not None, "configure_model builds the data first"
+        return StepTicks()
 
     # ------------------------------------------------------------------ training
 
@@ -177,13 +171,14 @@ class NxdLightningModule(NxdModuleBase):
         assert self.engine is not None
         return self.engine.state
 
-    def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
-        """One optimizer step (module docstring): ``run``'s step on the engine; returns the step's
-        token-mean loss over the global batch (detached; the same on every rank)."""
-        assert self.engine is not None
-        loss = self.lightning_step(self.engine, batch["micro_batches"], batch["n_input"])
-        self._position = batch["position"]
-        return loss
+    def training_step(self, batch: int, batch_idx: int) -> torch.Tensor:
+        """One optimizer step (module docstring): the batch source's next step, ``run``'s step on
+        the engine; returns the step's token-mean loss over the global batch (detached; the same on
+        every rank). ``batch``: the step's number (:class:`StepTicks`)."""
+        assert self.engine is not None and self._source is not None
+        micro_batches, n_input = self._source.next_step(self.engine, self.train_state.step + 1)
+        micro_batches = [{k: v.to(self.engine.device) for k, v in b.items()} for b in micro_batches]
+        return self.lightning_step(self.engine, micro_batches, n_input)
 
     # ------------------------------------------------------------------ eval (Trainer's val_check_interval)
 
@@ -225,18 +220,17 @@ class NxdLightningModule(NxdModuleBase):
 
     def run_state(self, rng: dict[str, object]) -> RunState:
         """A checkpoint's state with every field ``run`` resumes from."""
-        assert self._stream is not None
+        assert self._source is not None
         saved = super().run_state(rng)
         metrics = Path(self.recipe.output.dir) / METRICS_FILE
-        saved.data = self._position if self._position is not None else self._stream.loader.state_dict()
+        saved.data = self._source.state_dict()  # as of the last step trained
         saved.metrics_bytes = metrics.stat().st_size if metrics.exists() else 0
         saved.recipe = self.recipe.to_yaml()
         return saved
 
     def restore_run_state(self, saved: RunState) -> None:
-        """Counters, history and the data position of a checkpoint (before training)."""
-        assert self._stream is not None
+        """Counters, history and the batch source's state of a checkpoint (before training)."""
+        assert self._source is not None
         super().restore_run_state(saved)
         if saved.data is not None:  # None: a model-function module's checkpoint (its data was the user's)
-            self._stream.loader.load_state_dict(saved.data)
-        self._position = saved.data
+            self._source.load_state_dict(saved.data)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,9 +29,9 @@ from nxd_finetune.objective import Objective
 from nxd_finetune.objectives import objective_of
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
-from nxd_finetune.runtime import DeviceLoader, StepRuntime, make_runtime
+from nxd_finetune.runtime import StepRuntime, make_runtime
 from nxd_finetune.sft.engine import Engine, build_engine
-from nxd_finetune.sft.step import StepItem, step_batches
+from nxd_finetune.sft.source import BatchSource, LoaderSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,15 +53,27 @@ class RankRun:
     grad_accum: int
     total_steps: int
     engine: Engine
-    steps: DeviceLoader[StepItem, dict[str, int]] | None = None
-    """The train loader's micro-batches grouped into optimizer steps, on the device (lazy: nothing
-    is drawn before a resume restores the data position); with ``setup_rank(checkpoints=True)``."""
+    source: BatchSource | None = None
+    """Where the optimizer steps come from (:mod:`nxd_finetune.sft.source`; by default the train
+    loader's micro-batches grouped into steps, on the device, lazy: nothing is drawn before a resume
+    restores its state); with ``setup_rank(checkpoints=True)`` or a ``source`` factory."""
     checkpoints: TrainingCheckpoints | None = None
-    """The run's checkpoints (save, resume, stop signals), over :attr:`steps`; idem."""
+    """The run's checkpoints (save, resume, stop signals), over :attr:`source`'s state; with
+    ``setup_rank(checkpoints=True)``."""
 
     @property
     def rank(self) -> int:
         return self.layout.rank
+
+
+SourceFactory = Callable[[RankRun], BatchSource]
+"""How a run gets a batch source other than the loader's: called once per rank after its setup."""
+
+
+def loader_source(rr: RankRun) -> LoaderSource:
+    """The default :class:`~nxd_finetune.sft.source.LoaderSource` of a rank: its train loader,
+    ``grad_accum`` micro-batches per step, through its runtime."""
+    return LoaderSource(rr.data.train, rr.grad_accum, rr.recipe.data.packing, rr.runtime)
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -101,9 +113,11 @@ def total_steps_of(recipe: Recipe, batches_per_epoch: int) -> int:
 
 def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: ParallelState | None = None,
                objective: Objective | None = None,
-               write_recipe: bool = True, checkpoints: bool = False) -> RankRun:
+               write_recipe: bool = True, checkpoints: bool = False,
+               source: SourceFactory | None = None) -> RankRun:
     """This process's :class:`RankRun`. ``objective``: the recipe's (:func:`objective_of`) unless
-    given. Without ``device`` / ``layout`` the Neuron
+    given. ``source``: makes the run's batch source (:func:`loader_source` when None), built with
+    ``checkpoints=True`` or when given. Without ``device`` / ``layout`` the Neuron
     environment is applied, the device picked (``training.device``) and the process group
     initialised from the launcher's environment (world size 1 included). ``write_recipe``: rank 0
     writes ``<output.dir>/recipe.yaml``. Collective."""
@@ -137,10 +151,11 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
     runtime.prepare(engine)
     rr = RankRun(recipe, device, layout, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
                    total_steps, engine)
+    if checkpoints or source is not None:
+        rr.source = (source or loader_source)(rr)
     if checkpoints:
-        rr.steps = runtime.batches(step_batches(data.train, rr.grad_accum, recipe.data.packing),
-                                   snapshot=data.train.state_dict, restore=data.train.load_state_dict)
-        # checkpoints record the position of the batches handed out, not of those prefetched
-        rr.checkpoints = TrainingCheckpoints(recipe, engine, Path(recipe.output.dir), rr.steps,
+        assert rr.source is not None
+        # checkpoints record the source's state as of the steps handed out (not of those prefetched)
+        rr.checkpoints = TrainingCheckpoints(recipe, engine, Path(recipe.output.dir), rr.source,
                                              group=layout.host_group())
     return rr

@@ -46,7 +46,8 @@ from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
-from nxd_finetune.sft.setup import setup_rank
+from nxd_finetune.sft.setup import SourceFactory, setup_rank
+from nxd_finetune.sft.source import BatchSource
 from nxd_finetune.sft.step import StepLog, divergence_hint, stop_if_diverged, train_step
 from nxd_finetune.sft.summary import print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
@@ -78,7 +79,7 @@ def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_bat
 
 def train(
     engine: Engine,
-    steps: Iterator[tuple[list[dict[str, torch.Tensor]], int]],
+    source: BatchSource,
     total_steps: int,
     recipe: Recipe,
     metrics: MetricsWriter,
@@ -89,8 +90,9 @@ def train(
     ckpt: TrainingCheckpoints | None = None,
     history: list[JsonDict] | None = None,
 ) -> list[JsonDict]:
-    """The optimizer-step loop. ``steps`` yields, per optimizer step, this rank's micro-batches and
-    their number of non-padding tokens (counted on the host). Returns the logged records (the same
+    """The optimizer-step loop. ``source`` (:mod:`nxd_finetune.sft.source`) gives, right before each
+    optimizer step, this rank's micro-batches and their number of non-padding tokens (counted on
+    the host). Returns the logged records (the same
     on every rank). Device values (token counts; loss and grad norm on logging steps) reach the
     host only through ``runtime.on_host`` (:mod:`nxd_finetune.runtime`): at once on eager devices, in
     a step closure after the step's graph ran on XLA, where ``runtime.end_step()`` is the step's one
@@ -130,7 +132,7 @@ def train(
     engine.train(True)
     try:
         while state.step < total_steps:
-            micro_batches, n_input = next(steps)
+            micro_batches, n_input = source.next_step(engine, state.step + 1)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             result = train_step(engine, micro_batches, n_input)
             state.step += 1
@@ -161,8 +163,10 @@ def train(
 # ---------------------------------------------------------------------- processes
 
 
-def run(recipe: Recipe) -> JsonDict | None:
+def run(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | None:
     """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``).
+    ``source``: makes each rank's batch source (:mod:`nxd_finetune.sft.source`; None: the train
+    loader's); with ``nproc > 1`` it must pickle (a function or class at module level).
 
     ``parallel.nproc > 1`` outside a launched environment: the model and the tokenized data are
     prepared here once, then ``nproc`` workers are started (elastic launcher, spawn) and rank 0's
@@ -175,15 +179,16 @@ def run(recipe: Recipe) -> JsonDict | None:
         if restarts and os.environ.get("RANK") == "0":
             warnings.warn(f"parallel.max_restarts={restarts} is ignored under torchrun: its own --max-restarts "
                           "decides", NxdWarning, stacklevel=2)
-        return run_rank(_recipe_for_world(recipe, int(os.environ["WORLD_SIZE"])))
+        return run_rank(_recipe_for_world(recipe, int(os.environ["WORLD_SIZE"])), source)
     _preflight(recipe)
     if recipe.parallel.nproc == 1:
         if restarts:
             warnings.warn(f"parallel.max_restarts={restarts} is ignored with one process: restarts need the "
                           "elastic launcher's workers (--nproc 2 or more)", NxdWarning, stacklevel=2)
-        return run_rank(recipe)
+        return run_rank(recipe, source)
     prepare_shared(recipe)
-    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict(), max_restarts=recipe.parallel.max_restarts)
+    results = launch(_worker, recipe.parallel.nproc, recipe.to_dict(), source,
+                     max_restarts=recipe.parallel.max_restarts)
     return results[0]
 
 
@@ -219,9 +224,9 @@ def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dic
             **record.metadata(section_of(recipe, record))}
 
 
-def _worker(recipe_dict: JsonDict) -> JsonDict | None:
+def _worker(recipe_dict: JsonDict, source: SourceFactory | None = None) -> JsonDict | None:
     show_warnings_as_lines()  # a worker's warnings as one line too
-    return run_rank(recipe_from_dict(recipe_dict))
+    return run_rank(recipe_from_dict(recipe_dict), source)
 
 
 def _recipe_for_world(recipe: Recipe, world: int) -> Recipe:
@@ -252,11 +257,12 @@ def prepare_shared(recipe: Recipe) -> None:
     prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
 
 
-def run_rank(recipe: Recipe) -> JsonDict | None:
-    """One process of the run (world size 1 included). Returns the summary on global rank 0."""
+def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | None:
+    """One process of the run (world size 1 included), its steps from ``source``'s batch source
+    (None: the train loader's). Returns the summary on global rank 0."""
     t0 = time.perf_counter()
     par = recipe.parallel
-    rr = setup_rank(recipe, checkpoints=True)
+    rr = setup_rank(recipe, checkpoints=True, source=source)
     engine, runtime, device, rank = rr.engine, rr.runtime, rr.device, rr.rank
     model_dir, tokenizer, data, total_steps = rr.model_dir, rr.tokenizer, rr.data, rr.total_steps
     out_dir = Path(recipe.output.dir)
@@ -270,8 +276,8 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
         return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
 
-    steps, ckpt = rr.steps, rr.checkpoints
-    assert steps is not None and ckpt is not None  # setup_rank(checkpoints=True)
+    batches, ckpt = rr.source, rr.checkpoints
+    assert batches is not None and ckpt is not None  # setup_rank(checkpoints=True)
     # preference tuning with a reference model: every pair's reference log-probs, before any step
     # (a resumed run: the reference it started with, whatever lora.init_from says now)
     reference = attach_reference(recipe, engine, data, model_dir, started=ckpt.started_reference())
@@ -293,7 +299,7 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
     t_first = time.perf_counter() - t0
     tokens_before = state.input_tokens  # a resumed run's earlier tokens are not this run's throughput
     try:
-        history = train(engine, steps, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
+        history = train(engine, batches, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
                         state, recipe.logging.progress, runtime, ckpt, history)
         ckpt.finish(state, history)
     except BaseException:
@@ -301,7 +307,7 @@ def run_rank(recipe: Recipe) -> JsonDict | None:
         raise
     finally:
         ckpt.close()
-    steps.close()
+    batches.close()
     after = eval_fn()
     if after and not (history and history[-1].get("eval_loss") == after.get("eval_loss")):
         metrics.log(state.step, after)
