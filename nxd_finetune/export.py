@@ -54,8 +54,8 @@ from nxd_finetune.lora import (
 from nxd_finetune.lora.identity import base_identity
 from nxd_finetune.lora.merge import merge_adapter
 from nxd_finetune.models import DecoderConfig, copy_generation_config, save_pretrained
-from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
 from nxd_finetune.parallel.parallelize import RankModel
+from nxd_finetune.parallel.placement import gather_full, iter_placements
 from nxd_finetune.storage.atomic import publish_dir, remove_leftovers
 
 if TYPE_CHECKING:
@@ -86,12 +86,12 @@ class ExportSpec:
 
 def _unite_stages(rank_model: RankModel, pp_group: dist.ProcessGroup | None, local: Tensors) -> Tensors | None:
     """``local`` (this rank's stages, already gathered over TP) united over the pipeline ranks on
-    global rank 0; None elsewhere. Only the (dp 0, tp 0) rank of every stage sends, as pickled CPU
-    tensors over ``pp_group`` (a gloo group: the host groups' ``pp``)."""
+    global rank 0; None elsewhere. Only the rank at coordinate 0 on every other axis of each stage
+    sends, as pickled CPU tensors over ``pp_group`` (a gloo group: the host groups' ``pp``)."""
     state = rank_model.state
     if state.size("pp") == 1:
         return local if state.rank == 0 else None
-    if state.coord("dp") != 0 or state.coord("tp") != 0:
+    if any(state.coord(a) != 0 for a in state.layout.names if state.layout.kind(a) != "stage"):
         return None
     parts: list[Any] | None = [None] * state.size("pp") if state.coord("pp") == 0 else None
     dist.gather_object({k: v.cpu() for k, v in local.items()}, parts, dst=state.ranks("pp")[0], group=pp_group)
@@ -160,13 +160,14 @@ def write_final(tensors: Tensors | Iterator[tuple[str, torch.Tensor]], out_dir: 
 
 
 def _streamed_model(rank_model: RankModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every model tensor of this rank's stages under its HF key, each gathered over TP as it is
-    asked for (full SFT). Collective over tp: every TP rank must consume it to the end."""
+    """Every model tensor of this rank's stages under its HF key, each gathered over the axes its
+    placement shards it on as it is asked for (full SFT). Collective over those axes: every rank
+    must consume it to the end."""
     state = rank_model.state
     for m in rank_model.modules:
-        specs = {name: spec for name, _, _, spec in iter_shard_specs(m)}
+        placements = {name: placement for name, _, _, placement in iter_placements(m)}
         for name, t in m.state_dict().items():
-            yield name, gather_shards(t, specs[name], state.group("tp")) if name in specs else t.detach()
+            yield name, gather_full(t, placements[name], state) if name in placements else t.detach()
 
 
 def export_model(rank_model: RankModel, out_dir: Path, spec: ExportSpec, *, config: DecoderConfig,

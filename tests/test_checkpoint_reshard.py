@@ -5,7 +5,7 @@ more step (the reference continuation). In one 2-process launch (fork) each layo
 tp=2 (TP plan applied by ``initialize_parallel_model``), dp=2 with ZeRO-1, pp=2 (1F1B) -- loads
 ``ref`` and the checkpoints the other layouts saved, and checks:
 
-- the loaded parameters and optimizer states, gathered back to full tensors (``gather_shards``
+- the loaded parameters and optimizer states, gathered back to full tensors (``gather_full``
   for TP, ``export_param_states`` for ZeRO-1, stage by stage for PP), equal the checkpoint's
   tensors exactly;
 - one more training step in that layout gives the reference continuation (to 1e-5): the
@@ -35,7 +35,7 @@ from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.loss import vocab_parallel_cross_entropy as vp_cross_entropy
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM
 from nxd_finetune.parallel import Layout as ParallelLayout
-from nxd_finetune.parallel import ParallelState, gather_shards, iter_shard_specs
+from nxd_finetune.parallel import ParallelState, gather_full, iter_placements
 from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.pipeline import PipelineRunner, build_stages
 
@@ -123,10 +123,10 @@ class Layout:
         """This rank's parameters and optimizer states as full tensors (TP-gathered, ZeRO-1
         consolidated); under PP only this stage's."""
         params = trainable(self.modules)
-        specs = {n: s for m in self.modules for n, _, _, s in iter_shard_specs(m)}
+        specs = {n: s for m in self.modules for n, _, _, s in iter_placements(m)}
 
         def full(name: str, t: torch.Tensor) -> torch.Tensor:
-            return (gather_shards(t, specs[name], self.state.group("tp")) if name in specs else t).detach().clone()
+            return (gather_full(t, specs[name], self.state) if name in specs else t).detach().clone()
 
         out = {f"param/{n}": full(n, p) for n, p in params.items()}
         inner = getattr(self.optimizer, "optimizer", self.optimizer)

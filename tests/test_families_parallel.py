@@ -33,7 +33,7 @@ from nxd_finetune.loss import ce_sum, shift_labels
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
 from nxd_finetune.parallel import Layout, ParallelState, allreduce_replicated_grads, apply_tp_plan, tp_plan_for
 from nxd_finetune.parallel.launch import init_distributed, launch
-from nxd_finetune.parallel.layers import gather_shards, iter_shard_specs
+from nxd_finetune.parallel.placement import gather_full, iter_placements
 from nxd_finetune.parallel.plan import make_slice_reader
 from nxd_finetune.quickstart import ensure_tiny_model
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
@@ -151,13 +151,13 @@ def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
                 halves = torch.cat([h.chunk(2)[r] for h in gate_up])
                 out[f"{tag}/gate_up_proj rows"] = (local - halves).abs().max().item()
             out[f"{tag}/loss"] = (loss - loss_ref).abs().item() / loss_ref.item()  # relative: a sum
-            specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+            specs = {name: spec for name, _, _, spec in iter_placements(model)}
             for name, p in model.named_parameters():
-                if name in specs and specs[name].grad_sync > 1 and specs[name].partition_dim is None:
+                if name in specs and specs[name].partial_sums(state.layout) and not specs[name].sharded:
                     out[f"{tag}/{name}/before-sync"] = (p.grad - ref.get_parameter(name).grad).abs().max().item()
             allreduce_replicated_grads(model, state)
             for name, p in model.named_parameters():
-                full = gather_shards(p.grad, specs[name], state.group("tp")) if name in specs else p.grad
+                full = gather_full(p.grad, specs[name], state) if name in specs else p.grad
                 want = ref.get_parameter(name).grad
                 # relative to the gradient's scale where it exceeds 1 (Gemma's embedding scale and
                 # 1 + weight norms make gradients of ~60: fp32 summation order moves them by ~1e-6 of that)

@@ -25,7 +25,7 @@ from nxd_finetune.api import (
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import causal_lm_loss
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, save_pretrained
-from nxd_finetune.parallel import gather_shards, iter_shard_specs
+from nxd_finetune.parallel import gather_full, iter_placements
 from nxd_finetune.parallel.launch import device_backend, init_distributed, launch, smoke_test
 
 TINY = DecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -85,8 +85,8 @@ def _worker(model_dir: str) -> dict:
         losses.append(float(loss))
         norms.append(float(opt.grad_norm))
     stage = model.stages[0]
-    specs = {n: sp for n, _, _, sp in iter_shard_specs(stage)}
-    weights = {n: (gather_shards(p, specs[n], state.group("tp")) if n in specs else p.detach()).clone()
+    specs = {n: sp for n, _, _, sp in iter_placements(stage)}
+    weights = {n: (gather_full(p, specs[n], state) if n in specs else p.detach()).clone()
                for n, p in stage.named_parameters()}
 
     # param_init_fn: each rank draws its own values; the tied lm_head copy gets stage 0's embedding
@@ -211,8 +211,8 @@ def _save_worker(model_dir: str, root: str) -> tuple[list[str], dict[str, torch.
     ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor = _recorded(
         events, ckpt_state.StageTensors.tensors, ckpt_writer.write_tensor)
     CheckpointManager(root, state=config.state).save(1, [model], opt, {"step": 1})
-    specs = {n: sp for n, _, _, sp in iter_shard_specs(model)}
-    params = {n: (gather_shards(p, specs[n], config.state.group("tp")) if n in specs else p).detach().clone()
+    specs = {n: sp for n, _, _, sp in iter_placements(model)}
+    params = {n: (gather_full(p, specs[n], config.state) if n in specs else p).detach().clone()
               for n, p in model.named_parameters()}
     dist.destroy_process_group()
     return events, params

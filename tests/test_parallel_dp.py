@@ -33,8 +33,8 @@ from nxd_finetune.parallel import (
     Layout,
     ParallelState,
     RowParallelLinear,
-    gather_shards,
-    iter_shard_specs,
+    gather_full,
+    iter_placements,
 )
 from nxd_finetune.parallel.clip import clip_grad_norm, clip_grad_norm_zero1
 from nxd_finetune.parallel.data_parallel import allreduce_gradients, allreduce_scalar_sum
@@ -412,7 +412,7 @@ def test_data_parallel_zero1_and_api_match_single_process_dp2():
 class _Norm(nn.Module):
     def __init__(self, n: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))  # no shard_specs: replicated on every TP rank
+        self.weight = nn.Parameter(torch.ones(n))  # no placements: replicated on every TP rank
 
 
 def _clip_models(state: ParallelState):
@@ -430,9 +430,9 @@ def _clip_models(state: ParallelState):
         "norm": copy.deepcopy(ref["norm"]),
     })
     par["norm"].weight.grad = ref["norm"].weight.grad.clone()
-    for _, module, attr, spec in iter_shard_specs(par):
+    for _, module, attr, spec in iter_placements(par):
         full = ref.get_submodule(_name(par, module)).get_parameter(attr).grad
-        module._parameters[attr].grad = full[spec.slices()].clone()
+        module._parameters[attr].grad = spec.take(full).clone()
     return ref, par
 
 
@@ -449,10 +449,10 @@ def _clip_checks(out: dict) -> None:
     out["naive tp norm counts replicas twice"] = ("differ", naive.sqrt(), ref_norm, 0)
     norm = clip_grad_norm(par, 1.0, state)
     out["tp2 norm"] = ("close", norm, ref_norm, 1e-5)
-    specs = {n: s for n, _, _, s in iter_shard_specs(par)}
+    specs = {n: s for n, _, _, s in iter_placements(par)}
     for name, p in par.named_parameters():
         spec = specs.get(name)
-        full = gather_shards(p.grad, spec, state.group("tp")) if spec else p.grad
+        full = gather_full(p.grad, spec, state) if spec else p.grad
         out[f"tp2 clipped grad {name}"] = ("close", full, ref.get_parameter(name).grad, 1e-6)
     with pytest.raises(ValueError, match="needs the sharding metadata"):
         clip_grad_norm(list(par.parameters()), 1.0, state)
@@ -470,11 +470,11 @@ def _clip_checks(out: dict) -> None:
     norm = clip_grad_norm_zero1(opt, 1.0, state, specs=par)
     out["zero1 tp2 dp2 norm"] = ("close", norm, ref_norm, 1e-5)
     opt.step()
-    specs = {n: s for n, _, _, s in iter_shard_specs(par)}
+    specs = {n: s for n, _, _, s in iter_placements(par)}
     for name, p in par.named_parameters():
         spec = specs.get(name)
         delta = before[name] - p.detach()
-        full = gather_shards(delta, spec, state.group("tp")) if spec else delta
+        full = gather_full(delta, spec, state) if spec else delta
         out[f"zero1 clipped update {name}"] = ("close", full, ref.get_parameter(name).grad, 1e-6)
     out["zero1 unclipped grads differ"] = ("differ", ref_grads["col.weight"], ref.get_parameter("col.weight").grad, 0)
 
@@ -525,9 +525,9 @@ def _tp_dp_api_checks(model_dir: str, out: dict) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             out[f"tp2 dp2 zero1={zero1} grad norm step {s}"] = ("close", opt.grad_norm, ref_norms[s], 1e-5)
-        specs = {n: s for n, _, _, s in iter_shard_specs(model)}
+        specs = {n: s for n, _, _, s in iter_placements(model)}
         for name, p in model.named_parameters():
-            full = gather_shards(p, specs[name], state.group("tp")) if name in specs else p.detach()
+            full = gather_full(p, specs[name], state) if name in specs else p.detach()
             out[f"tp2 dp2 zero1={zero1} {name}"] = ("close", full, ref.get_parameter(name).detach(), 2e-6)
     out["tp2 clipping was active"] = ("equal", bool(min(ref_norms) > 0.5), True, 0)
 

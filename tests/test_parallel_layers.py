@@ -5,7 +5,7 @@ each; a worker returns ``{check: (kind, got, expected)}`` through a file and the
 so a failure names the rank and the check. ``kind`` is "close" (must match to 1e-5) or "differ"
 (must differ by 5% of the expected magnitude: proves a check has teeth, e.g. gradients before
 the replicated-gradient sync).
-Sharded tensors are gathered with ``gather_shards`` before comparing, so every rank's shard is
+Sharded tensors are gathered with ``gather_full`` before comparing, so every rank's shard is
 checked. The whole-model checks load per-rank slices from a ``transformers`` checkpoint and
 compare with our unsharded model and with the ``transformers`` logits.
 """
@@ -33,8 +33,8 @@ from nxd_finetune.parallel import (
     allreduce_replicated_grads,
     apply_tp_plan,
     check_tp_config,
-    gather_shards,
-    iter_shard_specs,
+    gather_full,
+    iter_placements,
     make_slice_reader,
     shard_slice,
     tp_plan_for,
@@ -144,11 +144,11 @@ def _mapping_checks(state: ParallelState, out: dict) -> None:
     out["scatter_to_sequence bwd all-gather"] = ("close", x.grad, grad)
 
 
-def _grads_vs(ref: nn.Module, par: nn.Module, group, tag: str, out: dict) -> None:
-    specs = {name: spec for name, _, _, spec in iter_shard_specs(par)}
+def _grads_vs(ref: nn.Module, par: nn.Module, state: ParallelState, tag: str, out: dict) -> None:
+    specs = {name: spec for name, _, _, spec in iter_placements(par)}
     for name, p in par.named_parameters():
         spec = specs.get(name)
-        got = gather_shards(p.grad, spec, group) if spec else p.grad
+        got = gather_full(p.grad, spec, state) if spec else p.grad
         out[f"{tag} grad {name}"] = ("close", got, ref.get_parameter(name).grad)
 
 
@@ -191,7 +191,7 @@ def _linear_checks(state: ParallelState, out: dict) -> None:
         else:
             grad_in = all_gather(xin.grad, -1, g) if opt else xin.grad
         out[f"{tag} input grad"] = ("close", grad_in, xr.grad)
-        _grads_vs(ref, par, g, tag, out)
+        _grads_vs(ref, par, state, tag, out)
 
     # KV-style replication: every rank holds the same chunk and back-propagates its own dy
     torch.manual_seed(2)
@@ -207,7 +207,7 @@ def _linear_checks(state: ParallelState, out: dict) -> None:
     allreduce_replicated_grads(par, state)
     out["kv-replicated output"] = ("close", y.detach(), ref(x).detach())
     out["kv-replicated input grad"] = ("close", xin.grad, xr.grad)
-    _grads_vs(ref, par, g, "kv-replicated", out)
+    _grads_vs(ref, par, state, "kv-replicated", out)
 
 
 def _embedding_and_ce_checks(state: ParallelState, out: dict) -> None:
@@ -224,7 +224,7 @@ def _embedding_and_ce_checks(state: ParallelState, out: dict) -> None:
         seq = slice(T // tp * r, T // tp * (r + 1)) if sp else slice(None)
         (y * dy[:, seq]).sum().backward()
         out[f"embedding sp={sp} output"] = ("close", y.detach(), ref(ids)[:, seq].detach())
-        _grads_vs(ref, par, g, f"embedding sp={sp}", out)
+        _grads_vs(ref, par, state, f"embedding sp={sp}", out)
 
     for scale, shift in ((1.0, 0.0), (30.0, 1000.0)):  # the second needs the max shift
         logits = torch.randn(B, T, V) * scale + shift
@@ -336,14 +336,14 @@ def _llama_worker(rank: int, world: int, tp: int, variants: list[tuple[str, str,
                 out[f"{tag} norm grad before sync"] = ("differ", norm_grad, ref.model.norm.weight.grad)
             if tp > config.num_key_value_heads:
                 k_proj = model.model.layers["1"].self_attn.k_proj
-                ref_chunk = ref.model.layers["1"].self_attn.k_proj.weight.grad[k_proj.shard_specs["weight"].slices()]
+                ref_chunk = k_proj.placements["weight"].take(ref.model.layers["1"].self_attn.k_proj.weight.grad)
                 out[f"{tag} replicated k_proj grad before sync"] = ("differ", k_proj.weight.grad.clone(), ref_chunk)
             allreduce_replicated_grads(model, state)
-            specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+            specs = {name: spec for name, _, _, spec in iter_placements(model)}
             for name, p in model.named_parameters():
                 spec = specs.get(name)
                 for what, t in (("weight", p), ("grad", p.grad)):
-                    full = gather_shards(t, spec, g) if spec else t.detach()
+                    full = gather_full(t, spec, state) if spec else t.detach()
                     ref_t = ref.get_parameter(name) if what == "weight" else ref.get_parameter(name).grad
                     out[f"{tag} {what} {name}"] = ("close", full, ref_t.detach())
     return out

@@ -50,8 +50,8 @@ from nxd_finetune.parallel import (
     RowParallelLinear,
     allreduce_replicated_grads,
     apply_tp_plan,
-    gather_shards,
-    iter_shard_specs,
+    gather_full,
+    iter_placements,
     make_slice_reader,
     tp_plan_for,
 )
@@ -117,15 +117,15 @@ def _forward_backward(model: nn.Module, group, seed: int) -> torch.Tensor:
 
 
 def _grad_checks(tag, model, ref, state, differ: list[str], out: dict) -> None:
-    specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+    specs = {name: spec for name, _, _, spec in iter_placements(model)}
     for name in differ:  # the local partial sums before the sync
-        local_ref = ref.get_parameter(name).grad[specs[name].slices()]
+        local_ref = specs[name].take(ref.get_parameter(name).grad)
         out[f"{tag} {name} grad before sync"] = ("differ", model.get_parameter(name).grad.clone(), local_ref)
     allreduce_replicated_grads(model, state)
     names = [n for n, _ in trainable_parameters(model)]
     assert names == [n for n, _ in trainable_parameters(ref)] and any(".lora_A." in n for n in names)
     for name, p in trainable_parameters(model):
-        full = gather_shards(p.grad, specs[name], state.group("tp")) if name in specs else p.grad
+        full = gather_full(p.grad, specs[name], state) if name in specs else p.grad
         out[f"{tag} grad {name}"] = ("close", full, ref.get_parameter(name).grad)
 
 
@@ -266,7 +266,7 @@ def test_sharded_layers_at_tp1_are_lora_linear_bit_for_bit():
         for layer in model:
             layer.merge()
     assert torch.equal(ref(x), par(x))
-    assert par[1].lora_A.shard_specs["weight"].full_shape == (2, 12)
+    assert par[1].lora_A.placements["weight"].full_shape == (2, 12)
 
 
 def test_load_errors_name_full_shapes_and_tp_save_refusals(make_tiny_hf, tmp_path):

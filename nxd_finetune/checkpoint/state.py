@@ -1,10 +1,11 @@
 """From a rank's live modules and optimizer to layout-free tensors, and back.
 
 :func:`collect` (collective) turns this rank's trainable parameters and optimizer state into
-tensors keyed by global parameter name with full shapes: TP shards are gathered with their
-``ShardSpec`` (``parallel.layers.gather_shards``), ZeRO-1 flat shards are consolidated per
-parameter (``Zero1Optimizer.export_param_states``). Only the ranks that write (tp rank 0 and dp
-rank 0 of each pipeline stage) get the tensors; the others take part in the collectives only.
+tensors keyed by global parameter name with full shapes: sharded tensors are gathered over the
+axes their ``Placement`` names (``parallel.placement.gather_full``), ZeRO-1 flat shards are
+consolidated per parameter (``Zero1Optimizer.export_param_states``). Only the rank that writes a
+pipeline stage (coordinate 0 on every other axis) gets the tensors; the others take part in the
+collectives only.
 
 :func:`restore` (local, no collective) reads back just this rank's slices for its *current*
 layout through a :class:`TensorReader`, so a checkpoint saved at tp=2 loads at tp=1, pp=2 or
@@ -27,7 +28,7 @@ from torch import nn
 
 from nxd_finetune.checkpoint.format import CheckpointError, optim_key, param_key
 from nxd_finetune.checkpoint.run_state import JsonDict
-from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
+from nxd_finetune.parallel.placement import Placement, Shard, gather_full, iter_placements
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
 
@@ -44,21 +45,21 @@ class SavedGroup(TypedDict):
 
 @dataclasses.dataclass
 class LocalParam:
-    """A trainable parameter of this rank: its global ``name``, the live tensor and its TP
-    sharding (None: the whole tensor is on every TP rank)."""
+    """A trainable parameter of this rank: its global ``name``, the live tensor and its placement
+    (None: the whole tensor is on every rank)."""
 
     name: str
     param: nn.Parameter
-    spec: ShardSpec | None
+    placement: Placement | None
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        return self.spec.full_shape if self.spec is not None else tuple(self.param.shape)
+        return self.placement.full_shape if self.placement is not None else tuple(self.param.shape)
 
     def index(self) -> list[tuple[slice, ...]] | None:
         """This rank's slices of the full tensor (one; several for a fused tensor, see
-        ``ShardSpec.parts``); None when it holds the whole tensor."""
-        return self.spec.pieces() if self.spec is not None and self.spec.partition_dim is not None else None
+        ``Shard.parts``); None when it holds the whole tensor."""
+        return self.placement.pieces() if self.placement is not None and self.placement.sharded else None
 
 
 def trainable(modules: Sequence[nn.Module]) -> list[LocalParam]:
@@ -68,7 +69,7 @@ def trainable(modules: Sequence[nn.Module]) -> list[LocalParam]:
     seen: dict[int, str] = {}
     names: set[str] = set()
     for module in modules:
-        specs = {name: spec for name, _, _, spec in iter_shard_specs(module)}
+        specs = {name: placement for name, _, _, placement in iter_placements(module)}
         for name, p in module.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
@@ -142,7 +143,7 @@ def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
 class _Entry:
     key: str
     local: torch.Tensor
-    spec: ShardSpec | None  # None: not TP-sharded (the same on every TP rank)
+    spec: Placement | None  # None: not sharded (the same on every rank)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -155,8 +156,8 @@ class StageTensors:
 
     Construction is collective over dp for ZeRO-1 (the state export) and local otherwise;
     :meth:`plan` (local) gives every tensor's key, dtype and full shape before anything is gathered,
-    so a writer can lay out its file first; :meth:`tensors` (collective over tp, on dp rank 0) gathers
-    the sharded ones in :meth:`plan`'s order. A ZeRO-1 fp32 master is kept only for parameters that
+    so a writer can lay out its file first; :meth:`tensors` (collective over the sharding axes)
+    gathers the sharded ones in :meth:`plan`'s order. A ZeRO-1 fp32 master is kept only for parameters that
     are not fp32 (otherwise it equals the parameter). Raises CheckpointError for an optimizer state
     that is neither a scalar nor shaped like its parameter.
     """
@@ -165,12 +166,11 @@ class StageTensors:
                  state: ParallelState | None) -> None:
         states = _per_param_states(unwrap(optimizer))
         self.state = state
-        self.tp_rank = state.coord("tp") if state is not None else 0
-        self.takes_part = state is None or state.coord("dp") == 0
-        self.writes = self.takes_part and self.tp_rank == 0
+        self.writes = state is None or all(state.coord(a) == 0 for a in state.layout.names
+                                           if state.layout.kind(a) != "stage")
         self.entries: list[_Entry] = []
         for lp in params:
-            spec = lp.spec if lp.index() is not None else None
+            spec = lp.placement if lp.index() is not None else None
             self.entries.append(_Entry(param_key(lp.name), lp.param, spec))
             for key, value in sorted(states.get(id(lp.param), {}).items()):
                 if key == "master" and lp.param.dtype == torch.float32:
@@ -187,17 +187,25 @@ class StageTensors:
         """``(key, dtype, full shape)`` of every tensor, in :meth:`tensors`' order. Local."""
         return [(e.key, e.local.dtype, e.shape) for e in self.entries]
 
+    def _takes_part(self, e: _Entry) -> bool:
+        """Whether this rank joins the gather of ``e``: coordinate 0 on every data axis ``e`` is not
+        sharded on (the model axes' ranks all do, as the gathers need them)."""
+        st = self.state
+        if st is None:
+            return True
+        return all(st.coord(a) == 0 for a in st.layout.data_axes
+                   if e.spec is None or not isinstance(e.spec.along(a), Shard))
+
     @torch.no_grad()
     def tensors(self, copy: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """``(key, full CPU tensor)`` on the writing rank (tp rank 0, dp rank 0), ``(key, None)`` on
-        the other TP ranks of dp rank 0, which take part in the gathers only; nothing elsewhere.
+        """``(key, full CPU tensor)`` on the writing rank (coordinate 0 on every axis but the
+        stage), ``(key, None)`` on the ranks that take part in a gather only; nothing elsewhere.
         ``copy``: a CPU copy no later optimizer step can change, else the live tensor where no gather
-        was needed. Collective over tp: every TP rank must consume the iterator to the end."""
-        if not self.takes_part:
-            return
-        group = self.state.group("tp") if self.state is not None else None
+        was needed. Collective over the sharding axes: every rank must consume the iterator to the end."""
         for e in self.entries:
-            full = gather_shards(e.local, e.spec, group) if e.spec is not None else e.local
+            if not self._takes_part(e):
+                continue
+            full = gather_full(e.local, e.spec, self.state) if self.state is not None else e.local
             yield e.key, (_cpu(full, copy) if self.writes else None)
             del full
 
@@ -209,7 +217,7 @@ def collect(params: list[LocalParam], optimizer: torch.optim.Optimizer | None, s
 
     ``copy=False`` (a save written before training goes on) returns the live CPU tensors where no
     gather was needed, instead of a host copy of the whole stage's parameters and optimizer state.
-    Collective: over dp (ZeRO-1 export), then over tp on dp rank 0.
+    Collective: over dp (ZeRO-1 export), then over the sharding axes.
     """
     stage = StageTensors(params, optimizer, state)
     out = {key: t for key, t in stage.tensors(copy) if t is not None}
@@ -245,8 +253,8 @@ def _read(reader: TensorReader, key: str, lp: LocalParam) -> torch.Tensor:
     if index is None:
         return reader.read(key, None)
     chunks = [reader.read(key, piece) for piece in index]
-    assert lp.spec is not None  # index() is None without a spec
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=lp.spec.partition_dim or 0)
+    assert lp.placement is not None  # index() is None without a placement
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=lp.placement.cat_dim)
 
 
 @torch.no_grad()

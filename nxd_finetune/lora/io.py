@@ -7,7 +7,7 @@ and ``adapter_model.safetensors`` keyed ``base_model.model.<module>.lora_A.weigh
 under their model names (``...q_proj.base_layer.bias``, ``...k_proj.bias``).
 
 Tensor-parallel models: the files are those of the unsharded model. ``load_adapter`` reads only
-this rank's slice of each sharded tensor (the ``shard_specs`` of the model's layers say which);
+this rank's slice of each sharded tensor (the ``placements`` of the model's layers say which);
 :func:`gather_adapter_state_dict` and ``save_adapter(..., state=)`` gather the full tensors.
 
 Only JSON and safetensors are read; nothing is unpickled (``adapter_model.bin`` is refused).
@@ -42,7 +42,7 @@ from nxd_finetune.lora.inject import (
     saved_modules,
 )
 from nxd_finetune.models.config import LANGUAGE_MODEL_PREFIX, DecoderConfig, text_model_name
-from nxd_finetune.parallel.layers import ShardSpec, gather_shards, iter_shard_specs
+from nxd_finetune.parallel.placement import Placement, gather_full, iter_placements
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -111,13 +111,14 @@ def gather_adapter_state_dict(model: nn.Module, state: ParallelState, bias: str 
     """:func:`adapter_state_dict` of a tensor-parallel model with every sharded tensor gathered: the
     keys, shapes and values of a tp=1 model with the same adapter, on every TP rank (rank 0 writes).
 
-    Collective over ``state.group("tp")`` (one all-gather per sharded tensor, in module order): every
-    TP rank calls it. Replicated tensors are the local copy. DP replicas get equal dicts. Pipeline
-    parallel: each stage's dict holds only its layers' keys; union the stages' dicts before writing.
+    Collective over the axes each tensor is sharded on (one all-gather per sharded tensor and axis,
+    in module order): every rank calls it. Replicated tensors are the local copy. DP replicas get
+    equal dicts. Pipeline parallel: each stage's dict holds only its layers' keys; union the stages'
+    dicts before writing.
     """
-    specs = {name: spec for name, _, _, spec in iter_shard_specs(model)}
+    placements = {name: placement for name, _, _, placement in iter_placements(model)}
     local = lora_state_dict(model, bias)
-    full = {k: gather_shards(t, specs[k], state.group("tp")) if k in specs else t for k, t in local.items()}
+    full = {k: gather_full(t, placements[k], state) if k in placements else t for k, t in local.items()}
     return _peft_keys(model, full)
 
 
@@ -357,10 +358,10 @@ def _open_weights(path: Path) -> Iterator[Any]:
 
 
 def _read_tensors(
-    path: Path, select: Callable[[str, tuple[int, ...]], ShardSpec | None] | None = None
+    path: Path, select: Callable[[str, tuple[int, ...]], Placement | None] | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, keyed without the ``base_model.model.`` prefix.
-    ``select(key, shape)`` returns the spec of the part to read (a rank's shard) or None for all of
+    ``select(key, shape)`` returns the placement of the part to read (a rank's shard) or None for all of
     it; it may raise AdapterError."""
     out = {}
     try:
@@ -385,7 +386,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     Values are cast to each parameter's dtype and device. After an error with ``inject=True`` the
     model stays injected, with fresh (zero-B, output-preserving) adapters.
 
-    A tensor-parallel model (layers with ``shard_specs``) takes the unsharded file: each rank
+    A tensor-parallel model (layers with ``placements``) takes the unsharded file: each rank
     checks the full shape and reads only its slice. No collective.
     """
     cfg, weights = _adapter_files(adapter_dir)
@@ -402,10 +403,10 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
     wrappers = dict(saved_modules(model))
     # any bias may come along (PEFT loads them whatever the bias mode); base weights may not
     allowed = set(lora_state_dict(model, "all")) | {n for n in params if n.endswith(".bias")}
-    specs = {n: spec for n, _, _, spec in iter_shard_specs(model) if spec.partition_dim is not None}
+    specs = {n: placement for n, _, _, placement in iter_placements(model) if placement.sharded}
     names: dict[str, str] = {}  # adapter key -> parameter name
 
-    def select(key: str, shape: tuple[int, ...]) -> ShardSpec | None:
+    def select(key: str, shape: tuple[int, ...]) -> Placement | None:
         name = key
         if name not in allowed:
             owner = _owner(key, wrappers)

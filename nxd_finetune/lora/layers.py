@@ -7,7 +7,7 @@ checkpoint keys map onto them directly.
 Sharded bases: :mod:`nxd_finetune.lora.sharded` subclasses :class:`LoraLinear` for the
 column- and row-parallel linears and registers the subclasses with :func:`register_lora_layer`,
 so ``inject_lora`` picks them by base type. Their factors are this rank's slices (``lora_A`` /
-``lora_B`` carry ``shard_specs`` like the parallel layers); ``delta_weight()`` is then the local
+``lora_B`` carry ``placements`` like the parallel layers); ``delta_weight()`` is then the local
 shard's delta, which is what ``merge()`` adds to the local base shard.
 """
 

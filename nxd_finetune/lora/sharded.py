@@ -8,17 +8,18 @@ calls its base layer: every collective lives in ``parallel/``, none is written h
 :class:`ColumnParallelLoraLinear` and :class:`RowParallelLoraLinear` are registered with
 :func:`~nxd_finetune.lora.layers.register_lora_layer` when this module is imported (importing
 ``nxd_finetune.lora`` does), so ``inject_lora`` wraps sharded bases like plain ones, with the same
-parameter names. Each factor's ``nn.Linear`` carries ``shard_specs = {"weight": ShardSpec}``:
-``iter_shard_specs`` finds it, ``load_adapter`` reads only this rank's slice, export gathers it
-(``gather_adapter_state_dict``) and ``allreduce_replicated_grads`` sums what ``grad_sync`` says.
+parameter names. Each factor's ``nn.Linear`` carries ``placements = {"weight": Placement}``,
+derived from the base weight's (:func:`factor_placements`, axis by axis): ``iter_placements``
+finds it, ``load_adapter`` reads only this rank's slice, export gathers it
+(``gather_adapter_state_dict``) and ``allreduce_replicated_grads`` sums what ``Partial`` says.
 ``s`` is the scaling, ``drop`` the LoRA dropout; ``p = tp / replicas`` output chunks.
 
 Column-parallel base (``W [out, in]`` split on out, ``W_l [out/p, in]``)::
 
     x_in = gather_from_sequence(x) under SP, else copy_to_tp(x)     (the base's own collective)
     y_l  = x_in W_l^T + b_l + s * B_l A drop(x_in)
-    lora_A [r, in] replicated                   ShardSpec((r, in), grad_sync=tp)
-    lora_B [out/p, r] split like W              the base weight's spec: replicas, grad_sync=replicas
+    lora_A [r, in] replicated                   Partial on tp
+    lora_B [out/p, r] split like W              the base weight's Shard (replicas: partial over them)
 
 The LoRA path reads the base's communicated input, so its input gradient joins the base's partial
 sums in the base's one backward collective (all-reduce; reduce-scatter under SP). ``h = A x_in`` is
@@ -36,8 +37,8 @@ Row-parallel base (``W [out, in]`` split on in, ``W_l [out, in/tp]``)::
     y   = R(x_l W_l^T) + b + s * B R(A_l drop(x)_l)
     R   = all-reduce (reduce_from_tp), under SP reduce-scatter on the sequence dim
           (reduce_scatter_to_sequence); the r-wide LoRA reduction is a second, small collective
-    lora_A [r, in/tp] split on in               ShardSpec((r, in), 1, tp, rank), exact gradient
-    lora_B [out, r] replicated                  ShardSpec((out, r), grad_sync=tp under SP, else 1)
+    lora_A [r, in/tp] split on in               the base weight's Shard on dim 1, exact gradient
+    lora_B [out, r] replicated                  Partial on tp under SP, else replicated
 
 The LoRA term is added after the reduction, so the bias is added once; ``dL/dh`` after R's
 backward (identity / all-gather) is the full value, so ``lora_A``'s gradient is exact. Under SP
@@ -65,32 +66,53 @@ its base shard) into its shard; replicas fold identical chunks.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nxd_finetune.lora.layers import LoraLinear, init_lora_factors, register_lora_layer
-from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear, ShardSpec
-from nxd_finetune.parallel.mappings import group_size
+from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from nxd_finetune.parallel.placement import AxisPlacement, Partial, Placement, Shard
 
-__all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear"]
-
-
-def _spec(linear: nn.Linear) -> ShardSpec:
-    """The factor's spec; a whole-tensor spec while the factor is still full (during ``__init__``)."""
-    spec = getattr(linear, "shard_specs", {}).get("weight")
-    return spec if spec is not None else ShardSpec(tuple(linear.weight.shape))
+__all__ = ["ColumnParallelLoraLinear", "RowParallelLoraLinear", "factor_placements"]
 
 
-def _keep_slice(linear: nn.Linear, spec: ShardSpec) -> None:
-    """Replace a full factor by this rank's slice and attach ``spec``."""
+def factor_placements(weight: Placement, r: int, b_partial_on_input: bool) -> tuple[Placement, Placement]:
+    """``lora_A [r, in]`` and ``lora_B [out, r]`` placed after the base ``weight [out, in]``, axis by
+    axis: where the weight is split on its output dim, ``lora_B`` is split alike and ``lora_A``'s
+    gradient is partial (``dL/dh`` on one rank covers its output features only); where it is split
+    on its input dim, ``lora_A`` is split alike and ``lora_B`` is whole, its gradient partial when
+    ``b_partial_on_input`` (the base runs on sequence shards); elsewhere both as the weight."""
+    out, inp = weight.full_shape
+    on_a: list[tuple[str, AxisPlacement]] = []
+    on_b: list[tuple[str, AxisPlacement]] = []
+    for axis, p in weight.on:
+        if isinstance(p, Shard) and p.dim == 0:
+            on_a.append((axis, Partial()))
+            on_b.append((axis, p))
+        elif isinstance(p, Shard):
+            on_a.append((axis, p))
+            if b_partial_on_input:
+                on_b.append((axis, Partial()))
+        else:
+            on_a.append((axis, p))
+            on_b.append((axis, p))
+    return Placement((r, inp), tuple(on_a)), Placement((out, r), tuple(on_b))
+
+
+def _placement(linear: nn.Linear) -> Placement:
+    """The factor's placement; a whole-tensor one while the factor is still full (during ``__init__``)."""
+    placement = getattr(linear, "placements", {}).get("weight")
+    return placement if placement is not None else Placement(tuple(linear.weight.shape))
+
+
+def _keep_slice(linear: nn.Linear, placement: Placement) -> None:
+    """Replace a full factor by this rank's slice and attach ``placement``."""
     w = linear.weight
-    linear.weight = nn.Parameter(spec.take(w.detach()).clone(), requires_grad=w.requires_grad)
-    linear.out_features, linear.in_features = spec.local_shape
+    linear.weight = nn.Parameter(placement.take(w.detach()).clone(), requires_grad=w.requires_grad)
+    linear.out_features, linear.in_features = placement.local_shape
     # torch's stub types Module.__setattr__ for tensors and modules only; plain attributes are fine
-    linear.shard_specs = {"weight": spec}  # type: ignore[assignment]
+    linear.placements = {"weight": placement}  # type: ignore[assignment]
 
 
 class _ShardedLoraLinear(LoraLinear):
@@ -108,19 +130,21 @@ class _ShardedLoraLinear(LoraLinear):
         init_lora_weights: str = "default",
     ) -> None:
         super().__init__(base, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)  # full factors
-        spec_a, spec_b = self._factor_specs()
+        spec_a, spec_b = self._factor_placements()
         _keep_slice(self.lora_A, spec_a)
         _keep_slice(self.lora_B, spec_b)
 
-    def _factor_specs(self) -> tuple[ShardSpec, ShardSpec]:
-        raise NotImplementedError
+    def _factor_placements(self) -> tuple[Placement, Placement]:
+        base = self.base_layer
+        return factor_placements(base.placements["weight"], self.r,
+                                 isinstance(base, RowParallelLinear) and base.sequence_parallel)
 
     @torch.no_grad()
     def reset_lora_parameters(self, init_lora_weights: str = "default") -> None:
         """:class:`LoraLinear`'s init on full-size factors (the same RNG draws on every rank, and
         as at tp=1), then this rank's slices are kept."""
         a, b = self.lora_A.weight, self.lora_B.weight
-        spec_a, spec_b = _spec(self.lora_A), _spec(self.lora_B)
+        spec_a, spec_b = _placement(self.lora_A), _placement(self.lora_B)
         full_a, full_b = a.new_empty(spec_a.full_shape), b.new_empty(spec_b.full_shape)
         init_lora_factors(full_a, full_b, self.r, init_lora_weights)
         a.copy_(spec_a.take(full_a))
@@ -136,12 +160,6 @@ class ColumnParallelLoraLinear(_ShardedLoraLinear):
     or gathered with ``gather_output``). See the module docstring for the collectives."""
 
     base_layer: ColumnParallelLinear
-
-    def _factor_specs(self) -> tuple[ShardSpec, ShardSpec]:
-        base = self.base_layer
-        spec_w = base.shard_specs["weight"]
-        spec_a = ShardSpec((self.r, base.in_features), grad_sync=group_size(base.group))
-        return spec_a, dataclasses.replace(spec_w, full_shape=(base.out_features, self.r))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
@@ -160,23 +178,17 @@ class RowParallelLoraLinear(_ShardedLoraLinear):
 
     base_layer: RowParallelLinear
 
-    def _factor_specs(self) -> tuple[ShardSpec, ShardSpec]:
-        base = self.base_layer
-        spec_w = base.shard_specs["weight"]
-        spec_a = dataclasses.replace(spec_w, full_shape=(self.r, base.in_features))
-        grad_sync = group_size(base.group) if base.sequence_parallel else 1
-        return spec_a, ShardSpec((base.out_features, self.r), grad_sync=grad_sync)
-
     def _drop_local(self, x_l: torch.Tensor) -> torch.Tensor:
         """Dropout on this rank's input slice with its slice of the full-width mask (the mask the
         unsharded layer would draw from the same RNG state)."""
         drop = self.lora_dropout
         if not isinstance(drop, nn.Dropout) or not drop.training or drop.p == 0:
             return x_l
-        spec = _spec(self.lora_A)
-        noise = F.dropout(x_l.new_ones((*x_l.shape[:-1], spec.full_shape[1])), drop.p, training=True)
-        # contiguous copy of the slice: autograd keeps only it, the full mask is freed here
-        return x_l * noise.chunk(spec.num_partitions, dim=-1)[spec.partition_index].contiguous()
+        placement = _placement(self.lora_A)
+        noise = F.dropout(x_l.new_ones((*x_l.shape[:-1], placement.full_shape[1])), drop.p, training=True)
+        # contiguous copy of the slice (the factor's columns): autograd keeps only it, the full mask is freed here
+        cols = placement.pieces()[0][1]
+        return x_l * noise[..., cols].contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer

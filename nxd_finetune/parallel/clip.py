@@ -1,23 +1,23 @@
-"""Gradient-norm clipping over tensor-, pipeline- and data-parallel groups.
+"""Gradient-norm clipping over every parallel axis, read from the parameters' placements.
 
-The global L2 norm counts every parameter of the unsharded model exactly once:
+The global L2 norm counts every parameter of the unsharded model exactly once. The squares are
+summed over the axes :func:`norm_axes` names, and a rank's copy of a parameter is counted there as
+:meth:`~.placement.Placement.counted_at` says:
 
-- a TP-sharded parameter (``ShardSpec.partition_dim`` set) contributes its local shard, summed
-  over the TP group; when a shard is replicated over ``replicas`` consecutive TP ranks (KV heads
-  when tp exceeds their count) only the first rank of each block counts it;
-- a TP-replicated parameter (``partition_dim`` None, or no ``ShardSpec`` at all: norms, biases of
-  row-parallel layers) is counted on TP rank 0 only. This needs the replicated gradients to be
-  equal on every TP rank, i.e. ``allreduce_replicated_grads`` has run;
-- pipeline stages hold disjoint layers: summed over the PP group. A weight tied across stages
+- a model axis (tp): a sharded parameter contributes its local shard; a shard replicated over
+  ``replicas`` consecutive ranks (KV heads when tp exceeds their count) only on the first rank of
+  each block; a replicated or partial one (norms, biases of row-parallel layers) on coordinate 0
+  only. This needs the partial gradients summed first (``allreduce_replicated_grads``);
+- a stage axis (pp): stages hold disjoint layers, each counts its own. A weight tied across stages
   (embeddings with ``pp > 1``) has a copy on two stages: pass the second copy in ``not_counted``
   (it is clipped, not counted; ``PipelineRunner.grad_norm_parameters`` lists the counted ones);
-- data parallel: after :func:`~nxd_finetune.parallel.data_parallel.allreduce_gradients` every dp
-  rank holds the same full gradient, so dp is *not* summed (:func:`clip_grad_norm`); with ZeRO-1
-  each dp rank holds a disjoint shard of the reduced gradient, so the shards' squares are summed
-  over dp as well (:func:`clip_grad_norm_zero1`).
+- a data axis (dp): after :func:`~nxd_finetune.parallel.data_parallel.allreduce_gradients` every
+  rank of the axis holds the same gradient of a parameter not sharded on it, so the axis is summed
+  only when some parameter is sharded on it (an expert weight); with ZeRO-1 each rank holds a
+  disjoint slice of the reduced gradient, so every data axis is summed (:func:`clip_grad_norm_zero1`).
 
-Sharding metadata lives on modules (``shard_specs``), so these functions take the model (or a
-``{id(param): ShardSpec}`` map from :func:`shard_spec_map`) to know how each parameter is split.
+Placements live on modules, so these functions take the model (or a ``{id(param): Placement}``
+map from :func:`~.placement.placement_map`) to know how each parameter lies.
 Norms are accumulated in float32 whatever the gradient dtype; the returned norm is a 0-dim
 float32 tensor (no ``.item()``, so no host sync). Every rank of the world must call them (collective).
 """
@@ -30,10 +30,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 
-from nxd_finetune.parallel.layers import ShardSpec, iter_shard_specs
+from nxd_finetune.parallel.placement import Placement, Shard, placement_map, placement_of
 from nxd_finetune.parallel.state import ParallelState
+
+PlacementMap = dict[int, Placement]
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -50,24 +51,33 @@ class GradShards(Protocol):
         ...
 
 
-def shard_spec_map(model: nn.Module) -> dict[int, ShardSpec]:
-    """``{id(parameter): ShardSpec}`` for the parameters of ``model`` that carry sharding metadata."""
-    return {id(module._parameters[attr]): spec for _, module, attr, spec in iter_shard_specs(model)}
+def norm_axes(state: ParallelState, placements: Iterable[Placement], zero1: bool = False) -> list[str]:
+    """The axes a sum over this rank's parameters (a gradient norm, a parameter count) is
+    all-reduced over, in order: the data axes (every one with ``zero1``, else those some parameter
+    is sharded on), then the model axes, then the stage axes, innermost first; degree-one axes left
+    out. The same on every rank of each of those axes' groups."""
+    layout = state.layout
+    placed = list(placements)
+    data = [a for a in layout.of_kind("data")
+            if zero1 or any(isinstance(p.along(a), Shard) for p in placed)]
+    axes = data + list(layout.of_kind("model")) + list(layout.of_kind("stage"))
+    return [a for a in axes if layout.degree(a) > 1]
 
 
-def counts_on_rank(spec: ShardSpec | None, tp_rank: int) -> bool:
-    """Whether this TP rank's copy of a parameter is the one that enters the global norm."""
-    if spec is None or spec.partition_dim is None:
-        return tp_rank == 0
-    return tp_rank % spec.replicas == 0
+def counts_on_rank(placement: Placement, state: ParallelState, axes: Iterable[str], zero1: bool = False) -> bool:
+    """Whether this rank's copy of a parameter enters a sum over ``axes`` (:func:`norm_axes`); with
+    ``zero1`` its ZeRO-1 slices (over :meth:`~.placement.Placement.summed_over`) all do."""
+    layout = state.layout
+    partitioned = placement.summed_over(layout) if zero1 else ()
+    return placement.counted_at({a: state.coord(a) for a in layout.names}, axes, layout, partitioned)
 
 
-def _specs(specs: dict[int, ShardSpec] | nn.Module | None, state: ParallelState) -> dict[int, ShardSpec] | None:
+def _specs(specs: PlacementMap | nn.Module | None, state: ParallelState) -> PlacementMap:
     if isinstance(specs, nn.Module):
-        return shard_spec_map(specs)
-    if specs is None and state.size("tp") > 1:
-        raise ValueError("with tp > 1 the norm needs the sharding metadata: pass the model or shard_spec_map(model)")
-    return specs
+        return placement_map(specs)
+    if specs is None and any(state.size(a) > 1 for a in state.layout.of_kind("model")):
+        raise ValueError("with tp > 1 the norm needs the sharding metadata: pass the model or placement_map(model)")
+    return specs or {}
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
@@ -84,10 +94,9 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device | None) ->
     return out
 
 
-def _allreduce(x: torch.Tensor, groups: list[tuple[ProcessGroup | None, int]]) -> torch.Tensor:
-    for group, size in groups:
-        if size > 1:
-            dist.all_reduce(x, group=group)
+def _allreduce(x: torch.Tensor, state: ParallelState, axes: list[str]) -> torch.Tensor:
+    for axis in axes:
+        dist.all_reduce(x, group=state.group(axis))
     return x
 
 
@@ -104,32 +113,33 @@ def _scale(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> N
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float | None, state: ParallelState, *,
-                   specs: dict[int, ShardSpec] | nn.Module | None = None,
+                   specs: PlacementMap | nn.Module | None = None,
                    not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Clip ``.grad`` in place to the global L2 norm ``max_norm``; returns the norm before clipping.
 
-    ``params``: the model (its parameters with a gradient are used, and its ``shard_specs``) or
-    an iterable of parameters, then with ``specs`` (the model or :func:`shard_spec_map`), needed
-    when tp > 1 (ValueError otherwise). ``state``: the ``ParallelState``. ``max_norm`` None or
-    <= 0: only compute the norm. ``not_counted``: parameters clipped but left out of the norm
-    (tied copies). The norm is summed over tp (each parameter once) and pp, not over dp: call
-    after the data-parallel all-reduce, when every dp rank holds the same gradient.
+    ``params``: the model (its parameters with a gradient are used, and their placements) or an
+    iterable of parameters, then with ``specs`` (the model or :func:`~.placement.placement_map`),
+    needed when tp > 1 (ValueError otherwise). ``state``: the ``ParallelState``. ``max_norm`` None
+    or <= 0: only compute the norm. ``not_counted``: parameters clipped but left out of the norm
+    (tied copies). Call after the data-parallel all-reduce, when every data-parallel rank holds the
+    same gradient of what is not sharded over it (the module docstring says what is summed).
     """
     if isinstance(params, nn.Module):
         specs = params if specs is None else specs
         params = params.parameters()
-    spec_map = _specs(specs, state) or {}
+    spec_map = _specs(specs, state)
     skip = {id(p) for p in not_counted}
+    params = list(dict.fromkeys(params))  # de-duplicated, in order
+    axes = norm_axes(state, (placement_of(p, spec_map) for p in params))
     grads, counted = [], []
-    for p in dict.fromkeys(params):  # de-duplicated, in order
+    for p in params:
         if p.grad is None:
             continue
         grads.append(p.grad)
-        if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.coord("tp")):
+        if id(p) not in skip and counts_on_rank(placement_of(p, spec_map), state, axes):
             counted.append(p.grad)
     device = grads[0].device if grads else None
-    total = _allreduce(_sum_of_squares(counted, device), [(state.group("tp"), state.size("tp")),
-                                                          (state.group("pp"), state.size("pp"))]).sqrt()
+    total = _allreduce(_sum_of_squares(counted, device), state, axes).sqrt()
     if max_norm is not None and max_norm > 0 and grads:
         _scale(grads, total, max_norm)
     return total
@@ -137,23 +147,24 @@ def clip_grad_norm(params: Iterable[torch.Tensor] | nn.Module, max_norm: float |
 
 @torch.no_grad()
 def clip_grad_norm_zero1(optimizer: GradShards, max_norm: float | None, state: ParallelState, *,
-                         specs: dict[int, ShardSpec] | nn.Module | None = None,
+                         specs: PlacementMap | nn.Module | None = None,
                          not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The ZeRO-1 variant: the norm over the reduced gradient *shards* of a
-    :class:`~nxd_finetune.parallel.zero1.Zero1Optimizer`, summed over dp, tp (each parameter
-    once) and pp; the shards (fp32 master gradients) are clipped in place. Call between
+    :class:`~nxd_finetune.parallel.zero1.Zero1Optimizer` (each parameter partitioned over the data
+    axes it is not sharded on), summed over every data axis, the model axes (each parameter once)
+    and the stages; the shards (fp32 master gradients) are clipped in place. Call between
     ``optimizer.reduce_gradients()`` and ``optimizer.step()`` (or use ``optimizer.clip_grad_norm``).
-    ``specs``: the model or :func:`shard_spec_map` (needed when tp > 1); ``not_counted`` as for
-    :func:`clip_grad_norm`. Returns the norm.
+    ``specs``: the model or :func:`~.placement.placement_map` (needed when tp > 1); ``not_counted``
+    as for :func:`clip_grad_norm`. Returns the norm.
     """
-    spec_map = _specs(specs, state) or {}
+    spec_map = _specs(specs, state)
     skip = {id(p) for p in not_counted}
+    axes = norm_axes(state, (), zero1=True)
     counted = [g for p, g in optimizer.local_grad_slices()
-               if id(p) not in skip and counts_on_rank(spec_map.get(id(p)), state.coord("tp"))]
+               if id(p) not in skip and counts_on_rank(placement_of(p, spec_map), state, axes, zero1=True)]
     shards = optimizer.master_grads()
     device = shards[0].device if shards else None
-    groups = [(state.group(axis), state.size(axis)) for axis in ("dp", "tp", "pp")]
-    total = _allreduce(_sum_of_squares(counted, device), groups).sqrt()
+    total = _allreduce(_sum_of_squares(counted, device), state, axes).sqrt()
     if max_norm is not None and max_norm > 0:
         _scale(shards, total, max_norm)
     return total

@@ -8,16 +8,19 @@ a per-rank mean (the DDP convention).
 
 Both functions are collective over the group: every rank calls them in the same order with
 parameters in the same order. A group of size one issues no collective.
+:func:`reduce_data_parallel` asks each parameter's placement which data axes to sum over (every
+one for a dense weight; an expert weight sharded over an expert axis skips that axis).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from nxd_finetune.parallel.mappings import all_reduce_sum, group_size
+from nxd_finetune.parallel.placement import Placement, placement_of
 from nxd_finetune.parallel.state import ParallelState
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -66,13 +69,15 @@ def allreduce_gradients(
     dp_group,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     average: bool = False,
+    divide_by: int | None = None,
 ) -> int:
     """Sum the ``.grad`` of ``params`` over ``dp_group`` in place; returns the number of collectives.
 
     Gradients are grouped by dtype (and device) into buckets of about ``bucket_bytes``; each
     bucket is flattened into one buffer, all-reduced (SUM) once and copied back. Parameters
     without a gradient (frozen ones) are skipped, so whether a parameter has a gradient must be
-    the same on every rank. ``average=True`` divides by the group size after the sum. Duplicate
+    the same on every rank. ``average=True`` divides by the group size after the sum (by
+    ``divide_by`` when given: the whole data-parallel degree for a smaller group). Duplicate
     parameters (tied weights) are reduced once. Raises ValueError for sparse gradients.
     """
     world = group_size(dp_group)
@@ -92,9 +97,29 @@ def allreduce_gradients(
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=dp_group)
         if average:
-            flat.div_(world)
+            flat.div_(divide_by or world)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return len(buckets)
+
+
+def reduce_groups(params: Iterable[torch.Tensor], state: ParallelState,
+                  placements: Mapping[int, Placement]) -> dict[tuple[str, ...], list[torch.Tensor]]:
+    """``params`` by the data axes their gradients are summed over
+    (:meth:`~.placement.Placement.summed_over`), in order of first appearance."""
+    out: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    for p in params:
+        out.setdefault(placement_of(p, placements).summed_over(state.layout), []).append(p)
+    return out
+
+
+@torch.no_grad()
+def reduce_data_parallel(params: Iterable[torch.Tensor], state: ParallelState, placements: Mapping[int, Placement],
+                         average: bool = False) -> int:
+    """:func:`allreduce_gradients` of every parameter over the data axes its placement says, the
+    mean (``average``) over the whole data-parallel degree; returns the number of collectives."""
+    divide_by = state.size_over(state.layout.data_axes)
+    return sum(allreduce_gradients(ps, state.group_over(axes), average=average, divide_by=divide_by)
+               for axes, ps in reduce_groups(params, state, placements).items())

@@ -1,11 +1,9 @@
-"""Tensor-parallel layers and the sharding metadata that checkpoint loading and export read.
+"""Tensor-parallel layers.
 
 Every layer keeps HF's parameter names (``weight``, ``bias``), so a model's module and parameter
 names do not change when its ``nn.Linear``/``nn.Embedding`` modules are swapped for these. Each
-layer carries ``shard_specs: dict[str, ShardSpec]`` (one per parameter) saying which slice of the
-full tensor this rank holds; ``full_shape`` / ``partition_dim`` are the weight's. The metadata
-lives on the module, not on the parameter, because checkpoint materialisation replaces the
-parameter objects.
+layer carries ``placements: dict[str, Placement]`` (one per parameter, :mod:`.placement`) saying
+how each parameter lies on the ``tp`` axis; ``full_shape`` is the weight's.
 
 Layers take the TP ``group`` they shard over; with a group of size one they are plain
 ``nn.Linear``/``nn.Embedding`` maths and issue no collective.
@@ -13,10 +11,7 @@ Layers take the TP ``group`` they shard over; with a group of size one they are 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +19,6 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.mappings import (
-    all_gather,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -34,126 +28,9 @@ from nxd_finetune.parallel.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
+from nxd_finetune.parallel.placement import Partial, Placement, Shard, shard_tensor
 
-if TYPE_CHECKING:
-    from nxd_finetune.models.loading import TensorSlice
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    """Which part of a full tensor this TP rank holds.
-
-    ``full_shape``: the unsharded (checkpoint) shape. ``partition_dim``: the split dim, or None
-    when every TP rank holds the whole tensor. The split dim is cut into ``num_partitions`` equal
-    contiguous chunks; this rank holds chunk ``partition_index``. ``replicas``: how many
-    consecutive TP ranks hold the same chunk (``tp == num_partitions * replicas``; >1 for KV
-    heads when tp exceeds the KV head count). ``grad_sync``: the gradient computed on one rank
-    is a partial sum that :func:`~nxd_finetune.parallel.plan.allreduce_replicated_grads` must sum
-    over blocks of this many consecutive TP ranks (1: nothing to do; tp: replicated parameters
-    of modules that run on sequence shards; ``replicas``: replicated KV shards).
-
-    ``parts``: a fused tensor (Phi's ``qkv_proj``: the q, k and v rows; ``gate_up_proj``: the gate
-    and up halves) as the sizes of its pieces along ``partition_dim``. Each piece is split on its
-    own and this rank holds its chunk of every piece, in order (its q heads, then its k and v heads),
-    not a contiguous chunk of the fused rows. Read a shard with :meth:`take`; :meth:`slices` is for
-    single-piece specs only.
-    """
-
-    full_shape: tuple[int, ...]
-    partition_dim: int | None = None
-    num_partitions: int = 1
-    partition_index: int = 0
-    replicas: int = 1
-    grad_sync: int = 1
-    parts: tuple[int, ...] = ()
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        if self.partition_dim is None:
-            return self.full_shape
-        shape = list(self.full_shape)
-        shape[self.partition_dim] //= self.num_partitions
-        return tuple(shape)
-
-    def slices(self) -> tuple[slice, ...]:
-        """Index of this rank's chunk in the full tensor (usable on a safetensors slice). NxdError
-        for a fused spec, whose shard is several slices (:meth:`pieces`, :meth:`take`)."""
-        if self.partition_dim is None:
-            return tuple(slice(None) for _ in self.full_shape)
-        if len(self.parts) > 1:
-            raise NxdError(f"a fused {self.full_shape} tensor's shard is {len(self.parts)} slices; use take()")
-        return shard_slice(self.full_shape, self.partition_dim, self.partition_index, self.num_partitions)
-
-    def pieces(self) -> list[tuple[slice, ...]]:
-        """The indices of this rank's chunks in the full tensor, one per piece of ``parts``."""
-        if self.partition_dim is None or len(self.parts) < 2:
-            return [self.slices()]
-        if sum(self.parts) != self.full_shape[self.partition_dim]:
-            raise NxdError(f"fused parts {self.parts} do not add up to dim {self.partition_dim} of {self.full_shape}")
-        out, offset = [], 0
-        for size in self.parts:
-            part = shard_slice((size,), 0, self.partition_index, self.num_partitions)[0]
-            index = [slice(None)] * len(self.full_shape)
-            index[self.partition_dim] = slice(offset + part.start, offset + part.stop)
-            out.append(tuple(index))
-            offset += size
-        return out
-
-    def take(self, source: torch.Tensor | TensorSlice) -> torch.Tensor:
-        """This rank's shard of ``source`` (the full tensor, or anything indexable like it: a
-        safetensors slice), its pieces concatenated."""
-        chunks = [source[index] for index in self.pieces()]
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=self.partition_dim or 0)
-
-
-def shard_slice(full_shape: tuple[int, ...], partition_dim: int, rank: int, world: int) -> tuple[slice, ...]:
-    """Slices selecting chunk ``rank`` of ``world`` equal chunks of ``full_shape`` along
-    ``partition_dim``; for ``safe_open(...).get_slice(key)[shard_slice(...)]``.
-
-    Raises NxdError when the dim does not divide by ``world``.
-    """
-    size = full_shape[partition_dim]
-    if size % world:
-        raise NxdError(f"dim {partition_dim} of a {tuple(full_shape)} tensor ({size}) is not divisible by {world}")
-    step = size // world
-    index = [slice(None)] * len(full_shape)
-    index[partition_dim] = slice(rank * step, (rank + 1) * step)
-    return tuple(index)
-
-
-def shard_tensor(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """This rank's chunk of ``full`` (a copy, contiguous)."""
-    if tuple(full.shape) != spec.full_shape:
-        raise NxdError(f"tensor of shape {tuple(full.shape)} does not match the sharded shape {spec.full_shape}")
-    return spec.take(full).clone().contiguous()
-
-
-def gather_shards(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
-    """The full tensor from every TP rank's ``local`` chunk (collective over ``group``, no autograd).
-
-    Replicated chunks are taken once. Used to export adapters and to compare with unsharded runs.
-    """
-    if spec.partition_dim is None or group_size(group) == 1:
-        return local.detach()
-    gathered = all_gather(local.detach(), spec.partition_dim, group)
-    if len(spec.parts) > 1:  # every rank's chunk is its pieces in order: regroup piece by piece
-        sizes = [size // spec.num_partitions for size in spec.parts]
-        ranks = gathered.chunk(spec.num_partitions, spec.partition_dim)
-        per_rank = [c.split(sizes, dim=spec.partition_dim) for c in ranks]
-        return torch.cat([r[i] for i in range(len(sizes)) for r in per_rank], dim=spec.partition_dim)
-    if spec.replicas == 1:
-        return gathered
-    chunks = gathered.chunk(spec.num_partitions * spec.replicas, dim=spec.partition_dim)
-    return torch.cat(chunks[:: spec.replicas], dim=spec.partition_dim)
-
-
-def iter_shard_specs(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, ShardSpec]]:
-    """``(parameter_name, module, attribute, spec)`` for every parameter with sharding metadata,
-    in ``named_modules`` order (the same on every rank of a TP group)."""
-    for module_name, module in model.named_modules():
-        for attr, spec in getattr(module, "shard_specs", {}).items():
-            if module._parameters.get(attr) is not None:
-                yield (f"{module_name}.{attr}" if module_name else attr), module, attr, spec
+TP = "tp"  # the axis these layers split
 
 
 def _new_param(shape: tuple[int, ...], device, dtype) -> nn.Parameter:
@@ -167,15 +44,11 @@ class _ParallelLinearBase(nn.Module):
     out_features: int
     weight: nn.Parameter
     bias: nn.Parameter | None
-    shard_specs: dict[str, ShardSpec]
+    placements: dict[str, Placement]
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        return self.shard_specs["weight"].full_shape
-
-    @property
-    def partition_dim(self) -> int | None:
-        return self.shard_specs["weight"].partition_dim
+        return self.placements["weight"].full_shape
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -190,9 +63,9 @@ class _ParallelLinearBase(nn.Module):
     @torch.no_grad()
     def copy_from_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Fill this rank's shard from full (unsharded) tensors."""
-        self.weight.copy_(shard_tensor(weight, self.shard_specs["weight"]))
+        self.weight.copy_(shard_tensor(weight, self.placements["weight"]))
         if self.bias is not None and bias is not None:
-            self.bias.copy_(shard_tensor(bias, self.shard_specs["bias"]))
+            self.bias.copy_(shard_tensor(bias, self.placements["bias"]))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group, **kwargs):
@@ -228,8 +101,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     ``replicas`` > 1 (KV heads when tp exceeds their count): the output dim is cut into
     ``tp / replicas`` chunks and ``replicas`` consecutive ranks hold the same one; their weight
-    gradients are partial sums (``grad_sync = replicas``). ``gather_output`` is then refused.
-    ``parts`` (a fused projection, see :class:`ShardSpec`): each piece of the output is split on
+    gradients are partial sums (``Shard.replicas``). ``gather_output`` is then refused.
+    ``parts`` (a fused projection, see :class:`~.placement.Shard`): each piece of the output is split on
     its own, so the local output is this rank's share of every piece, in order.
     Raises NxdError when the output dim does not divide by the number of chunks.
     """
@@ -265,12 +138,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.replicas = replicas
-        spec = ShardSpec((out_features, in_features), partition_dim=0, num_partitions=chunks,
-                         partition_index=rank // replicas, replicas=replicas, grad_sync=replicas, parts=tuple(parts))
-        self.shard_specs = {"weight": spec}
+        on = ((TP, Shard(0, chunks, rank // replicas, replicas=replicas, parts=tuple(parts))),)
+        self.placements = {"weight": Placement((out_features, in_features), on)}
         self.weight = _new_param((out_features // chunks, in_features), device, dtype)
         if bias:
-            self.shard_specs["bias"] = dataclasses.replace(spec, full_shape=(out_features,))
+            self.placements["bias"] = Placement((out_features,), on)
             self.bias = _new_param((out_features // chunks,), device, dtype)
         else:
             self.register_parameter("bias", None)
@@ -303,7 +175,7 @@ class RowParallelLinear(_ParallelLinearBase):
     all-reduce -> ``[*, out]`` replicated, or with ``sequence_parallel`` reduce-scatter on the
     sequence dim -> ``[B, T/tp, out]``. ``bias`` (``[out]``, replicated) is added after the
     reduction, so it is added once; under sequence parallel its gradient is a per-rank partial
-    sum (``grad_sync = tp``). ``weight`` is ``[out, in/tp]``.
+    sum (:class:`~.placement.Partial` on tp). ``weight`` is ``[out, in/tp]``.
     Raises NxdError when ``in_features`` does not divide by tp, ValueError for
     ``sequence_parallel`` without ``input_is_parallel``.
     """
@@ -328,10 +200,10 @@ class RowParallelLinear(_ParallelLinearBase):
             raise NxdError(f"input size {in_features} is not divisible by the tensor-parallel size {tp}")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
-        self.shard_specs = {"weight": ShardSpec((out_features, in_features), 1, tp, rank)}
+        self.placements = {"weight": Placement((out_features, in_features), ((TP, Shard(1, tp, rank)),))}
         self.weight = _new_param((out_features, in_features // tp), device, dtype)
         if bias:
-            self.shard_specs["bias"] = ShardSpec((out_features,), grad_sync=tp if sequence_parallel else 1)
+            self.placements["bias"] = Placement((out_features,), ((TP, Partial()),) if sequence_parallel else ())
             self.bias = _new_param((out_features,), device, dtype)
         else:
             self.register_parameter("bias", None)
@@ -389,13 +261,12 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         per_rank = num_embeddings // tp
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.shard_specs = {"weight": ShardSpec((num_embeddings, embedding_dim), 0, tp, rank)}
+        self.placements = {"weight": Placement((num_embeddings, embedding_dim), ((TP, Shard(0, tp, rank)),))}
         self.weight = _new_param((per_rank, embedding_dim), device, dtype)
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight)
 
     full_shape = _ParallelLinearBase.full_shape
-    partition_dim = _ParallelLinearBase.partition_dim
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group, **kwargs) -> VocabParallelEmbedding:
@@ -412,7 +283,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         if emb.weight.device.type != "meta":
             with torch.no_grad():
-                layer.weight.copy_(shard_tensor(emb.weight, layer.shard_specs["weight"]))
+                layer.weight.copy_(shard_tensor(emb.weight, layer.placements["weight"]))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

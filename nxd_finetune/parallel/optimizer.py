@@ -2,11 +2,12 @@
 
 :class:`ParallelOptimizer` wraps any ``torch.optim.Optimizer`` class. Its ``step``:
 
-1. sums the TP-partial gradients of TP-replicated parameters (``allreduce_replicated_grads``);
-2. reduces gradients over dp: a bucketed all-reduce, or with ZeRO-1 into the
+1. sums the partial gradients over model axes (``allreduce_replicated_grads``);
+2. reduces each gradient over the data axes its placement says (``Placement.summed_over``: dp for
+   every parameter today): a bucketed all-reduce, or with ZeRO-1 into the
    :class:`~.zero1.Zero1Optimizer` shards (``grad_reduction``: ``mean`` as DDP, or ``sum`` when the
    losses are already divided by the global token count, as the trainer's are);
-3. with ``max_grad_norm``: clips to it over tp / pp (/ dp shards); the norm before clipping is
+3. with ``max_grad_norm``: clips to it over every axis (:mod:`.clip`); the norm before clipping is
    kept in ``grad_norm``. ``not_counted``: parameters clipped but left out of the norm (the last
    pipeline stage's tied ``lm_head`` copy, which stage 0's embedding already counts);
 4. the wrapped optimizer's step.
@@ -23,12 +24,14 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import ParamsT, StateDict
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.clip import clip_grad_norm, clip_grad_norm_zero1
-from nxd_finetune.parallel.data_parallel import allreduce_gradients
+from nxd_finetune.parallel.data_parallel import reduce_data_parallel
+from nxd_finetune.parallel.placement import placement_map, placement_of
 from nxd_finetune.parallel.plan import allreduce_replicated_grads
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Hyperparameter, ParamGroup, Zero1Optimizer
@@ -71,10 +74,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._not_counted = not_counted
         self.not_counted: list[torch.Tensor] = list(not_counted) if not callable(not_counted) else []
         self.optimizer: torch.optim.Optimizer
+        placements = placement_map(model) if model is not None else {}
         if zero1:
+            data = state.layout.data_axes
+
+            def reduce_group(p: torch.Tensor) -> tuple[dist.ProcessGroup | None, int]:
+                axes = placement_of(p, placements).summed_over(state.layout)
+                return state.group_over(axes), state.size_over(axes)
+
             # mypy cannot tell the hyperparameters in ``defaults`` from Zero1Optimizer's own keywords
-            self.optimizer = Zero1Optimizer(params, optimizer_class, state.group("dp"), average=self.average,
-                                            **defaults)  # type: ignore[arg-type]
+            self.optimizer = Zero1Optimizer(params, optimizer_class, state.group_over(data), average=self.average,
+                                            reduce_group=reduce_group, **defaults)  # type: ignore[arg-type]
         else:
             self.optimizer = optimizer_class(params, **defaults)
         self.grad_norm: torch.Tensor | None = None
@@ -125,7 +135,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
                                                       not_counted=self.not_counted)
         else:
             params = [p for g in self.param_groups for p in g["params"]]
-            allreduce_gradients(params, state.group("dp"), average=self.average)
+            reduce_data_parallel(params, state, placement_map(model) if model is not None else {}, self.average)
             if self.max_norm is not None:
                 self.grad_norm = clip_grad_norm(params, self.max_norm, state, specs=model,
                                                 not_counted=self.not_counted)

@@ -6,17 +6,17 @@ A plan maps module-name patterns (``*`` matches one dotted name component) to a 
 - ``column_kv``: ``column`` for the K/V projections, split on KV heads; when tp exceeds the KV
   head count each head is replicated over ``tp / num_key_value_heads`` consecutive ranks.
 - ``column_qkv``: a fused ``[q | k | v]`` projection (Phi's ``qkv_proj``), split by head: rank ``r``
-  holds its query heads' rows, then its KV heads' k rows and v rows (``ShardSpec.parts``), never a
+  holds its query heads' rows, then its KV heads' k rows and v rows (``Shard.parts``), never a
   contiguous block of the fused rows. KV heads cannot be replicated (tp must divide them).
 - ``column_gate_up``: a fused ``[gate | up]`` projection (Phi's ``gate_up_proj``), each half split
   on its own, so a rank's output is its gate columns then its up columns.
 - ``row``:       ``nn.Linear`` -> :class:`RowParallelLinear`, input dim split, input already sharded.
 - ``vocab``:     ``nn.Embedding`` -> :class:`VocabParallelEmbedding`.
 - ``replicate``: kept whole on every TP rank (norms). Under sequence parallel these modules run on
-  sequence chunks, so their gradients are partial sums over TP (``grad_sync = tp``).
+  sequence chunks, so their gradients are partial sums over TP (``Partial`` on tp).
 - ``replicate_heads``: kept whole on every TP rank, applied to this rank's attention heads (Qwen3's
   per-head ``q_norm``/``k_norm``): each rank's gradient covers its heads only, so it is always a
-  partial sum over TP (``grad_sync = tp``, with or without sequence parallel).
+  partial sum over TP (``Partial`` on tp, with or without sequence parallel).
 
 Llama-family attention under TP: q/o are split on query heads (rank ``r`` holds heads
 ``[r*nq/tp, (r+1)*nq/tp)``), k/v on KV heads. The model derives head counts from projection sizes,
@@ -44,13 +44,8 @@ from torch import nn
 from nxd_finetune.errors import ModelLoadError, NxdError
 from nxd_finetune.models.families import FAMILIES
 from nxd_finetune.models.loading import TensorSlice
-from nxd_finetune.parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    ShardSpec,
-    VocabParallelEmbedding,
-    iter_shard_specs,
-)
+from nxd_finetune.parallel.layers import TP, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from nxd_finetune.parallel.placement import Partial, Placement, iter_placements
 from nxd_finetune.parallel.state import ParallelState
 
 STYLES = ("column", "column_kv", "column_qkv", "column_gate_up", "row", "vocab", "replicate", "replicate_heads")
@@ -114,7 +109,7 @@ def check_tp_config(config: HeadConfig, tp: int, sequence_parallel: bool = False
 
 
 def _fused_parts(config: HeadConfig, style: str) -> tuple[int, ...]:
-    """The pieces of a fused projection's output (``ShardSpec.parts``); () for the other styles."""
+    """The pieces of a fused projection's output (``Shard.parts``); () for the other styles."""
     if style == "column_qkv":
         d, nkv = config.head_dim, _kv_heads(config)
         assert d is not None  # DecoderConfig.__post_init__ sets it
@@ -185,16 +180,12 @@ def apply_tp_plan(
             if any(p is not None for p in module._parameters.values()):
                 raise NxdError(f"TP plan: no entry covers module {name!r} (it holds parameters)")
             continue
-        if style == "replicate_heads":
-            module.shard_specs = {
-                a: ShardSpec(tuple(p.shape), grad_sync=tp) for a, p in module._parameters.items() if p is not None
+        if style == "replicate_heads" or (style == "replicate" and sp):
+            module.placements = {
+                a: Placement(tuple(p.shape), ((TP, Partial()),)) for a, p in module._parameters.items() if p is not None
             }
             continue
         if style == "replicate":
-            if sp:
-                module.shard_specs = {
-                    a: ShardSpec(tuple(p.shape), grad_sync=tp) for a, p in module._parameters.items() if p is not None
-                }
             continue
         if style == "vocab":
             _expect(module, name, nn.Embedding)
@@ -230,51 +221,53 @@ def make_slice_reader(model: nn.Module):
     matmuls). Unsharded models keep the zero-copy views of the mapping. Build it after ``apply_tp_plan``
     (and LoRA injection), before ``materialize``: parameters are matched by identity.
     """
-    specs: dict[int, tuple[torch.Tensor, ShardSpec]] = {}
-    for _, module, attr, spec in iter_shard_specs(model):
+    specs: dict[int, tuple[torch.Tensor, Placement]] = {}
+    for _, module, attr, placement in iter_placements(model):
         param = module._parameters[attr]
-        assert param is not None  # iter_shard_specs yields set parameters only
-        specs[id(param)] = (param, spec)
+        assert param is not None  # iter_placements yields set parameters only
+        specs[id(param)] = (param, placement)
 
     def reader(key: str, safe_slice: TensorSlice, target: torch.Tensor) -> torch.Tensor:
         entry = specs.get(id(target))
-        if entry is None or entry[0] is not target or entry[1].partition_dim is None:
+        if entry is None or entry[0] is not target or not entry[1].sharded:
             return safe_slice[:] if not specs else safe_slice[:].clone()
-        spec = entry[1]
+        placement = entry[1]
         shape = tuple(safe_slice.get_shape())
-        if shape != spec.full_shape:
+        if shape != placement.full_shape:
             raise ModelLoadError(
-                f"tensor {key!r} has shape {shape} in the checkpoint, the model expects {spec.full_shape}"
+                f"tensor {key!r} has shape {shape} in the checkpoint, the model expects {placement.full_shape}"
             )
-        return spec.take(safe_slice).clone(memory_format=torch.contiguous_format)
+        return placement.take(safe_slice).clone(memory_format=torch.contiguous_format)
 
     return reader
 
 
 @torch.no_grad()
 def allreduce_replicated_grads(model: nn.Module, state: ParallelState) -> None:
-    """Sum the partial gradients of parameters replicated over TP ranks (``grad_sync > 1``).
+    """Sum the partial gradients over model axes (:meth:`Placement.partial_sums`).
 
     Covers norm weights (and row-parallel biases) under sequence parallel, which see only this
     rank's sequence chunk, and KV shards replicated over ``tp / num_key_value_heads`` ranks. Call
     once per optimizer step, after the last backward of the accumulation and before gradient
-    clipping, on every TP rank. One flat all-reduce per (group size, dtype); parameters without
-    a gradient (frozen) are skipped. A no-op at tp == 1.
+    clipping, on every rank. One flat all-reduce per (axis, block size, dtype); parameters without
+    a gradient (frozen) are skipped. A no-op when every model axis has degree one.
     """
-    if state.size("tp") == 1:
-        return
-    buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    layout = state.layout
+    buckets: dict[tuple[str, int, torch.dtype], list[torch.Tensor]] = {}
     seen: set[int] = set()
-    for _, module, attr, spec in iter_shard_specs(model):
+    for _, module, attr, placement in iter_placements(model):
         param = module._parameters[attr]
-        assert param is not None  # iter_shard_specs yields set parameters only
-        if spec.grad_sync == 1 or param.grad is None or id(param) in seen:
+        assert param is not None  # iter_placements yields set parameters only
+        if param.grad is None or id(param) in seen:
             continue
         seen.add(id(param))
-        buckets.setdefault((spec.grad_sync, param.grad.dtype), []).append(param.grad)
-    for (size, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        for axis, size in placement.partial_sums(layout):
+            buckets.setdefault((axis, size, param.grad.dtype), []).append(param.grad)
+    order = layout.names
+    for (axis, size, _), grads in sorted(buckets.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1],
+                                                                          str(kv[0][2]))):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=state.subgroup("tp", size))
+        dist.all_reduce(flat, group=state.subgroup(axis, size))
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

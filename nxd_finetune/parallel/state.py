@@ -24,8 +24,10 @@ process group initialised (a plain single process) every group is ``None`` and e
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 import torch.distributed as dist
 
@@ -35,6 +37,12 @@ ProcessGroup = dist.ProcessGroup
 
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
 """The parallel axes, outermost first (the last varies fastest over global ranks)."""
+AxisKind = Literal["stage", "data", "model"]
+KINDS: dict[str, AxisKind] = {"pp": "stage", "dp": "data", "tp": "model"}
+"""What an axis splits: ``stage`` the layers (each rank holds its stage's parameters only),
+``data`` the batch (a parameter's gradient is summed over the axis unless the parameter is sharded
+on it), ``model`` the parameters of one batch (sharded, replicated or partial, see
+:mod:`.placement`)."""
 SHOWN: tuple[str, ...] = ("tp", "pp", "dp")
 """The order messages name axes in (the recipe's ``parallel`` section's)."""
 
@@ -43,17 +51,20 @@ SHOWN: tuple[str, ...] = ("tp", "pp", "dp")
 class Layout:
     """The degree of each named parallel axis, outermost first (``axes``: ``((name, degree), ...)``).
 
-    Build it with :meth:`of` (degrees by name, 1 where not given) or :meth:`for_world`. Raises
-    NxdError (one line, with the numbers) when a degree is not a positive integer or an axis name
-    is unknown.
+    Build it with :meth:`of` (degrees by name, 1 where not given) or :meth:`for_world`. An axis
+    beyond :data:`AXES` is given with its kind in ``extra`` (``(("ep", "data"),)``): nothing that
+    reads placements needs to know it. Raises NxdError (one line, with the numbers) when a degree
+    is not a positive integer or an axis name is unknown.
     """
 
     axes: tuple[tuple[str, int], ...]
+    extra: tuple[tuple[str, AxisKind], ...] = ()
 
     def __post_init__(self) -> None:
+        kinds = self._kinds()
         for name, value in self.axes:
-            if name not in AXES:
-                raise NxdError(f"unknown parallel axis {name!r} (known: {', '.join(AXES)})")
+            if name not in kinds:
+                raise NxdError(f"unknown parallel axis {name!r} (known: {', '.join(kinds)})")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise NxdError(f"parallel.{name} must be a positive integer, got {value!r}")
 
@@ -80,6 +91,22 @@ class Layout:
         ``dp``, then the others), ``skip`` left out."""
         order = sorted((n for n in self.names if n != skip), key=lambda n: (SHOWN + AXES).index(n))
         return "*".join(order) + " = " + "*".join(str(self.degree(n)) for n in order)
+
+    def _kinds(self) -> dict[str, AxisKind]:
+        return {**KINDS, **dict(self.extra)}
+
+    def kind(self, axis: str) -> AxisKind:
+        """What ``axis`` splits (:data:`KINDS`)."""
+        return self._kinds()[axis]
+
+    def of_kind(self, kind: AxisKind) -> tuple[str, ...]:
+        """This layout's axes of ``kind``, innermost (fastest) first."""
+        return tuple(name for name in reversed(self.names) if self.kind(name) == kind)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes that split the batch, in layout order (``("dp",)`` by default)."""
+        return tuple(name for name in self.names if self.kind(name) == "data")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -117,8 +144,16 @@ class Layout:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``, in increasing order of their first rank."""
-        return [ranks for rank in range(self.world_size)
-                if (ranks := self.group_ranks(axis, rank))[0] == rank]
+        return self.groups_over((axis,))
+
+    def groups_over(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group spanning ``axes`` together (the ranks that differ only on those axes), each
+        in increasing rank order, in increasing order of their first rank."""
+        out: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coords(rank)
+            out.setdefault(tuple(c for name, c in coords.items() if name not in axes), []).append(rank)
+        return list(out.values())
 
     def blocks(self, axis: str, size: int) -> list[list[int]]:
         """Every group along ``axis`` cut into blocks of ``size`` consecutive coordinates."""
@@ -174,6 +209,7 @@ class ParallelState:
         self._groups: dict[str, ProcessGroup | None] = dict.fromkeys(layout.names)
         self._host: dict[str | None, ProcessGroup | None] = dict.fromkeys((None, *layout.names))
         self._subgroups: dict[tuple[str, int], ProcessGroup | None] = {}
+        self._over: dict[tuple[str, ...], ProcessGroup | None] = {}
         if not initialised:
             return
         from torch.distributed.device_mesh import init_device_mesh
@@ -189,10 +225,27 @@ class ParallelState:
                 self._host[name] = _make_groups(layout.groups(name), self.rank, backend="gloo")
         for name in layout.names:
             self._subgroups[(name, layout.degree(name))] = self._groups[name]
+        for n in range(2, len(layout.data_axes) + 1):  # the data-parallel groups of several data axes
+            for axes in itertools.combinations(layout.data_axes, n):
+                self._over[axes] = _make_groups(layout.groups_over(axes), self.rank)
 
     def group(self, axis: str) -> ProcessGroup | None:
         """This rank's device group along ``axis`` (None without a default group)."""
         return self._groups[axis]
+
+    def group_over(self, axes: tuple[str, ...]) -> ProcessGroup | None:
+        """The device group spanning ``axes`` together: ``group(axis)`` for one axis, the world's
+        (None) for none; for several data axes (in layout order) the group made at construction
+        (a parameter's gradient sum over the data axes it is not sharded on). KeyError otherwise."""
+        if len(axes) == 1:
+            return self._groups[axes[0]]
+        if not axes or not self._initialised:
+            return None
+        return self._over[axes]
+
+    def size_over(self, axes: tuple[str, ...]) -> int:
+        """The number of ranks in :meth:`group_over` ``(axes)``."""
+        return math.prod(self.size(axis) for axis in axes)
 
     def host_group(self, axis: str | None = None) -> ProcessGroup | None:
         """This rank's group for CPU tensors along ``axis``; ``None``: the world's (None without a

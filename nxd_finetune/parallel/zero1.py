@@ -51,7 +51,10 @@ elements in ``reduce_dtype`` and in the parameter dtype.
 
 Works with LoRA (frozen parameters are skipped) and with tensor parallelism: parameters are then
 this rank's local shards and ``dp_group`` is this TP rank's data-parallel group
-(``ParallelState.dp_group``). A trainable parameter whose ``.grad`` is None counts as a zero
+(``ParallelState.group("dp")``). A parameter reduced over another group (an expert weight sharded
+over an expert axis sums its gradient over the data axes it is not sharded on:
+``Placement.summed_over``) is given by ``reduce_group``: its flat spaces are partitioned over that
+group instead. A trainable parameter whose ``.grad`` is None counts as a zero
 gradient (unlike plain torch optimizers, which skip it): the inner step still applies
 momentum and weight decay to it. A parameter listed twice (a tied pair) is stepped once.
 
@@ -63,6 +66,7 @@ masters are taken at construction), or call :meth:`Zero1Optimizer.refresh_master
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,8 +78,8 @@ from torch.optim.optimizer import ParamsT, StateDict
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.parallel.clip import clip_grad_norm_zero1
-from nxd_finetune.parallel.layers import ShardSpec
 from nxd_finetune.parallel.mappings import group_rank, group_size
+from nxd_finetune.parallel.placement import Placement
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1_flat import (
     FlatShard,
@@ -94,6 +98,24 @@ from nxd_finetune.parallel.zero1_flat import (
 Hyperparameter = float | bool | tuple[float, ...] | None
 # A torch param group: {"params": [...], "lr": ..., ...} (torch types it ``dict[str, Any]``).
 ParamGroup = dict[str, Any]
+# The group a parameter's gradient is reduced over and its size (a size-one reduction: (None, 1)).
+ReduceGroup = tuple[ProcessGroup | None, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    """The group one flat space is reduced and partitioned over, this rank's place in it, and
+    whether it is gloo (in-place collectives, see :mod:`.zero1`)."""
+
+    group: ProcessGroup | None
+    size: int
+    rank: int
+    gloo: bool
+
+    @classmethod
+    def of(cls, group: ProcessGroup | None, size: int) -> _Comm:
+        rank = group_rank(group) if size > 1 else 0
+        return cls(group, size, rank, size > 1 and dist.get_backend(group) == "gloo")
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -104,7 +126,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     ``average``: divide the reduced gradients by dp (default: sum, see :mod:`.data_parallel`).
     ``reduce_dtype``: dtype of the gradient reduce-scatter (None: the parameter dtype).
     ``inner_chunk_numel``: the largest view of a master shard the wrapped optimizer steps at once
-    (its temporaries scale with it; results do not depend on it).
+    (its temporaries scale with it; results do not depend on it). ``reduce_group(param)``: the
+    group (and size) a parameter's gradient is reduced and partitioned over, when not ``dp_group``
+    (``average`` still divides by ``dp_group``'s size, the whole data-parallel degree).
 
     ``param_groups`` are the model parameters' groups (LR schedulers edit them; their options are
     copied to the inner optimizer before each step). Construction is local (no collective);
@@ -120,6 +144,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         average: bool = False,
         reduce_dtype: torch.dtype | None = torch.float32,
         inner_chunk_numel: int = 1 << 22,
+        reduce_group: Callable[[torch.Tensor], ReduceGroup] | None = None,
         **defaults: Hyperparameter,
     ) -> None:
         super().__init__(params, defaults)
@@ -127,18 +152,29 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.average, self.reduce_dtype = average, reduce_dtype
-        # gloo's reduce-scatter and all-gather stage a whole-buffer copy: use in-place collectives
-        self._gloo = self.dp_size > 1 and dist.get_backend(dp_group) == "gloo"
+        main = _Comm.of(dp_group, self.dp_size)
         self.flats: list[FlatShard] = []
+        self._comms: list[_Comm] = []  # per flat space
         inner_groups = []
         for gi, group in enumerate(self.param_groups):
             masters = []
             trainable = list(dict.fromkeys(p for p in group["params"] if p.requires_grad))  # a tied pair once
             for dtype in dict.fromkeys(p.dtype for p in trainable):
-                flat = make_flat(gi, dtype, [p for p in trainable if p.dtype == dtype], self.dp_size, self.dp_rank,
-                                 self.reduce_dtype, self.inner_chunk_numel)
-                self.flats.append(flat)
-                masters.extend(flat.chunks)
+                by_group: dict[tuple[int, int], tuple[_Comm, list[torch.Tensor]]] = {}
+                for p in trainable:
+                    if p.dtype != dtype:
+                        continue
+                    rg = reduce_group(p) if reduce_group is not None else (dp_group, self.dp_size)
+                    gkey = (id(rg[0]), rg[1])
+                    if gkey not in by_group:
+                        by_group[gkey] = (main if gkey == (id(dp_group), self.dp_size) else _Comm.of(*rg), [])
+                    by_group[gkey][1].append(p)
+                for comm, members in by_group.values():
+                    flat = make_flat(gi, dtype, members, comm.size, comm.rank, self.reduce_dtype,
+                                     self.inner_chunk_numel)
+                    self.flats.append(flat)
+                    self._comms.append(comm)
+                    masters.extend(flat.chunks)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         if not self.flats:
             raise NxdError("Zero1Optimizer: no trainable parameters (all have requires_grad=False)")
@@ -190,7 +226,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         ``step`` calls it when it has not been called since the last step (call it yourself to
         clip in between). Afterwards the parameters' ``.grad`` may hold the reduced sum (gloo
         with a gradient buffer) or still this rank's gradients."""
-        for flat in self.flats:
+        for flat, comm in zip(self.flats, self._comms, strict=True):
             dtype = self.reduce_dtype or flat.dtype
             buf = flat.grad_buffer
             if buf is not None:
@@ -207,16 +243,16 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 for p, off in zip(flat.params, flat.offsets, strict=True):
                     if p.grad is not None:
                         buf[off : off + p.numel()].copy_(p.grad.reshape(-1))
-            if self.dp_size == 1:
+            if comm.size == 1:
                 shard = buf
-            elif self._gloo:
-                dist.all_reduce(buf, group=self.dp_group)
+            elif comm.gloo:
+                dist.all_reduce(buf, group=comm.group)
                 shard = buf[flat.shard_start : flat.shard_start + flat.shard_size]
                 if flat.grad_buffer is None:
                     shard = shard.clone()  # let the temporary buffer go
             else:
                 shard = buf.new_empty(flat.shard_size)
-                reduce_scatter_single(shard, buf, group=self.dp_group)
+                reduce_scatter_single(shard, buf, group=comm.group)
             if self.average and self.dp_size > 1:
                 shard.div_(self.dp_size)
             flat.master.grad = shard.to(torch.float32)
@@ -239,7 +275,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return [f.master.grad for f in self.flats if f.master.grad is not None]
 
     def clip_grad_norm(self, max_norm: float | None, state: ParallelState,
-                       specs: dict[int, ShardSpec] | nn.Module | None = None,
+                       specs: dict[int, Placement] | nn.Module | None = None,
                        not_counted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
         """Reduce the gradients if not done yet, then clip the shards to the global L2 norm
         ``max_norm`` (see :func:`~nxd_finetune.parallel.clip.clip_grad_norm_zero1`); returns the norm."""
@@ -275,30 +311,30 @@ class Zero1Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _gather_params(self) -> None:
         """The updated master shards to every dp rank's model parameters (in their dtype)."""
-        for flat in self.flats:
+        for flat, comm in zip(self.flats, self._comms, strict=True):
             if flat.param_buffer is not None:
-                self._gather_into_buffer(flat)
+                self._gather_into_buffer(flat, comm)
                 continue
             local = flat.master.to(flat.dtype)
-            if self.dp_size > 1:
+            if comm.size > 1:
                 full = local.new_empty(flat.padded_numel)
-                all_gather_single(full, local, group=self.dp_group)
+                all_gather_single(full, local, group=comm.group)
             else:
                 full = local
             for p, off in zip(flat.params, flat.offsets, strict=True):
                 p.copy_(full[off : off + p.numel()].view_as(p))
 
-    def _gather_into_buffer(self, flat: FlatShard) -> None:
+    def _gather_into_buffer(self, flat: FlatShard, comm: _Comm) -> None:
         """Fill the other ranks' shards of the parameter buffer (this rank's is its master), then
         make parameters that were put elsewhere views into it again (the master wins)."""
         buf = flat.param_buffer
         assert buf is not None
-        if self._gloo:
-            for r in range(self.dp_size):
-                src = r if self.dp_group is None else dist.get_global_rank(self.dp_group, r)  # None: the world
-                dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size], src=src, group=self.dp_group)
-        elif self.dp_size > 1:
-            all_gather_single(buf, flat.master.clone(), group=self.dp_group)
+        if comm.gloo:
+            for r in range(comm.size):
+                src = r if comm.group is None else dist.get_global_rank(comm.group, r)  # None: the world
+                dist.broadcast(buf[r * flat.shard_size : (r + 1) * flat.shard_size], src=src, group=comm.group)
+        elif comm.size > 1:
+            all_gather_single(buf, flat.master.clone(), group=comm.group)
         for p, off in zip(flat.params, flat.offsets, strict=True):
             if not is_slot(p, buf, off, p):
                 p.data = slot(buf, off, p)
@@ -375,14 +411,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         a :class:`Zero1Optimizer` of any dp size with :meth:`import_param_states`.
         """
         out: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-        for flat in self.flats:
+        for flat, comm in zip(self.flats, self._comms, strict=True):
             state = shard_state(self.inner, flat)
-            full: dict[str, torch.Tensor] = {"master": self._gather_flat(flat, flat.master)}
+            full: dict[str, torch.Tensor] = {"master": self._gather_flat(comm, flat, flat.master)}
             shared: dict[str, Any] = {}
             for key in sorted(state):
                 value = state[key]
                 if torch.is_tensor(value) and value.dim() == 1 and value.numel() == flat.shard_size:
-                    full[key] = self._gather_flat(flat, value)
+                    full[key] = self._gather_flat(comm, flat, value)
                 else:
                     shared[key] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
             for p, off in zip(flat.params, flat.offsets, strict=True):
@@ -391,13 +427,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 out.append((p, states))
         return out
 
-    def _gather_flat(self, flat: FlatShard, shard: torch.Tensor) -> torch.Tensor:
-        """The whole padded flat space of ``shard`` (this rank's part), all-gathered over dp."""
+    @staticmethod
+    def _gather_flat(comm: _Comm, flat: FlatShard, shard: torch.Tensor) -> torch.Tensor:
+        """The whole padded flat space of ``shard`` (this rank's part), all-gathered over its group."""
         shard = shard.detach().to(torch.float32).contiguous()
-        if self.dp_size == 1:
+        if comm.size == 1:
             return shard.clone()
         full = shard.new_empty(flat.padded_numel)
-        all_gather_single(full, shard, group=self.dp_group)
+        all_gather_single(full, shard, group=comm.group)
         return full
 
     @torch.no_grad()

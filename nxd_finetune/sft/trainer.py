@@ -35,9 +35,9 @@ from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
 from nxd_finetune.objectives import objective_record, run_reference, section_of
-from nxd_finetune.parallel.clip import counts_on_rank, shard_spec_map
+from nxd_finetune.parallel.clip import counts_on_rank, norm_axes
 from nxd_finetune.parallel.launch import in_launched_env, launch
-from nxd_finetune.parallel.layers import ShardSpec
+from nxd_finetune.parallel.placement import Placement, placement_map, placement_of
 from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.recipe import check_against_model, recipe_from_dict
 from nxd_finetune.registry.publish import check_publish_target, publish_run
@@ -356,18 +356,18 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | 
 
 def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     """Elements of the unsharded model among ``params`` (shards counted at their full size, once
-    per pipeline stage). Collective over tp and pp (the engine's host groups: a CPU tensor)."""
-    specs: dict[int, ShardSpec] = {}
+    per pipeline stage). Collective over the axes of ``norm_axes`` (the engine's host groups: a CPU tensor)."""
+    specs: dict[int, Placement] = {}
     for m in engine.modules:
-        specs.update(shard_spec_map(m))
+        specs.update(placement_map(m))
     st = engine.state
-    mine = sum(p.numel() for p in params if counts_on_rank(specs.get(id(p)), st.coord("tp")))
+    axes = norm_axes(st, [placement_of(p, specs) for p in params])
+    counted = [p for p in params if counts_on_rank(placement_of(p, specs), st, axes)]
     skip = {id(p) for p in (engine.runner.not_counted_parameters() if engine.runner else [])}
-    mine -= sum(p.numel() for p in params if id(p) in skip and counts_on_rank(specs.get(id(p)), st.coord("tp")))
+    mine = sum(p.numel() for p in counted if id(p) not in skip)
     total = torch.tensor(float(mine), dtype=torch.float64)
-    for group, size in ((engine.state.host_group("tp"), st.size("tp")), (engine.state.host_group("pp"), st.size("pp"))):
-        if size > 1:
-            dist.all_reduce(total, group=group)
+    for axis in axes:
+        dist.all_reduce(total, group=st.host_group(axis))
     return int(total)
 
 
