@@ -8,6 +8,7 @@ Linux: anonymous memory plus the pages of the memory-mapped checkpoint files it 
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from typing import TypedDict
@@ -18,8 +19,21 @@ import torch.distributed as dist
 MiB = 2**20
 
 
+_seen_peak_mb: dict[int, float] = {}  # by pid: a forked child has its own high-water mark
+
+
 def host_peak_mb() -> float:
-    """This process's peak resident memory so far, in MiB."""
+    """This process's peak resident memory so far, in MiB, never lower than an earlier answer.
+
+    The kernel's ``VmHWM`` folds in per-thread RSS counters lazily, so two reads can go down by a
+    fraction of a MiB; the high-water mark this returns is the running maximum of the reads.
+    """
+    pid = os.getpid()
+    _seen_peak_mb[pid] = max(_seen_peak_mb.get(pid, 0.0), _read_host_peak_mb())
+    return _seen_peak_mb[pid]
+
+
+def _read_host_peak_mb() -> float:
     try:
         with open("/proc/self/status") as f:
             for line in f:
