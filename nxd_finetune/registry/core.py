@@ -336,8 +336,12 @@ class Registry:
             base = key.rsplit("/", 1)[1]
             if base not in files and not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
                 self.storage.delete(key)
-        for item in self.storage.leftovers(f"{name}/{v}/"):  # its temp files / unfinished uploads
-            self.storage.drop_leftover(item)
+        # its temp files / unfinished uploads; not a claim's or the manifest's: another push may be
+        # writing one here right now (a claim attempt, or the manifest of a push that lost its claim)
+        for item in self.storage.leftovers(f"{name}/{v}/"):
+            base = item.key.rsplit("/", 1)[1]
+            if not CLAIM_RE.fullmatch(base) and base != mf.MANIFEST:
+                self.storage.drop_leftover(item)
         manifest = mf.build_manifest(name, v, adapter_base, entries, meta)
         self._check_owned(name, v, gen)
         mark(self.storage)  # a root with a version is a registry: adapters gc works there, and only there

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nxd_finetune.storage.errors import StorageError
-from nxd_finetune.storage.local import _file_in_the_way
+from nxd_finetune.storage.local import _file_in_the_way, in_dir
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -87,8 +87,7 @@ def publish_dir(
     atomic ``rename(2)`` on the same filesystem.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    tmp = in_dir(dest.parent, lambda: Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent)))
     try:
         yield tmp
         os.chmod(tmp, 0o755)
@@ -122,10 +121,9 @@ def publish_file(dest: str | os.PathLike, data: bytes) -> None:
     try:
         if dest.is_dir():
             raise StorageError(f"cannot write {dest}: it is a directory (name a file)")
-        dest.parent.mkdir(parents=True, exist_ok=True)
         mode = stat.S_IMODE(dest.stat().st_mode) if dest.is_file() else None
         tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = in_dir(dest.parent, lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

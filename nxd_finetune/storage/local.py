@@ -66,8 +66,11 @@ class LocalStorage(Storage):
         return self.root / check_key(key)
 
     def _tmp_beside(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
+        """A new, empty temp file beside ``path`` (its directory made). From then on the directory
+        holds a file, so no concurrent :meth:`delete` prunes it under the writer."""
+        tmp = path.with_name(f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
+        in_dir(tmp.parent, lambda: os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+        return tmp
 
     @_os_errors("write")
     def put_file(self, local: str | os.PathLike, key: str, progress: Progress | None = None) -> None:
@@ -214,6 +217,22 @@ class LocalStorage(Storage):
             except OSError:
                 break
             parent = parent.parent
+
+
+def in_dir(directory: Path, create: Callable[[], _R], attempts: int = 100) -> _R:
+    """Make ``directory`` (and its parents), then run ``create``, which makes an entry in it.
+
+    A concurrent delete prunes directories it left empty (:meth:`LocalStorage.delete`), so the
+    directory can vanish between ``mkdir`` and ``create``: then both run again. Once ``create`` has
+    made its entry the directory is not empty and no prune removes it."""
+    for _ in range(attempts - 1):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return create()
+        except FileNotFoundError:
+            pass  # pruned meanwhile: make it again
+    directory.mkdir(parents=True, exist_ok=True)
+    return create()
 
 
 def _walk_error(e: OSError) -> None:
