@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 
 import torch
 
@@ -206,6 +206,14 @@ def _floats(values: Mapping[str, torch.Tensor | float | None]) -> HostValues:
     return {k: _one(v) for k, v in values.items()}
 
 
+class RuntimeReport(TypedDict, total=False):
+    """Device facts for the run summary (:meth:`StepRuntime.report`; XLA: graphs compiled /
+    launched since the run's start, after each optimizer step)."""
+
+    xla_compiles: list[int]
+    xla_graphs: list[int]
+
+
 class StepRuntime:
     """Device hooks of the training loop for eager devices (cpu, cuda).
 
@@ -252,7 +260,7 @@ class StepRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def report(self) -> dict[str, list[int]]:
+    def report(self) -> RuntimeReport:
         return {}
 
 
@@ -349,7 +357,7 @@ class XlaRuntime(StepRuntime):
     def wait(self) -> None:
         self._xm.wait_device_ops()
 
-    def report(self) -> dict[str, list[int]]:
+    def report(self) -> RuntimeReport:
         """``xla_compiles`` / ``xla_graphs``: graphs compiled / launched since this runtime was created
         (the run's start: eval before training included), after each optimizer step."""
         return {"xla_compiles": list(self.compiles), "xla_graphs": list(self.launches)}

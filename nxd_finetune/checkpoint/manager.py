@@ -67,7 +67,6 @@ from nxd_finetune.checkpoint.format import (
     state_keys_by_param,
     step_dir,
 )
-from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.checkpoint.state import StageTensors, collect, group_options, restore, trainable, unwrap
 from nxd_finetune.checkpoint.stored import CheckpointReader, CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import SaveJob
@@ -292,7 +291,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def load(self, ref: CheckpointRef, modules: Sequence[nn.Module] | nn.Module,
-             optimizer: torch.optim.Optimizer | None = None) -> JsonDict:
+             optimizer: torch.optim.Optimizer | None = None) -> dict[str, object]:
         """Restore the trainable parameters of ``modules`` and ``optimizer``'s state (ZeRO-1 shards
         included) for this rank's current layout from ``ref``; returns the saved ``extra``.
 
@@ -324,7 +323,7 @@ class CheckpointManager:
         return data if isinstance(data, dict) else {}
 
     @staticmethod
-    def _read_extra(ref: CheckpointRef) -> JsonDict:
+    def _read_extra(ref: CheckpointRef) -> dict[str, object]:
         data = json.loads(ref.read_bytes(EXTRA_JSON))
         tensors = {}
         if EXTRA_TENSORS in ref.manifest["files"]:

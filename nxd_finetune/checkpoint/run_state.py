@@ -8,9 +8,32 @@ Lightning modules alike, so a checkpoint of either resumes the other.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
 
-JsonDict = dict[str, Any]  # JSON-able values (and tensors, which the checkpoint's extra encoding stores)
+if TYPE_CHECKING:
+    import torch
+
+
+class PythonRng(TypedDict):
+    """Python's ``random.getstate()`` as JSON (the state tuple as a list)."""
+
+    version: int
+    state: list[int]
+    gauss: float | None
+
+
+class _DeviceRng(TypedDict, total=False):
+    torch_cuda: torch.Tensor
+    xla: torch.Tensor
+
+
+class RngState(_DeviceRng):
+    """Every rank's RNG states (``checkpoint.training.rng_state``): generator states stacked
+    ``[world, n]`` (CUDA and the XLA seed only where the run has them) and Python's ``random``."""
+
+    torch_cpu: torch.Tensor
+    python: PythonRng
 
 
 @dataclasses.dataclass
@@ -38,16 +61,16 @@ class RunState:
     Lightning's own state (epoch, callbacks) when Lightning saved it."""
 
     train_state: TrainState
-    rng: JsonDict
-    history: list[JsonDict] = dataclasses.field(default_factory=list)
-    scheduler: JsonDict | None = None
-    data: JsonDict | None = None
+    rng: RngState
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    scheduler: dict[str, Any] | None = None  # torch's LRScheduler.state_dict()
+    data: dict[str, Any] | None = None
     metrics_bytes: int = 0
     recipe: str | None = None
-    reference: JsonDict | None = None
-    lightning: JsonDict | None = None
+    reference: dict[str, object] | None = None
+    lightning: dict[str, Any] | None = None  # Lightning's own checkpoint keys
 
-    def to_extra(self) -> JsonDict:
+    def to_extra(self) -> dict[str, object]:
         """The checkpoint's ``extra`` (the keys every reader knows)."""
         extra = dataclasses.asdict(self)
         extra["train_state"] = dataclasses.asdict(self.train_state)
@@ -56,8 +79,9 @@ class RunState:
         return extra
 
     @classmethod
-    def from_extra(cls, extra: JsonDict) -> RunState:
-        """The state of a checkpoint's ``extra`` (unknown keys ignored; missing optional ones default)."""
+    def from_extra(cls, extra: Mapping[str, Any]) -> RunState:
+        """The state of a checkpoint's ``extra`` as read back from its files (unknown keys ignored;
+        missing optional ones default)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"train_state"}
         return cls(train_state=TrainState(**extra["train_state"]),
                    **{k: v for k, v in extra.items() if k in names})

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import nn
 
 from nxd_finetune.checkpoint.format import CheckpointError, optim_key, param_key
-from nxd_finetune.checkpoint.run_state import JsonDict
 from nxd_finetune.parallel.placement import Placement, Shard, gather_full, iter_placements
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Zero1Optimizer
@@ -39,7 +38,7 @@ class SavedGroup(TypedDict):
     """An optimizer param group as a checkpoint stores it: its JSON-able options (lr, betas, ...)
     and the names of its parameters."""
 
-    options: JsonDict
+    options: dict[str, Any]  # torch's param-group options, as _json_option stores them
     params: list[str]
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from nxd_finetune.checkpoint.format import CheckpointError
 from nxd_finetune.checkpoint.manager import CheckpointManager
-from nxd_finetune.checkpoint.run_state import JsonDict, RunState, TrainState
+from nxd_finetune.checkpoint.run_state import RngState, RunState, TrainState
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
@@ -154,14 +154,16 @@ class StopSignals:
 
 
 def rng_state(state: ParallelState | None = None, group: ProcessGroup | None = None,
-              device: torch.device | None = None) -> JsonDict:
+              device: torch.device | None = None) -> RngState:
     """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
     ``[world, n]`` (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the
     default group; collective in multi-process worlds), the XLA device's seed when ``device`` is an
     XLA device (dropout masks there come from it, not from the CPU generator), and Python's
     ``random``."""
     cpu = torch.get_rng_state()
-    out: JsonDict = {"torch_cpu": _gather_rows(cpu, state, group)}
+    version, internal, gauss = random.getstate()
+    out: RngState = {"torch_cpu": _gather_rows(cpu, state, group),
+                     "python": {"version": version, "state": list(internal), "gauss": gauss}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state, group)
     if device is not None and device.type == "xla":
@@ -169,8 +171,6 @@ def rng_state(state: ParallelState | None = None, group: ProcessGroup | None = N
 
         seed = xm.get_rng_state(str(device))  # an unsigned 64-bit int, stored as int64
         out["xla"] = _gather_rows(torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed]), state, group)
-    version, internal, gauss = random.getstate()
-    out["python"] = {"version": version, "state": list(internal), "gauss": gauss}
     return out
 
 
@@ -182,7 +182,7 @@ def _gather_rows(t: torch.Tensor, state: ParallelState | None, group: ProcessGro
     return torch.stack(rows)
 
 
-def set_rng_state(saved: JsonDict, state: ParallelState | None = None, device: torch.device | None = None) -> None:
+def set_rng_state(saved: RngState, state: ParallelState | None = None, device: torch.device | None = None) -> None:
     """Restore :func:`rng_state`: this rank's row when the world size is the one saved, else
     row 0 (a resharded resume reproduces the data order, not every dropout mask)."""
     rank = state.rank if state is not None else 0
@@ -210,7 +210,7 @@ class Resumed:
     the eval before training (for the summary)."""
 
     ref: CheckpointRef
-    history: list[JsonDict]
+    history: list[dict[str, float]]
     eval_before: dict[str, float]
 
 
@@ -261,7 +261,7 @@ class TrainingCheckpoints:
         self.manager = CheckpointManager(self.uri, keep_last=ck.keep_last, async_save=getattr(ck, "async_save", False),
                                          state=engine.state, group=group)
         self.last_saved: int | None = None
-        self.reference: JsonDict | None = None
+        self.reference: dict[str, object] | None = None
         self._point: list[CheckpointRef | None] = []  # resolved once: [the checkpoint resumed from]
         self.signals = StopSignals()
 
@@ -307,7 +307,8 @@ class TrainingCheckpoints:
         self._barrier()
         if ref.uri == f"{self.manager.uri}/step-{ref.step:08d}":
             self.last_saved = ref.step  # already in checkpoint.dir: the end of a finished run is not saved twice
-        return Resumed(ref, saved.history, saved.eval_before() or extra.get("eval_before", {}))
+        before = extra.get("eval_before")  # where checkpoints of earlier versions kept it
+        return Resumed(ref, saved.history, saved.eval_before() or (before if isinstance(before, dict) else {}))
 
     def resume_point(self) -> CheckpointRef | None:
         """The checkpoint :meth:`resume` continues from (``checkpoint.resume`` resolved and verified
@@ -316,7 +317,7 @@ class TrainingCheckpoints:
             self._point.append(self.manager.resolve(self.recipe.checkpoint.resume))
         return self._point[0]
 
-    def started_reference(self) -> JsonDict | None:
+    def started_reference(self) -> dict[str, object] | None:
         """The reference identity the checkpoint to resume from records (:attr:`reference` of the
         run that saved it), read before any tensor; None on a fresh start or where it records none
         (no reference, or a checkpoint written before they were recorded). Collective."""
@@ -324,7 +325,7 @@ class TrainingCheckpoints:
         if ref is None:
             return None
         reference = self.manager.read_extra_json(ref).get("reference")
-        return reference if isinstance(reference, dict) else None
+        return dict(reference) if isinstance(reference, dict) else None
 
     def _remove_after(self, step: int, why: str) -> None:
         later = [s for s, _ in list_checkpoints(self.manager.storage) if s > step]
@@ -337,7 +338,7 @@ class TrainingCheckpoints:
         if self.engine.state.world_size > 1:
             dist.barrier(group=self.group)
 
-    def save(self, train_state: TrainState, history: list[JsonDict]) -> str:
+    def save(self, train_state: TrainState, history: list[dict[str, float]]) -> str:
         """Checkpoint the run at ``train_state.step`` (collective)."""
         e, step = self.engine, train_state.step
         metrics = self.out_dir / METRICS_FILE
@@ -349,7 +350,7 @@ class TrainingCheckpoints:
         self.last_saved = step
         return uri
 
-    def after_step(self, train_state: TrainState, history: list[JsonDict]) -> None:
+    def after_step(self, train_state: TrainState, history: list[dict[str, float]]) -> None:
         """After a step's logging and eval: save every ``checkpoint.every_n_steps``; on a stop
         signal save and raise :class:`TrainingStopped`. Collective."""
         step = train_state.step
@@ -365,7 +366,7 @@ class TrainingCheckpoints:
                 f"stopped by {name} after step {step}; checkpoint saved to {self.uri}. Resume: run the same "
                 f"command again (same recipe and output.dir), or add --resume {self.uri}/step-{step:08d}", signum)
 
-    def finish(self, train_state: TrainState, history: list[JsonDict]) -> None:
+    def finish(self, train_state: TrainState, history: list[dict[str, float]]) -> None:
         """The end-of-run checkpoint (unless this step is saved already); waits for async saves.
         Collective."""
         if self.last_saved != train_state.step:

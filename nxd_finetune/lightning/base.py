@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from nxd_finetune.checkpoint.run_state import RunState, TrainState
+from nxd_finetune.checkpoint.run_state import RngState, RunState, TrainState
 from nxd_finetune.objective import TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
@@ -109,7 +109,7 @@ class NxdModuleBase(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint state
 
-    def run_state(self, rng: dict[str, object]) -> RunState:
+    def run_state(self, rng: RngState) -> RunState:
         """What a checkpoint of this module carries (subclasses add the data position, the recipe)."""
         scheduler = self.scheduler
         return RunState(train_state=self.train_state, rng=rng, history=self.history,

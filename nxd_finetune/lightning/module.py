@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 
-from nxd_finetune.checkpoint.run_state import RunState
+from nxd_finetune.checkpoint.run_state import RngState, RunState
 from nxd_finetune.errors import NxdError
 from nxd_finetune.export import export_model
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
@@ -218,7 +218,7 @@ class NxdLightningModule(NxdModuleBase):
 
     # ------------------------------------------------------------------ checkpoints (strategy's hooks)
 
-    def run_state(self, rng: dict[str, object]) -> RunState:
+    def run_state(self, rng: RngState) -> RunState:
         """A checkpoint's state with every field ``run`` resumes from."""
         assert self._source is not None
         saved = super().run_state(rng)

@@ -38,16 +38,14 @@ import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TypedDict, cast
 
 import nxd_finetune
 from nxd_finetune.errors import AdapterError
+from nxd_finetune.jsontypes import JsonObject, json_object
 from nxd_finetune.registry.errors import RegistryError
 from nxd_finetune.registry.ref import parse_ref
 from nxd_finetune.storage.fetch import FileEntry, sha256_file
-
-if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
 
 FORMAT = "nxd-adapter-manifest/1"
 MANIFEST = "manifest.json"
@@ -60,12 +58,12 @@ METADATA_KEYS = ("recipe", "metrics", "parallel", "lineage", "base_model")
 class PushMetadata(TypedDict, total=False):
     """What a caller may add to a version's manifest (:func:`check_metadata` validates it)."""
 
-    recipe: JsonDict | None
-    metrics: JsonDict | None
-    parallel: JsonDict | None
+    recipe: JsonObject | None
+    metrics: JsonObject | None
+    parallel: JsonObject | None
     lineage: str | None
-    base_model: JsonDict | None
-    objective: JsonDict | None  # not a caller's key: what the adapter records (adapter_objective)
+    base_model: JsonObject | None
+    objective: JsonObject | None  # not a caller's key: what the adapter records (adapter_objective)
 
 
 class AdapterManifest(TypedDict):
@@ -77,12 +75,12 @@ class AdapterManifest(TypedDict):
     created: str
     tool: dict[str, str]
     files: dict[str, FileEntry]
-    base_model: JsonDict
-    recipe: JsonDict | None
-    metrics: JsonDict | None
-    parallel: JsonDict | None
+    base_model: JsonObject
+    recipe: JsonObject | None
+    metrics: JsonObject | None
+    parallel: JsonObject | None
     lineage: str | None
-    objective: JsonDict | None  # absent in manifests written before it existed: read it with .get
+    objective: JsonObject | None  # absent in manifests written before it existed: read it with .get
 
 
 def check_file_name(name: str) -> str:
@@ -154,7 +152,7 @@ def _check_lora(src: Path) -> None:
         raise RegistryError(f"{src}: {e}") from None
 
 
-def read_adapter_config(path: Path) -> JsonDict:
+def read_adapter_config(path: Path) -> JsonObject:
     """``adapter_config.json`` as a dict; not JSON or not an object -> :class:`RegistryError`."""
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
@@ -165,7 +163,7 @@ def read_adapter_config(path: Path) -> JsonDict:
     return cfg
 
 
-def check_safetensors_header(path: Path) -> JsonDict:
+def check_safetensors_header(path: Path) -> JsonObject:
     """Check the 8-byte length + JSON header of a safetensors file (no tensor data is read) and
     return the header."""
     size = path.stat().st_size
@@ -208,19 +206,19 @@ def check_metadata(metadata: Mapping[str, object] | None) -> PushMetadata:
     return cast(PushMetadata, meta)  # keys and shapes checked above
 
 
-def adapter_base(files: Mapping[str, Path]) -> JsonDict:
+def adapter_base(files: Mapping[str, Path]) -> JsonObject:
     """What an adapter directory (:func:`scan_adapter_dir`'s files) says of its base model:
     ``name_or_path`` and ``revision`` from ``adapter_config.json``, and ``config_hash`` where the
     adapter records one (``nxd_config_hash`` in the safetensors metadata, or in the JSON of older
     adapters; PEFT's adapters have none)."""
     cfg = read_adapter_config(files["adapter_config.json"])
     header = check_safetensors_header(files["adapter_model.safetensors"])
-    config_hash = (header.get("__metadata__") or {}).get("nxd_config_hash") or cfg.get("nxd_config_hash")
+    config_hash = json_object(header.get("__metadata__")).get("nxd_config_hash") or cfg.get("nxd_config_hash")
     base = {"name_or_path": cfg.get("base_model_name_or_path"), "revision": cfg.get("revision")}
     return {**base, "config_hash": config_hash} if config_hash else base
 
 
-def adapter_objective(files: Mapping[str, Path]) -> JsonDict | None:
+def adapter_objective(files: Mapping[str, Path]) -> JsonObject | None:
     """The training objective an adapter directory records in its safetensors metadata
     (``nxd_objective``, ``nxd_loss_type``, ``nxd_reference``, written by preference runs):
     ``{"name", "loss_type", "reference"}``, or None where it records none (SFT, PEFT's adapters)."""
@@ -232,7 +230,7 @@ def adapter_objective(files: Mapping[str, Path]) -> JsonDict | None:
 
 
 def build_manifest(
-    name: str, version: int, base_model: JsonDict, files: dict[str, FileEntry], meta: PushMetadata
+    name: str, version: int, base_model: JsonObject, files: dict[str, FileEntry], meta: PushMetadata
 ) -> AdapterManifest:
     """The manifest dict for ``name:version`` (see the module docstring); ``base_model``: the
     adapter's :func:`adapter_base`, under the caller's ``meta["base_model"]`` keys."""

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -43,7 +43,6 @@ from nxd_finetune.sft.setup import setup_rank
 from nxd_finetune.sft.trainer import evaluate, prepare_shared
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.recipe import Recipe
 
 
@@ -81,7 +80,7 @@ def _recipe_for(recipe: Recipe, kind: str, path: Path) -> Recipe:
 
 
 def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: bool = False, max_new_tokens: int = 64,
-                    out: Path | None = None) -> JsonDict:
+                    out: Path | None = None) -> dict[str, object]:
     """Score ``adapter`` (default ``<output.dir>/final``) on ``recipe``'s eval set; returns the
     scores (also written as JSON to ``out``, default ``<output.dir>/eval.json``)."""
     if recipe.data.eval is None and recipe.data.eval_fraction == 0:
@@ -92,8 +91,9 @@ def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: 
     t0 = time.perf_counter()
     with _artefact(target) as (kind, path, description):
         scoring = _recipe_for(recipe, kind, path)
-        scores: JsonDict = {"scored": description, "model": recipe.model.path if kind == "adapter" else str(path),
-                                  **_score(scoring, recipe)}
+        scores: dict[str, object] = {"scored": description,
+                                     "model": recipe.model.path if kind == "adapter" else str(path),
+                                     **_score(scoring, recipe)}
         if exact_match and _is_main():
             scores.update(generated_exact_match(scoring, target if kind == "model" else str(path), max_new_tokens))
     scores["nproc"] = scoring.parallel.nproc
@@ -182,7 +182,7 @@ def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batc
     return {"exact_match": sum(hits) / len(hits), "generated": len(hits), "examples": examples}
 
 
-def print_scores(scores: JsonDict) -> None:
+def print_scores(scores: Mapping[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -200,5 +200,5 @@ def print_scores(scores: JsonDict) -> None:
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             table.add_row(label, fmt.format(value))
     if "written_to" in scores:
-        table.add_row("written to", scores["written_to"])
+        table.add_row("written to", str(scores["written_to"]))
     Console().print(table)

@@ -12,14 +12,60 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from nxd_finetune.runtime import RuntimeReport
 
 if TYPE_CHECKING:
-    from nxd_finetune.checkpoint.run_state import JsonDict
     from nxd_finetune.sft.memory import RankMemory
 
 
-def save_summary(out_dir: Path, summary: JsonDict) -> None:
+class LayoutSummary(TypedDict):
+    """The run's process layout."""
+
+    nproc: int
+    tp: int
+    pp: int
+    dp: int
+    zero1: bool
+    sequence_parallel: bool
+
+
+class _Published(TypedDict, total=False):
+    registry_version: int  # the version pushed (output.registry)
+
+
+class RunSummary(RuntimeReport, _Published):
+    """``summary.json`` (see the module docstring); ``history``: the logged training records,
+    ``data``: the datasets' statistics per split, ``checkpoints`` / ``resumed_from``: URIs."""
+
+    steps: int
+    loss_tokens: int
+    input_tokens: int
+    parameters: int
+    trainable_parameters: int
+    first_loss: float | None
+    final_loss: float | None
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    time_to_first_step_s: float
+    train_time_s: float
+    input_tokens_per_s: float | None
+    first_loss_step: int | None
+    data: dict[str, dict[str, Any]]
+    output: str
+    save_mode: str
+    lora_targets: list[str]
+    objective: str
+    reference: str | None
+    parallel: LayoutSummary
+    history: list[dict[str, float]]
+    memory: list[RankMemory]
+    checkpoints: str
+    resumed_from: str | None
+
+
+def save_summary(out_dir: Path, summary: RunSummary) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
@@ -44,7 +90,7 @@ def _peak(ranks: list[RankMemory]) -> str:
     return text + (f"; device {max(device) / 1024:,.2f} GiB" if device else "")
 
 
-def summary_rows(summary: JsonDict) -> list[tuple[str, str]]:
+def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     """The printed table's rows (label, value), numbers formatted for people."""
     p = summary["parallel"]
     rows = [
@@ -63,8 +109,7 @@ def summary_rows(summary: JsonDict) -> list[tuple[str, str]]:
     ]
     if summary.get("memory"):
         rows.append(("peak host memory", _peak(summary["memory"])))
-    for when in ("before", "after"):
-        ev = summary[f"eval_{when}"]
+    for when, ev in (("before", summary["eval_before"]), ("after", summary["eval_after"])):
         if ev and "eval_ppl" in ev:
             rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
                                          f"token acc {ev['eval_accuracy']:.3f}"))
@@ -77,7 +122,7 @@ def summary_rows(summary: JsonDict) -> list[tuple[str, str]]:
     return rows
 
 
-def print_summary(summary: JsonDict) -> None:
+def print_summary(summary: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nxd_finetune.checkpoint.run_state import JsonDict, TrainState
+from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.checkpoint.training import TrainingCheckpoints
 from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
@@ -39,7 +39,7 @@ from nxd_finetune.parallel.clip import counts_on_rank, norm_axes
 from nxd_finetune.parallel.launch import in_launched_env, launch
 from nxd_finetune.parallel.placement import Placement, placement_map, placement_of
 from nxd_finetune.preflight.hardware import check_cpu_formats
-from nxd_finetune.recipe import check_against_model, recipe_from_dict
+from nxd_finetune.recipe import RecipeDict, check_against_model, recipe_from_dict
 from nxd_finetune.registry.publish import check_publish_target, publish_run
 from nxd_finetune.runtime import HostValues, StepRuntime
 from nxd_finetune.serve.samples import EvalSamples
@@ -49,7 +49,7 @@ from nxd_finetune.sft.reference import Identity, attach_reference, reference_lab
 from nxd_finetune.sft.setup import SourceFactory, setup_rank
 from nxd_finetune.sft.source import BatchSource
 from nxd_finetune.sft.step import StepLog, divergence_hint, stop_if_diverged, train_step
-from nxd_finetune.sft.summary import print_summary, save_summary
+from nxd_finetune.sft.summary import RunSummary, print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ def train(
     show_progress: bool,
     runtime: StepRuntime | None = None,
     ckpt: TrainingCheckpoints | None = None,
-    history: list[JsonDict] | None = None,
-) -> list[JsonDict]:
+    history: list[dict[str, float]] | None = None,
+) -> list[dict[str, float]]:
     """The optimizer-step loop. ``source`` (:mod:`nxd_finetune.sft.source`) gives, right before each
     optimizer step, this rank's micro-batches and their number of non-padding tokens (counted on
     the host). Returns the logged records (the same
@@ -163,7 +163,7 @@ def train(
 # ---------------------------------------------------------------------- processes
 
 
-def run(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | None:
+def run(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary | None:
     """Train as the recipe says; returns the summary (also written to ``<output.dir>/summary.json``).
     ``source``: makes each rank's batch source (:mod:`nxd_finetune.sft.source`; None: the train
     loader's); with ``nproc > 1`` it must pickle (a function or class at module level).
@@ -224,7 +224,7 @@ def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dic
             **record.metadata(section_of(recipe, record))}
 
 
-def _worker(recipe_dict: JsonDict, source: SourceFactory | None = None) -> JsonDict | None:
+def _worker(recipe_dict: RecipeDict, source: SourceFactory | None = None) -> RunSummary | None:
     show_warnings_as_lines()  # a worker's warnings as one line too
     return run_rank(recipe_from_dict(recipe_dict), source)
 
@@ -257,7 +257,7 @@ def prepare_shared(recipe: Recipe) -> None:
     prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
 
 
-def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | None:
+def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary | None:
     """One process of the run (world size 1 included), its steps from ``source``'s batch source
     (None: the train loader's). Returns the summary on global rank 0."""
     t0 = time.perf_counter()
@@ -326,8 +326,8 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | 
     if not engine.is_logger:
         return None
     losses = [h["train_loss"] for h in history if "train_loss" in h]
-    history_steps = [h["step"] for h in history if "train_loss" in h]
-    summary = {
+    history_steps = [int(h["step"]) for h in history if "train_loss" in h]
+    summary: RunSummary = {
         "steps": state.step, "loss_tokens": state.tokens, "input_tokens": state.input_tokens,
         "parameters": n_params, "trainable_parameters": n_trainable,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
@@ -338,7 +338,7 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> JsonDict | 
         "first_loss_step": history_steps[0] if history_steps else None,
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
         "lora_targets": engine.lora_targets, "objective": recipe.objective,
-        "reference": reference["reference"] if reference is not None else None,
+        "reference": str(reference["reference"]) if reference is not None else None,
         "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
@@ -371,10 +371,11 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     return int(total)
 
 
-def _publish(recipe: Recipe, registry: str, engine: Engine, final_dir: Path, summary: JsonDict) -> int:
-    keys = ("steps", "loss_tokens", "first_loss", "final_loss", "eval_after")
+def _publish(recipe: Recipe, registry: str, engine: Engine, final_dir: Path, summary: RunSummary) -> int:
+    metrics = {"steps": summary["steps"], "loss_tokens": summary["loss_tokens"], "first_loss": summary["first_loss"],
+               "final_loss": summary["final_loss"], "eval_after": summary["eval_after"]}
     version = publish_run(final_dir, registry, recipe_dict=recipe.to_dict(),
-                          metrics={k: summary[k] for k in keys}, parallel=summary["parallel"],
+                          metrics=metrics, parallel=summary["parallel"],
                           lineage=engine.lineage,
                           base_model={"name_or_path": recipe.model.path, "revision": recipe.model.revision})
     return version.version
