@@ -223,16 +223,28 @@ def in_dir(directory: Path, create: Callable[[], _R], attempts: int = 100) -> _R
     """Make ``directory`` (and its parents), then run ``create``, which makes an entry in it.
 
     A concurrent delete prunes directories it left empty (:meth:`LocalStorage.delete`), so the
-    directory can vanish between ``mkdir`` and ``create``: then both run again. Once ``create`` has
-    made its entry the directory is not empty and no prune removes it."""
-    for _ in range(attempts - 1):
+    directory can vanish between ``mkdir`` and ``create`` (``create`` fails with ENOENT), or even
+    inside ``mkdir`` (made by another writer, then pruned before ``mkdir`` saw it: EEXIST, with no
+    file in the way): then both run again. Once ``create`` has made its entry the directory is not
+    empty and no prune removes it."""
+    for attempt in range(attempts):
+        last = attempt == attempts - 1
         try:
             directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            if last or _file_in_the_way(directory) is not None:
+                raise
+            continue  # pruned meanwhile: make it again
+        except FileNotFoundError:
+            if last:
+                raise
+            continue
+        try:
             return create()
         except FileNotFoundError:
-            pass  # pruned meanwhile: make it again
-    directory.mkdir(parents=True, exist_ok=True)
-    return create()
+            if last:
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _walk_error(e: OSError) -> None:
