@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from nxd_finetune.cluster import validate
 from nxd_finetune.cluster.spec import (
@@ -52,7 +51,7 @@ _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NODES_LABEL = "nxd-finetune/nodes"  # a precompile job's node count (kubectl apply -l nxd-finetune/nodes=N)
 PRECOMPILE_OUT = "/tmp/nxd-precompile"  # the precompile run's output.dir in its pods (thrown away)
 # a Kubernetes object (or a part of one) as plain data: what to_yaml writes for kubectl
-K8sObject = dict[str, Any]
+K8sObject = dict[str, object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,23 +176,40 @@ def for_pods(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
 
 
 def _pytorchjob_doc(name: str, pod: PodSettings, cmd: list[str], layout: NodeLayout, env: dict[str, str],
-                    container_name: str = "pytorch") -> K8sObject:
-    """A ``PyTorchJob`` of ``layout.nnodes`` pods (one Master, the rest Workers) running ``cmd``."""
+                    container_name: str = "pytorch", labels: dict[str, str] | None = None,
+                    elastic: tuple[int, int, int] | None = None) -> K8sObject:
+    """A ``PyTorchJob`` of ``layout.nnodes`` pods (one Master, the rest Workers) running ``cmd``;
+    ``labels``: the job's (default ``app.kubernetes.io/name: nxd-finetune``). ``elastic``: ``(min
+    nodes, max nodes, max restarts)``: Workers only, with the operator's ``elasticPolicy``
+    (:func:`_elastic`)."""
     ports = [{"name": "pytorchjob-port", "containerPort": MASTER_PORT}]
 
-    def template() -> K8sObject:  # one per replica type (no YAML anchors)
+    def template(restart_policy: str) -> K8sObject:  # one per replica type (no YAML anchors)
         container = _container(container_name, pod, cmd, layout.nproc_per_node, env, ports)
-        return {"spec": _pod_spec(container, pod, "Never")}
+        return {"spec": _pod_spec(container, pod, restart_policy)}
 
-    replicas: K8sObject = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template()}}
-    if layout.nnodes > 1:
-        replicas["Worker"] = {"replicas": layout.nnodes - 1, "restartPolicy": "Never", "template": template()}
+    replicas: K8sObject
+    spec: K8sObject
+    if elastic is None:
+        replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template("Never")}}
+        if layout.nnodes > 1:
+            replicas["Worker"] = {"replicas": layout.nnodes - 1, "restartPolicy": "Never",
+                                  "template": template("Never")}
+        spec = {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0}, "pytorchReplicaSpecs": replicas}
+    else:
+        min_nodes, max_nodes, max_restarts = elastic
+        # a failed pod comes back (OnFailure) and rejoins: the world grows again up to max_nodes
+        replicas = {"Worker": {"replicas": max_nodes, "restartPolicy": "OnFailure", "template": template("OnFailure")}}
+        spec = {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": max_restarts},
+                "pytorchReplicaSpecs": replicas,
+                "elasticPolicy": {"rdzvBackend": "c10d", "minReplicas": min_nodes, "maxReplicas": max_nodes,
+                                  "maxRestarts": max_restarts}}
     return {
         "apiVersion": PYTORCHJOB_API,
         "kind": "PyTorchJob",
         "metadata": {"name": check_name(name), "namespace": pod.namespace,
-                     "labels": {"app.kubernetes.io/name": "nxd-finetune"}},
-        "spec": {"runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0}, "pytorchReplicaSpecs": replicas},
+                     "labels": labels or {"app.kubernetes.io/name": "nxd-finetune"}},
+        "spec": spec,
     }
 
 
@@ -231,18 +247,8 @@ def _elastic(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: Po
     cmd = ["torchrun", "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", str(layout.nproc_per_node),
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)",
            "--rdzv-id", name, "-m", "nxd_finetune", "run", recipe_path, *overrides]
-    doc = _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa))
-    replicas = doc["spec"]["pytorchReplicaSpecs"]
-    worker = replicas.pop("Master")
-    replicas.pop("Worker", None)
-    # a failed pod comes back (OnFailure) and rejoins: the world grows again up to max_nodes
-    worker.update(replicas=max_nodes, restartPolicy="OnFailure")
-    worker["template"]["spec"]["restartPolicy"] = "OnFailure"
-    replicas["Worker"] = worker
-    doc["spec"]["runPolicy"]["backoffLimit"] = max_restarts
-    doc["spec"]["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": min_nodes, "maxReplicas": max_nodes,
-                                    "maxRestarts": max_restarts}
-    return doc
+    return _pytorchjob_doc(name, pod, cmd, layout, job_env(recipe, pod.accelerator, pod.efa),
+                           elastic=(min_nodes, max_nodes, max_restarts))
 
 
 def precompile_job(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod: PodSettings, *, nodes: int,
@@ -289,9 +295,7 @@ def _precompile(recipe: Recipe, recipe_path: str, overrides: Sequence[str], pod:
     if layout.nnodes > 1:
         run_overrides = [*overrides, *precompile_overrides(recipe, steps, PRECOMPILE_OUT)]
         cmd = [PARALLEL_COMPILE, *_master_torchrun(layout, recipe_path, run_overrides, name)]
-        doc = _pytorchjob_doc(name, pod, cmd, layout, env, container_name="pytorch")
-        doc["metadata"]["labels"] = labels
-        return doc
+        return _pytorchjob_doc(name, pod, cmd, layout, env, container_name="pytorch", labels=labels)
     cmd = ["nxd-finetune", "precompile", recipe_path, *overrides, "--nproc", str(layout.nproc_per_node),
            "--steps", str(steps)]
     container = _container("precompile", pod, cmd, layout.nproc_per_node, env)

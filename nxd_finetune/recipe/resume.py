@@ -19,7 +19,7 @@ ignored nor silently applied.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
 
 import yaml
 
@@ -72,7 +72,7 @@ def _show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, object]:
+def _flatten(data: object, prefix: str = "") -> dict[str, object]:
     if isinstance(data, dict) and data:
         out: dict[str, object] = {}
         for key, value in data.items():
@@ -85,7 +85,7 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def recipe_changes(saved: RecipeDict, current: RecipeDict) -> list[RecipeChange]:
+def recipe_changes(saved: Mapping[str, object], current: Mapping[str, object]) -> list[RecipeChange]:
     """Every dotted key whose value differs (a key present on one side only counts as None on the
     other, so a section switched on or off is a change of its keys)."""
     old, new = _flatten(saved), _flatten(current)
