@@ -94,24 +94,24 @@ def test_s3_data_errors_are_one_line(s3, quickstart_cache, tmp_path, capsys):
 def test_a_damaged_sha256_record_is_a_missing_one(s3, tmp_path):
     """An empty or non-UTF-8 ``.sha256`` record means the copy is not known complete: fetched again,
     no traceback."""
-    from nxd_finetune.storage.fetch import fetch_s3
+    from nxd_finetune.storage.fetch import fetch_object
 
     s3.put_object(Bucket="nxd-test", Key="data/rec.jsonl", Body=TRAIN.read_bytes())
     uri = "s3://nxd-test/data/rec.jsonl"
-    copy = fetch_s3(uri, tmp_path)
+    copy = fetch_object(uri, tmp_path)
     record = copy.with_name("rec.jsonl.sha256")
     for damaged in (b"", b"\xff\xfe\x00 not utf-8"):
         record.write_bytes(damaged)
         stamp = copy.stat().st_mtime_ns
-        assert fetch_s3(uri, tmp_path) == copy and copy.read_bytes() == TRAIN.read_bytes()
+        assert fetch_object(uri, tmp_path) == copy and copy.read_bytes() == TRAIN.read_bytes()
         assert copy.stat().st_mtime_ns != stamp  # fetched again
         assert record.read_text().split()[0] == hashlib.sha256(TRAIN.read_bytes()).hexdigest()
 
 
 def _fetch_stopped_midway(uri: str, cache: Path, sig: signal.Signals) -> subprocess.Popen:
     """A real fetch of ``uri`` in another process, sent ``sig`` once its download has bytes on disk."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from nxd_finetune.storage.fetch import fetch_s3; "
-                             "fetch_s3(sys.argv[1], sys.argv[2])", uri, str(cache)])
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from nxd_finetune.storage.fetch import fetch_object; "
+                             "fetch_object(sys.argv[1], sys.argv[2])", uri, str(cache)])
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
         if any(p.stat().st_size for p in (cache / "s3").glob("*/.big.jsonl.*part*")):
@@ -126,7 +126,7 @@ def test_a_killed_fetch_is_cleaned_by_the_next_and_a_live_one_is_left_to_finish(
     """A fetch killed (SIGKILL) mid-download leaves its temporary files: the next fetch of the object
     removes them. A fetch that is alive (here: stopped, SIGSTOP) keeps its files while another fetch
     runs beside it, and completes when it goes on."""
-    from nxd_finetune.storage.fetch import fetch_s3
+    from nxd_finetune.storage.fetch import fetch_object
 
     body = os.urandom(64 << 20)
     s3.put_object(Bucket="nxd-test", Key="data/big.jsonl", Body=body)
@@ -135,14 +135,14 @@ def test_a_killed_fetch_is_cleaned_by_the_next_and_a_live_one_is_left_to_finish(
     assert killed.wait() == -signal.SIGKILL
     (entry,) = (tmp_path / "s3").iterdir()
     assert [p for p in entry.iterdir() if "part" in p.name]  # what the dead fetch left
-    copy = fetch_s3(uri, tmp_path)
+    copy = fetch_object(uri, tmp_path)
     assert sorted(p.name for p in entry.iterdir()) == ["big.jsonl", "big.jsonl.sha256"]
 
     copy.with_name("big.jsonl.sha256").write_bytes(b"")  # fetched again by the next two
     live = _fetch_stopped_midway(uri, tmp_path, signal.SIGSTOP)
     try:
         theirs = [p for p in entry.iterdir() if "part" in p.name]
-        assert theirs and fetch_s3(uri, tmp_path) == copy and copy.read_bytes() == body
+        assert theirs and fetch_object(uri, tmp_path) == copy and copy.read_bytes() == body
         assert all(p.exists() for p in theirs)  # a live fetch's files are its own
     finally:
         live.send_signal(signal.SIGCONT)
@@ -151,11 +151,11 @@ def test_a_killed_fetch_is_cleaned_by_the_next_and_a_live_one_is_left_to_finish(
 
 
 def test_a_full_disk_while_fetching_is_one_line_and_leaves_nothing(s3, full_disk):
-    from nxd_finetune.storage.fetch import fetch_s3
+    from nxd_finetune.storage.fetch import fetch_object
 
     s3.put_object(Bucket="nxd-test", Key="data/big.jsonl", Body=b"x" * (2 << 20))
     with pytest.raises(DataError) as e:
-        fetch_s3("s3://nxd-test/data/big.jsonl", full_disk / "cache")
+        fetch_object("s3://nxd-test/data/big.jsonl", full_disk / "cache")
     assert str(e.value).startswith("s3://nxd-test/data/big.jsonl: no space left on the device to fetch it into ")
     assert "\n" not in str(e.value)
     assert list((full_disk / "cache").rglob("*")) == []

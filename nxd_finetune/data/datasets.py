@@ -35,7 +35,8 @@ from nxd_finetune.errors import DataError
 from nxd_finetune.objectives import objective_record, section_of
 from nxd_finetune.storage.atomic import publish_dir
 from nxd_finetune.storage.cache import data_cache
-from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
+from nxd_finetune.storage.fetch import fetch_object
+from nxd_finetune.storage.schemes import data_forms, data_scheme
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -136,19 +137,20 @@ def _looks_local(name: str) -> bool:
 def resolve_sources(spec: str | Sequence[str] | None, base_dir: str | Path | None = None,
                     fetch_dir: str | Path | None = None) -> list[str]:
     """Local paths made absolute (relative to ``base_dir``, else the working directory); Hub names
-    (``org/name`` or ``hf://org/name``) kept as names; ``s3://`` objects fetched into ``fetch_dir``
-    (the data cache, :mod:`nxd_finetune.storage.fetch`) and named by their local copy. A name that
+    (``org/name`` or ``hf://org/name``) kept as names; ``s3://`` objects (any scheme whose record
+    says ``data``: :mod:`nxd_finetune.storage.schemes`) fetched into ``fetch_dir`` (the data cache,
+    :mod:`nxd_finetune.storage.fetch`) and named by their local copy. A name that
     looks like a file but does not exist raises DataError naming it; other URL schemes raise
     DataError."""
     out = []
     for name in _as_list(spec):
-        if name.startswith(S3_SCHEME) and fetch_dir is not None:
-            out.append(str(fetch_s3(name, fetch_dir)))
+        if fetch_dir is not None and data_scheme(name) is not None:
+            out.append(str(fetch_object(name, fetch_dir)))
             continue
         if "://" in name:
             if not name.startswith("hf://"):
-                raise DataError(f"data source {name!r}: only local paths, s3://<bucket>/<key> and hf://<dataset> "
-                                "are supported")
+                raise DataError(f"data source {name!r}: only local paths, {', '.join(data_forms())} and "
+                                "hf://<dataset> are supported")
             out.append(name[len("hf://") :])
             continue
         path = Path(name).expanduser()

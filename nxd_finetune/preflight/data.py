@@ -18,7 +18,8 @@ from nxd_finetune.data.preference import row_problem as pair_problem
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.storage.cache import data_cache
-from nxd_finetune.storage.fetch import S3_SCHEME, fetch_s3
+from nxd_finetune.storage.fetch import fetch_object
+from nxd_finetune.storage.schemes import data_scheme
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
@@ -26,12 +27,13 @@ if TYPE_CHECKING:
 
 def _data_sources(key: str, spec: str | list[str], fetch_dir: Path) -> list[Path]:
     """The local files or ``save_to_disk`` directories behind ``data.<key>`` (the sources
-    ``data.datasets.load_rows`` reads): ``s3://`` objects fetched into ``fetch_dir`` as ``run`` fetches
-    them; other remote ones (``hf://...``) are reported and skipped."""
+    ``data.datasets.load_rows`` reads): ``s3://`` objects (any scheme whose data files are
+    fetched) fetched into ``fetch_dir`` as ``run`` fetches them; other remote ones (``hf://...``)
+    are reported and skipped."""
     sources: list[Path] = []
     for item in [spec] if isinstance(spec, str) else spec:
-        if item.startswith(S3_SCHEME):
-            sources.append(fetch_s3(item, fetch_dir))
+        if data_scheme(item) is not None:
+            sources.append(fetch_object(item, fetch_dir))
             continue
         if "://" in item:
             print(f"note: data.{key} {item} is remote; not checked", file=sys.stderr)
@@ -159,7 +161,7 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     preference micro-batch holds ``micro_batch_size`` pairs: twice as many unpacked sequences."""
     spec = recipe.data.train
     sources = [spec] if isinstance(spec, str) else spec or []
-    if spec is None or any("://" in s and not s.startswith(S3_SCHEME) for s in sources):
+    if spec is None or any("://" in s and data_scheme(s) is None for s in sources):
         return None
     train, _ = prepare_datasets(DataSpec.from_recipe(recipe), load_tokenizer(recipe, model_dir))
     per_sample = sample_targets(train.labels, train.offsets)

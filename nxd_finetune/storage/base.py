@@ -53,6 +53,16 @@ class Leftover:
     handle: str
 
 
+@dataclass(frozen=True)
+class ObjectHead:
+    """What :meth:`Storage.head` reads of an object without fetching it: its size, a version tag
+    that changes whenever its content does (S3's ETag), and its sha256 where it carries one (hex)."""
+
+    size: int
+    etag: str
+    sha256: str | None
+
+
 Leftovers = list[Leftover]
 """Unfinished writes (an alias because ``list`` is also a method name of :class:`Storage`)."""
 
@@ -95,6 +105,12 @@ class Storage(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Keys:
         """All keys under ``prefix`` (a plain string prefix, recursive), sorted."""
+
+    def head(self, key: str) -> ObjectHead:
+        """Size, version tag and (where known) sha256 of object ``key``, without fetching it; what
+        a data file fetch keys its cache entry on. Missing key: :class:`StorageNotFoundError`.
+        A backend whose data files are not fetched need not have it."""
+        raise StorageError(f"{self.uri} cannot tell an object's size and version ({type(self).__name__} has no head)")
 
     def check_root(self) -> None:  # noqa: B027  (a no-op unless a backend can tell)
         """Raise StorageError where the root itself is unusable (a local root at or under a file), so

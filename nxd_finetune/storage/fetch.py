@@ -1,20 +1,22 @@
-"""Objects fetched from S3 into a local cache, checked: training data (``data.train`` /
-``data.eval`` may name ``s3://bucket/key`` objects: ``.jsonl``, ``.json``, ``.parquet``, ``.csv``,
-``.arrow``), read as local files once fetched (:func:`nxd_finetune.data.datasets.resolve_sources`,
-``validate``'s data checks).
+"""Data files fetched from remote storage into a local cache, checked: training data
+(``data.train`` / ``data.eval`` may name objects of a scheme whose record says ``data``
+(:mod:`nxd_finetune.storage.schemes`): ``s3://bucket/key``; ``.jsonl``, ``.json``, ``.parquet``,
+``.csv``, ``.arrow``), read as local files once fetched
+(:func:`nxd_finetune.data.datasets.resolve_sources`, ``validate``'s data checks).
 
 Each object is fetched once per machine into the data cache,
-``<data cache>/s3/<digest of the URI, ETag and size>/<name>``: downloaded to a temporary file beside
-it, its sha256 computed, then renamed into place with the digest in ``<name>.sha256``. A later
-run of the same object (same ETag and size) reads the cached copy after checking it against that
-digest (a damaged copy is fetched again); a changed object gets a new entry. When the object
-carries a sha256 (user metadata ``sha256``, or S3's ``ChecksumSHA256``), the download must match
-it. A fetch holds a shared lock on ``.<name>.lock`` in the entry while it writes there (``flock``:
-the kernel drops it when the process dies, SIGKILL included); one that finds no other fetch holding
-it removes the entry's temporary files, which are then a dead fetch's (a killed download), and a
-live fetch's files are never touched. A full disk is one line and leaves no entry behind. Errors are
-one line: a missing object is ``data file not found: s3://...`` as for a local file; credentials,
-bucket and access problems are the storage layer's (:mod:`nxd_finetune.storage`).
+``<data cache>/<scheme>/<digest of the URI, ETag and size>/<name>`` (``s3/...``): downloaded to a
+temporary file beside it, its sha256 computed, then renamed into place with the digest in
+``<name>.sha256``. A later run of the same object (same ETag and size) reads the cached copy after
+checking it against that digest (a damaged copy is fetched again); a changed object gets a new
+entry. When the object carries a sha256 (S3: user metadata ``sha256``, or its ``ChecksumSHA256``),
+the download must match it. A fetch holds a shared lock on ``.<name>.lock`` in the entry while it
+writes there (``flock``: the kernel drops it when the process dies, SIGKILL included); one that
+finds no other fetch holding it removes the entry's temporary files, which are then a dead fetch's
+(a killed download), and a live fetch's files are never touched. A full disk is one line and leaves
+no entry behind. Errors are one line: a missing object is ``data file not found: s3://...`` as for
+a local file; credentials, bucket and access problems are the storage layer's
+(:mod:`nxd_finetune.storage`).
 """
 
 from __future__ import annotations
@@ -28,15 +30,13 @@ import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 from nxd_finetune.errors import DataError
+from nxd_finetune.storage.base import ObjectHead, Storage
 from nxd_finetune.storage.errors import StorageNotFoundError
+from nxd_finetune.storage.schemes import data_scheme
 
-if TYPE_CHECKING:
-    from nxd_finetune.storage.s3 import ObjectHead, S3Storage
-
-S3_SCHEME = "s3://"
 _CHUNK = 1 << 20
 
 
@@ -141,22 +141,24 @@ def _swept(entry: Path, name: str) -> None:
         pass
 
 
-def fetch_s3(uri: str, cache_root: str | os.PathLike) -> Path:
-    """The local copy of object ``uri`` (``s3://bucket/key``) under ``<cache_root>/s3/``, fetched
-    if absent or damaged. Raises DataError (one line) for a missing object, a sha256 mismatch or a
-    cache that cannot take it (a full disk)."""
-    from nxd_finetune.storage.s3 import S3Storage  # boto3: only when an s3:// source is used
-
-    parent, name = posixpath.split(uri[len(S3_SCHEME):])
-    if not name or "/" not in uri[len(S3_SCHEME):]:
-        raise DataError(f"data source {uri!r}: name an object, s3://BUCKET/KEY")
-    storage = S3Storage.from_uri(S3_SCHEME + parent)
+def fetch_object(uri: str, cache_root: str | os.PathLike) -> Path:
+    """The local copy of object ``uri`` (``s3://bucket/key``, or another scheme whose record says
+    ``data``) under ``<cache_root>/<scheme>/``, fetched if absent or damaged (see the module
+    docstring)."""
+    scheme = data_scheme(uri)
+    if scheme is None:
+        raise DataError(f"data source {uri!r}: not a scheme whose data files are fetched")
+    rest = uri[len(scheme.prefix):]
+    parent, name = posixpath.split(rest)
+    if not name or "/" not in rest:
+        raise DataError(f"data source {uri!r}: name an object, {scheme.prefix}BUCKET/KEY")
+    storage = scheme.open(scheme.prefix + parent)
     try:
         head = storage.head(name)
     except StorageNotFoundError:
         raise DataError(f"data file not found: {uri}") from None
     key = hashlib.sha256(f"{uri}\n{head.etag}\n{head.size}".encode()).hexdigest()[:16]
-    entry = Path(cache_root) / "s3" / key
+    entry = Path(cache_root) / scheme.name / key
     local = entry / name
     if _cached(local):
         _swept(entry, name)
@@ -177,7 +179,7 @@ def fetch_s3(uri: str, cache_root: str | os.PathLike) -> Path:
     return local
 
 
-def _download(storage: S3Storage, uri: str, head: ObjectHead, local: Path) -> None:
+def _download(storage: Storage, uri: str, head: ObjectHead, local: Path) -> None:
     """Object ``local.name`` of ``storage`` into ``local``: fetched beside it, checked against
     ``head`` (size, sha256), renamed into place, then its sha256 record (written last: it marks the
     copy complete). Temporary files are removed on any failure."""

@@ -23,7 +23,6 @@ Every botocore failure is turned into a one-line :class:`StorageError` subclass 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from nxd_finetune.storage.base import Keys, Leftover, Leftovers, Progress, Storage, check_key
+from nxd_finetune.storage.base import Keys, Leftover, Leftovers, ObjectHead, Progress, Storage, check_key
 from nxd_finetune.storage.errors import (
     StorageAccessDeniedError,
     StorageBucketNotFoundError,
@@ -102,15 +101,6 @@ def translate_error(exc: BaseException, uri: str, op: str) -> StorageError:
     if isinstance(exc, bce.BotoCoreError):
         return StorageError(f"S3 {op} on {uri} failed: {exc}".replace("\n", " "))
     raise TypeError(f"not a boto error: {exc!r}") from exc
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectHead:
-    """What :meth:`S3Storage.head` reads of an object without fetching it."""
-
-    size: int
-    etag: str
-    sha256: str | None  # hex, when the object carries one
 
 
 class S3Storage(Storage):
