@@ -1,16 +1,21 @@
 """Tiny mixture-of-experts configs (Qwen3-MoE, Mixtral) for the model tests: built locally, never
-from the Hub."""
+from the Hub; a tiny Qwen3-MoE with the quickstart tokenizer and a short quickstart run on it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import MixtralConfig, PretrainedConfig, Qwen3MoeConfig
+
+from nxd_finetune.recipe import load_recipe
 
 # conftest's TINY sizes
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 96, "vocab_size": 128, "max_position_embeddings": 256}
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
 MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 
@@ -39,3 +44,31 @@ def build_tiny_moe(config: PretrainedConfig, path: Path, seed: int = 0) -> torch
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
+
+
+@pytest.fixture
+def moe_with_tokenizer(quickstart_cache: object, tmp_path: Path) -> Path:
+    """A tiny Qwen3-MoE with the quickstart's tokenizer (its vocabulary size)."""
+    from transformers import AutoTokenizer
+
+    from nxd_finetune.quickstart import ensure_tiny_model
+
+    tok_dir = ensure_tiny_model()
+    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
+    path = tmp_path / "moe"
+    build_tiny_moe(tiny_moe_config("qwen3_moe", vocab_size=vocab), path)
+    for f in Path(tok_dir).iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def train(tmp_path: Path, model: Path, *overrides: str) -> dict[str, object]:
+    """Two quickstart steps on ``model`` into ``tmp_path`` with recipe ``overrides``; the run's summary."""
+    from nxd_finetune.sft import trainer
+
+    recipe = load_recipe(QUICKSTART, [f"model.path={model}", "data.max_seq_len=64", "training.max_steps=2",
+                                      "training.micro_batch_size=2", "training.warmup_steps=0",
+                                      "logging.progress=false", "eval.max_batches=1", f"output.dir={tmp_path}",
+                                      *overrides])
+    return trainer.run(recipe)

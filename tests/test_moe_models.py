@@ -31,10 +31,9 @@ from nxd_finetune.models.moe import (
 )
 from nxd_finetune.preflight.model import check_weights
 from nxd_finetune.recipe import check_against_model, load_recipe
-from tests.moe_helpers import build_tiny_moe, tiny_moe_config
+from tests.moe_helpers import QUICKSTART, build_tiny_moe, moe_with_tokenizer, tiny_moe_config  # noqa: F401  (a fixture)
+from tests.moe_helpers import train as _train
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 CASES = {
     "qwen3_moe": ("qwen3_moe", {}),  # top-2 of 6 renormalised, layer 1 dense (mlp_only_layers)
     "qwen3_moe-step": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2,
@@ -242,34 +241,7 @@ def test_layouts_other_than_one_process_are_refused(layout):
     check_against_model(recipe, DecoderConfig.from_hf(tiny_moe_config("qwen3_moe", num_experts=0).to_dict()))
 
 
-@pytest.fixture
-def moe_with_tokenizer(quickstart_cache, tmp_path):
-    """A tiny Qwen3-MoE with the quickstart's tokenizer (its vocabulary size)."""
-    from transformers import AutoTokenizer
-
-    from nxd_finetune.quickstart import ensure_tiny_model
-
-    tok_dir = ensure_tiny_model()
-    vocab = len(AutoTokenizer.from_pretrained(tok_dir))
-    path = tmp_path / "moe"
-    build_tiny_moe(tiny_moe_config("qwen3_moe", vocab_size=vocab), path)
-    for f in Path(tok_dir).iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, path / f.name)
-    return path
-
-
-def _train(tmp_path: Path, model: Path, *overrides: str) -> dict[str, object]:
-    from nxd_finetune.sft import trainer
-
-    recipe = load_recipe(QUICKSTART, [f"model.path={model}", "data.max_seq_len=64", "training.max_steps=2",
-                                      "training.micro_batch_size=2", "training.warmup_steps=0",
-                                      "logging.progress=false", "eval.max_batches=1", f"output.dir={tmp_path}",
-                                      *overrides])
-    return trainer.run(recipe)
-
-
-def test_full_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):
+def test_full_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):  # noqa: F811
     summary = _train(tmp_path / "full", moe_with_tokenizer, "lora=null", "training.lr=1e-2")
     assert summary["trainable_parameters"] == summary["parameters"]
     final = tmp_path / "full" / "final"
@@ -283,7 +255,7 @@ def test_full_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):
         assert (hf(ids).logits - load_pretrained(final).eval()(ids)).abs().max() <= 1e-5
 
 
-def test_lora_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):
+def test_lora_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):  # noqa: F811
     """``all-linear`` LoRA covers the attention projections: the router and the experts are no linear
     layers, and PEFT reads a dense layer's ``gate_proj`` / ``up_proj`` / ``down_proj`` in an MoE
     model's adapter as the experts'; the adapter loads in peft with our logits."""

@@ -51,7 +51,6 @@ _UNSUPPORTED_KEYS = (
     "layers_to_transform",
     "layer_replication",
     "exclude_modules",
-    "target_parameters",
     "trainable_token_indices",
     "use_qalora",
     "use_bdlora",
@@ -81,6 +80,10 @@ class LoraConfig:
       ``gaussian`` (A ~ N(0, std=1/r), B zero), as PEFT.
     - ``modules_to_save``: module names (suffix match, like ``target_modules`` lists) that are
       copied and trained in full; saved under the module's own keys, as PEFT does.
+    - ``target_parameters``: fused expert tensors of a mixture-of-experts model
+      (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``; suffix match on the parameter's
+      name), LoRA'd per expert as PEFT's ``target_parameters`` (:mod:`nxd_finetune.lora.experts`);
+      ``target_modules`` may then be empty. No dropout with it (PEFT refuses it too).
     """
 
     r: int = 8
@@ -93,6 +96,7 @@ class LoraConfig:
     use_rslora: bool = False
     init_lora_weights: str = "default"
     modules_to_save: list[str] = dataclasses.field(default_factory=list)
+    target_parameters: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -112,7 +116,12 @@ class LoraConfig:
             raise AdapterError(
                 f"unknown init_lora_weights {self.init_lora_weights!r}; use one of {', '.join(INIT_MODES)}"
             )
-        self.target_modules = _check_targets(self.target_modules)
+        self.target_parameters = _check_parameters(self.target_parameters)
+        empty_ok = bool(self.target_parameters) and self.target_modules in ([], None)
+        self.target_modules = [] if empty_ok else _check_targets(self.target_modules)
+        if self.target_parameters and self.lora_dropout:
+            raise AdapterError(f"lora_dropout must be 0 with target_parameters, got {self.lora_dropout!r} "
+                               "(PEFT's LoRA on expert tensors has no dropout)")
         if isinstance(self.modules_to_save, str):
             self.modules_to_save = [self.modules_to_save]
         if not isinstance(self.modules_to_save, (list, tuple, type(None))):
@@ -131,13 +140,15 @@ class LoraConfig:
         """The recipe's ``lora`` section as a config: the one conversion (recipe names -> PEFT's)."""
         return cls(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
                    target_modules=lora.target_modules, use_rslora=lora.use_rslora,
-                   init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save))
+                   init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save),
+                   target_parameters=list(lora.target_parameters))
 
     def to_section(self, **extra: JsonValue) -> JsonObject:
         """This config as a recipe ``lora`` section (a dict; ``extra``: e.g. ``init_from``)."""
         return {"rank": self.r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "bias": self.bias,
                 "target_modules": self._targets(), "use_rslora": self.use_rslora,
-                "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save), **extra}
+                "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save),
+                **({"target_parameters": list(self.target_parameters)} if self.target_parameters else {}), **extra}
 
     def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> JsonObject:
         """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT
@@ -163,6 +174,8 @@ class LoraConfig:
             init_lora_weights=True if self.init_lora_weights == "default" else self.init_lora_weights,
             modules_to_save=list(self.modules_to_save) or None,
         )
+        if self.target_parameters:  # PEFT >= 0.17's key; left out otherwise, as older PEFT rejects it
+            d["target_parameters"] = list(self.target_parameters)
         return d
 
     def _targets(self) -> JsonValue:
@@ -190,7 +203,8 @@ class LoraConfig:
             init = "default"  # the saved tensors replace the initial values either way
         elif init not in INIT_MODES:
             raise AdapterError(f"adapter init_lora_weights={init!r} is not supported (it changes the base weights)")
-        if d.get("target_modules") in (None, [], ""):
+        parameters = d.get("target_parameters") or []
+        if d.get("target_modules") in (None, [], "") and not parameters:
             raise AdapterError("adapter_config.json has no target_modules")
         for key in ("r", "lora_alpha"):
             if key not in d:
@@ -200,11 +214,22 @@ class LoraConfig:
             lora_alpha=d["lora_alpha"],
             lora_dropout=d.get("lora_dropout", 0.0) or 0.0,
             bias=d.get("bias", "none"),
-            target_modules=d["target_modules"],
+            target_modules=d.get("target_modules") or [],
             use_rslora=bool(d.get("use_rslora", False)),
             init_lora_weights=init,
             modules_to_save=d.get("modules_to_save") or [],
+            target_parameters=parameters,
         )
+
+
+def _check_parameters(names: object) -> list[str]:
+    if names is None:
+        return []
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise AdapterError(f"lora target_parameters must be a list of parameter names, got {names!r}")
+    return list(names)
 
 
 def _check_targets(targets: Any) -> list[str] | str:

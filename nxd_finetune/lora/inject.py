@@ -3,20 +3,23 @@
 Matching follows PEFT (``peft.tuners.tuners_utils.check_target_module_exists``): list entries match
 a module whose name equals the entry or ends with ``"." + entry``; a string is ``re.fullmatch``-ed
 against the full module name; ``"all-linear"`` is every linear layer but ``lm_head``. Modules named
-in ``modules_to_save`` (and everything under them) are never LoRA targets.
+in ``modules_to_save`` (and everything under them) are never LoRA targets. ``target_parameters``
+puts LoRA on a mixture-of-experts model's fused expert tensors (:mod:`nxd_finetune.lora.experts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from nxd_finetune.errors import AdapterError
+from nxd_finetune.errors import AdapterError, NxdWarning
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
+from nxd_finetune.lora.experts import ExpertLora, expert_parameters, find_expert_targets, wrap_experts
 from nxd_finetune.lora.layers import LoraLinear, ModulesToSaveWrapper, lora_layer_for
 from nxd_finetune.models.config import DecoderConfig
 
@@ -28,6 +31,12 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             yield name, module
+
+
+def lora_target_names(model: nn.Module) -> list[str]:
+    """The LoRA-wrapped linear modules' names (what ``all-linear`` resolves to in an adapter's
+    ``target_modules``), leaving out the expert-tensor wrappers of ``target_parameters``."""
+    return [name for name, m in lora_modules(model) if not isinstance(m, ExpertLora)]
 
 
 def saved_modules(model: nn.Module) -> Iterator[tuple[str, ModulesToSaveWrapper]]:
@@ -64,9 +73,7 @@ def base_param_name(name: str) -> str:
     not in the base checkpoint). Pass as ``name_map`` to ``models.materialize`` to load a base
     checkpoint into a model injected on the meta device.
     """
-    for part in (".base_layer.", ".original_module.", ".modules_to_save."):
-        name = name.replace(part, ".")
-    return name
+    return re.sub(r"\.(?:base_layer|original_module|modules_to_save)(?=\.)", "", name)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -99,7 +106,8 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     name) or when a match is not a linear layer LoRA can wrap. On a mixture-of-experts model the
     names PEFT reads as the experts (:meth:`DecoderConfig.expert_module_names`: a dense layer's
     ``gate_proj`` / ``up_proj`` / ``down_proj`` in Qwen3-MoE) are left out of ``all-linear`` and
-    refused when named.
+    refused when named, and ``all-linear`` says in one warning line what it covers there.
+    ``target_modules`` may match nothing when ``target_parameters`` is set.
     """
     found = []
     config = getattr(model, "config", None)
@@ -119,7 +127,9 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
             if lora_layer_for(module) is None:
                 raise AdapterError(f"lora target {name} is a {type(module).__name__}; LoRA wraps only linear layers")
             found.append(name)
-    if not found:
+    if experts and cfg.target_modules == ALL_LINEAR:
+        _note_all_linear(model, found, cfg)
+    if not found and not cfg.target_parameters:
         short = sorted({n.rpartition(".")[2] for n in _linear_names(model)})
         raise AdapterError(
             f"lora target_modules {cfg.target_modules!r} matched no module; linear modules in the model: "
@@ -128,13 +138,24 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return found
 
 
+def _note_all_linear(model: nn.Module, found: list[str], cfg: LoraConfig) -> None:
+    covered = ", ".join(sorted({n.rpartition(".")[2] for n in found})) or "no module"
+    tensors = ", ".join(sorted({"mlp.experts." + p for _, p, _ in expert_parameters(model)}))
+    experts = (f"the expert tensors through lora.target_parameters {cfg.target_parameters}" if cfg.target_parameters
+               else f"not the experts (name them in lora.target_parameters: {tensors})")
+    warnings.warn(f"lora all-linear on a mixture-of-experts model covers {covered}; {experts}; the router "
+                  "(mlp.gate) trains only through lora.modules_to_save", NxdWarning, stacklevel=3)
+
+
 def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Wrap the modules ``cfg`` targets with LoRA, in place, and set what trains.
 
     Afterwards only LoRA factors, ``modules_to_save`` copies and (per ``cfg.bias``) biases have
     ``requires_grad``; every other parameter is frozen. Module names do not change, so a target's
     parameters become ``<name>.base_layer.weight``, ``<name>.lora_A.weight``,
-    ``<name>.lora_B.weight`` (PEFT's names). Returns the wrapped module names in module order.
+    ``<name>.lora_B.weight`` (PEFT's names); ``target_parameters`` wrap the experts modules
+    (:class:`~nxd_finetune.lora.experts.ExpertLora`, PEFT's nesting and names). Returns the wrapped
+    linear module names in module order (the expert wrappers are not among them).
 
     Raises AdapterError when the model already holds LoRA layers, when ``target_modules`` matches
     nothing (see :func:`find_targets`) or when a ``modules_to_save`` entry matches no module.
@@ -142,6 +163,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     if next(lora_modules(model), None) is not None:
         raise AdapterError("the model already has LoRA layers; inject_lora runs once per model")
     targets = find_targets(model, cfg)
+    expert_targets = find_expert_targets(model, cfg)
     save_names = _modules_to_save_names(model, cfg.modules_to_save)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -158,6 +180,8 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
             init_lora_weights=cfg.init_lora_weights,
         )
         _set_submodule(model, name, wrapped)
+    for module, parameter_name in expert_targets:
+        wrap_experts(model, module, parameter_name, cfg)
     for name in save_names:
         _set_submodule(model, name, ModulesToSaveWrapper(model.get_submodule(name)))
     _mark_trainable_biases(model, cfg.bias)
@@ -211,7 +235,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     untie = bool(getattr(config, "tie_word_embeddings", False)) and any(
         n == OUTPUT_LAYER or n.endswith(".embed_tokens") for n in changed
     )
-    for name, module in list(lora_modules(model)):
+    for name, module in reversed(list(lora_modules(model))):  # innermost first: nested expert wrappers
         if untie and name == OUTPUT_LAYER:
             w = module.weight
             module.base_layer.weight = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)

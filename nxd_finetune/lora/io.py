@@ -39,6 +39,7 @@ from nxd_finetune.lora.inject import (
     OUTPUT_LAYER,
     inject_lora,
     lora_modules,
+    lora_target_names,
     saved_modules,
 )
 from nxd_finetune.models.config import LANGUAGE_MODEL_PREFIX, DecoderConfig, text_model_name
@@ -217,7 +218,7 @@ def save_adapter(
     if config_hash is None and config is not None and hasattr(config, "config_hash"):
         config_hash = config.config_hash()
     sd = adapter_state_dict(model, cfg.bias) if state is None else gather_adapter_state_dict(model, state, cfg.bias)
-    names = [name for name, _ in lora_modules(model)]
+    names = lora_target_names(model)  # all-linear's names; expert wrappers are in target_parameters
     if not _is_writer(state):
         _adapter_config(cfg, base_model_name_or_path, revision, names, extra_config)  # same errors on every rank
         return Path(out_dir)

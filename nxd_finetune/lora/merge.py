@@ -8,6 +8,9 @@ memory is therefore one output shard, plus a few copies of the largest tensor, p
 What changes (PEFT's ``merge_and_unload`` semantics):
 
 - a LoRA target ``<m>.weight`` becomes ``W + scaling * B @ A``, computed in fp32;
+- a fused expert tensor under ``target_parameters`` becomes ``W_e + scaling * B_e @ A_e`` per expert
+  (:mod:`nxd_finetune.lora.experts`), in the checkpoint's layout: the fused tensor, or transformers'
+  one tensor per expert (and per gate / up half);
 - ``modules_to_save`` tensors and trained biases are taken from the adapter as they are;
 - a tied ``lm_head`` that the adapter changes (LoRA on ``lm_head``, ``modules_to_save`` on
   ``lm_head`` or ``embed_tokens``) is written untied, with ``tie_word_embeddings: false``.
@@ -20,6 +23,7 @@ config injected, so target matching and expected tensor names are those of ``inj
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +31,9 @@ import torch
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdError
 from nxd_finetune.lora.config import LoraConfig
+from nxd_finetune.lora.experts import ExpertLora
 from nxd_finetune.lora.identity import check_base
-from nxd_finetune.lora.inject import base_param_name, inject_lora, untied_config
+from nxd_finetune.lora.inject import base_param_name, inject_lora, lora_modules, untied_config
 from nxd_finetune.lora.io import (
     PEFT_PREFIX,
     TOKENIZER_FILES,
@@ -45,7 +50,7 @@ from nxd_finetune.models import (
     resolve_dtype,
     save_pretrained,
 )
-from nxd_finetune.models.loading import open_checkpoint_file
+from nxd_finetune.models.loading import checkpoint_key, open_checkpoint_file
 from nxd_finetune.storage.atomic import publish_dir
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's "5GB"
@@ -54,7 +59,8 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16
 
 @dataclasses.dataclass
 class MergePlan:
-    """What a merge writes. ``lora``: base weight key -> (A ``[r, in]``, B ``[out, r]``);
+    """What a merge writes. ``lora``: base weight key -> (A ``[r, in]``, B ``[out, r]``; or a fused
+    expert tensor's ``[E, r, in]``, ``[E, out, r]``);
     ``replace``: base key -> adapter tensor; ``sources``: output key -> base key it starts from
     (``lm_head.weight`` reads the embeddings when a tied head is untied); ``config``: the output
     config (untied when needed)."""
@@ -100,6 +106,7 @@ def plan_merge(
     allowed = {k.removeprefix(PEFT_PREFIX): tuple(t.shape) for k, t in adapter_state_dict(model, "all").items()}
     required = {k.removeprefix(PEFT_PREFIX) for k in adapter_state_dict(model, cfg.bias)}
     untie = _needs_untie(model, config)
+    experts = {name: m for name, m in lora_modules(model) if isinstance(m, ExpertLora)}
     del model  # its LoRA factors are real (CPU) tensors: free them before streaming
     for key, t in tensors.items():
         if key not in allowed:
@@ -119,6 +126,11 @@ def plan_merge(
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     replace: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
+        wrapper = experts.get(key.removesuffix(".lora_A.weight"))
+        if key.endswith(".lora_A.weight") and wrapper is not None:
+            module = key.removesuffix(".lora_A.weight")
+            _plan_experts(wrapper, module, t, tensors[f"{module}.lora_B.weight"], config, sources, base_shapes, lora)
+            continue
         if key.endswith(".lora_A.weight"):
             module = key.removesuffix(".lora_A.weight")
             target = f"{module}.weight"
@@ -127,7 +139,7 @@ def plan_merge(
         elif key.endswith(".lora_B.weight"):
             continue
         else:
-            target = base_param_name(key)
+            target = checkpoint_key(config, base_param_name(key), sources)
             replace[target] = t
             want = tuple(t.shape)
         if target not in sources:
@@ -136,6 +148,33 @@ def plan_merge(
         if tuple(shape) != tuple(want):
             raise ModelLoadError(f"base tensor {target!r} has shape {tuple(shape)}, its config implies {tuple(want)}")
     return MergePlan(cfg.scaling, lora, replace, sources, config)
+
+
+def _plan_experts(wrapper: ExpertLora, module: str, a: torch.Tensor, b: torch.Tensor, config: DecoderConfig,
+                  sources: dict[str, str], base_shapes: dict[str, tuple[tuple[int, ...], str]],
+                  lora: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add a fused expert tensor's per-expert factors to ``lora``, keyed as the base checkpoint
+    holds the tensor: fused (``[E, r, in]``, ``[E, out, r]``), or one 2D pair per expert and part
+    (the gate / up rows of ``gate_up_proj``) under transformers' per-expert keys."""
+    e, r = wrapper.num_experts, wrapper.r
+    a_e = a.reshape(e, r, a.shape[-1])
+    b_e = b.reshape(b.shape[0], r, e).permute(2, 0, 1)
+    fused = re.sub(r"(\.base_layer)+$", "", module) + "." + wrapper.parameter_name
+    parts = config.expert_keys(fused)
+    if fused in sources or parts is None:
+        pieces = [(fused, a_e, b_e)]
+    else:
+        rows = b_e.shape[1] // len(parts)
+        pieces = [(k, a_e[i], b_e[i, p * rows:(p + 1) * rows]) for p, group in enumerate(parts)
+                  for i, k in enumerate(group)]
+    for target, pa, pb in pieces:
+        if target not in sources:
+            raise ModelLoadError(f"base checkpoint lacks tensor {target!r}, which the adapter changes")
+        want = (*pb.shape[:-1], pa.shape[-1])
+        shape = base_shapes[sources[target]][0]
+        if tuple(shape) != want:
+            raise ModelLoadError(f"base tensor {target!r} has shape {tuple(shape)}, its config implies {want}")
+        lora[target] = (pa, pb)
 
 
 def _merged_tensors(

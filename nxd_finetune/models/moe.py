@@ -9,12 +9,17 @@ runs each token through its experts' SwiGLU and sums the outputs by those weight
 as two grouped GEMMs over the tokens sorted by expert (``torch._grouped_mm``, which torch 2.13 has
 on CPU too, forward and backward); :meth:`Experts.loop` is transformers' per-expert loop, the
 reference the tests compare it with. Dropless: every token reaches its k experts.
+
+LoRA on the experts (PEFT's ``target_parameters``, :mod:`nxd_finetune.lora.experts`) reaches
+them as per-expert low-rank factors (:data:`LowRank`): each expert's projection adds
+``scaling * (x A_e^T) B_e^T``, run as two more grouped GEMMs over the same token groups (rank-wide,
+so no ``[E, out, in]`` delta is formed).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,29 @@ from nxd_finetune.models.activations import swiglu
 from nxd_finetune.models.config import DecoderConfig
 
 KERNELS = ("grouped", "loop")
+# One fused expert tensor's LoRA: (A ``[E, r, in]``, B ``[E, out, r]``, scaling), keyed by the
+# parameter's name (``gate_up_proj`` / ``down_proj``) in the mapping the experts take.
+LowRank = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _grouped_proj(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, lora: LowRank | None) -> torch.Tensor:
+    """``x`` (rows grouped by expert) through each group's expert ``weight [E, out, in]``, plus the
+    group's LoRA ``scaling * (x A_e^T) B_e^T`` in the factors' dtype (scaling on the r-wide part)."""
+    y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    if lora is None:
+        return y
+    a, b, scaling = lora
+    low = torch._grouped_mm(x.to(a.dtype), a.transpose(1, 2), offs=offsets) * scaling
+    return y + torch._grouped_mm(low, b.transpose(1, 2), offs=offsets).to(y.dtype)
+
+
+def _expert_proj(x: torch.Tensor, weight: torch.Tensor, expert: int, lora: LowRank | None) -> torch.Tensor:
+    """:func:`_grouped_proj` for one expert's rows (the loop's)."""
+    y = F.linear(x, weight[expert])
+    if lora is None:
+        return y
+    a, b, scaling = lora
+    return y + F.linear(F.linear(x.to(a.dtype), a[expert]) * scaling, b[expert]).to(y.dtype)
 
 
 class TopKRouter(nn.Module):
@@ -62,12 +90,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.kernel = "grouped"
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:
         """``x [N, H]``, ``index`` / ``weights [N, k]`` -> ``[N, H]``: the sum over each token's k
-        experts of its weight times the expert's output."""
-        return self.loop(x, index, weights) if self.kernel == "loop" else self.grouped(x, index, weights)
+        experts of its weight times the expert's output. ``lora``: low-rank deltas by parameter
+        name (``gate_up_proj`` / ``down_proj``), what LoRA wrappers around this module pass."""
+        lora = lora or {}
+        return self.loop(x, index, weights, lora) if self.kernel == "loop" else self.grouped(x, index, weights, lora)
 
-    def grouped(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:
         """The N*k (token, expert) pairs sorted by expert (stable: tokens keep their order), each
         expert's contiguous run through ``torch._grouped_mm`` (offsets: the runs' ends), weighted
         and added back to the tokens in expert order, as the loop does."""
@@ -76,21 +108,25 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        gate_up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        lora = lora or {}
+        gate_up = _grouped_proj(x[token], self.gate_up_proj, offsets, lora.get("gate_up_proj"))
         gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(swiglu(gate, up), self.down_proj.transpose(1, 2), offs=offsets)
+        y = _grouped_proj(swiglu(gate, up), self.down_proj, offsets, lora.get("down_proj"))
         y = y * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
-    def loop(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def loop(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+             lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:
         """transformers' reference: one expert at a time over the tokens routed to it."""
+        lora = lora or {}
         out = torch.zeros_like(x)
         for expert in range(self.num_experts):
             token, slot = torch.where(index == expert)
             if token.numel() == 0:
                 continue
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(swiglu(gate, up), self.down_proj[expert]) * weights[token, slot, None]
+            gate, up = _expert_proj(x[token], self.gate_up_proj, expert, lora.get("gate_up_proj")).chunk(2, dim=-1)
+            y = _expert_proj(swiglu(gate, up), self.down_proj, expert, lora.get("down_proj"))
+            y = y * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         return out
 
@@ -129,7 +165,12 @@ def set_expert_kernel(model: nn.Module, kernel: str) -> None:
     if kernel not in KERNELS:
         raise NxdError(f"expert kernel {kernel!r} is not one of {', '.join(KERNELS)}")
     for block in moe_blocks(model):
-        block.experts.kernel = kernel
+        experts_of(block).kernel = kernel
+
+
+def experts_of(block: SparseMoeBlock) -> Experts:
+    """The block's :class:`Experts`, inside any LoRA wrappers around it."""
+    return next(m for m in block.experts.modules() if isinstance(m, Experts))
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from nxd_finetune.recipe.sections import Recipe, RecipeDict
 
 FIXED_KEYS: tuple[str, ...] = (
     "model", "lora.rank", "lora.alpha", "lora.bias", "lora.target_modules", "lora.use_rslora",
-    "lora.modules_to_save", "data.train", "data.eval_fraction", "data.format", "data.fields",
+    "lora.modules_to_save", "lora.target_parameters", "data.train", "data.eval_fraction", "data.format", "data.fields",
     "data.chat_template", "data.chat_template_kwargs", "data.max_seq_len", "data.packing", "data.train_on_prompt",
     "data.shuffle", "data.max_samples", "training.seed", "training.precision", "training.micro_batch_size",
     "objective", "preference.max_prompt_length", "preference.truncation_mode", "preference.reference",

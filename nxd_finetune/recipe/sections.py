@@ -100,7 +100,9 @@ class DataSection(_Section):
 
 class LoraSection(_Section):
     """LoRA hyper-parameters (PEFT semantics). ``target_modules``: module names, a regex string or
-    ``"all-linear"``. ``init_from``: an adapter to start from (directory, registry REF or
+    ``"all-linear"``. ``target_parameters``: a mixture-of-experts model's fused expert tensors
+    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), PEFT's name; ``target_modules`` may
+    then be ``[]``. ``init_from``: an adapter to start from (directory, registry REF or
     ``s3://`` prefix); it must have been trained on this base unless ``allow_other_base``."""
 
     rank: PosInt = 8
@@ -111,13 +113,17 @@ class LoraSection(_Section):
     use_rslora: bool = False
     init_lora_weights: Literal["default", "gaussian"] = "default"
     modules_to_save: StrList = []
+    target_parameters: StrList = []
     init_from: str | None = None
     allow_other_base: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> LoraSection:
-        if self.target_modules in ([], ""):
+        if self.target_modules == "" or (self.target_modules == [] and not self.target_parameters):
             raise ValueError("lora.target_modules is empty")
+        if self.target_parameters and self.dropout:
+            raise ValueError("lora.dropout must be 0 with lora.target_parameters (PEFT's LoRA on expert tensors "
+                             "has no dropout)")
         if self.allow_other_base and not self.init_from:
             raise ValueError("lora.allow_other_base is set but lora.init_from is not (it only concerns init_from)")
         return self
