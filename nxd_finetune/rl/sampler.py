@@ -1,0 +1,150 @@
+"""Sampling completions with the training model itself, on its KV cache
+(:mod:`nxd_finetune.models.decode`).
+
+:func:`sample` takes token ids of prompts, repeats each ``num_generations`` times (consecutive rows,
+as TRL's ``RepeatSampler`` orders a group), left-pads them and decodes up to
+``max_completion_length`` tokens per row. Each step's logits pass through transformers' warpers in
+transformers' order -- temperature, top-k, top-p (:func:`warp`) -- and one token per row is drawn
+with ``torch.multinomial`` from the caller's :class:`torch.Generator`: one seed, one set of
+completions, and the generator's state (``get_state`` / ``set_state``) saved with a checkpoint
+resumes the same draws. ``temperature == 0`` is greedy decoding. A row stops at the first of its
+stop ids (``serve.generate.stop_token_ids``); the result is laid out as TRL's: prompts left-padded,
+completions right-padded, the mask covering each completion up to and including its stop token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.models.decode import decode, new_cache
+from nxd_finetune.models.llama import DecoderForCausalLM
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """TRL's names: ``temperature`` (0: greedy), ``top_p`` (1: off), ``top_k`` (0 or None: off)."""
+
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_completion_length < 1:
+            raise NxdError(f"max_completion_length must be at least 1, got {self.max_completion_length}")
+        if self.temperature < 0:
+            raise NxdError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise NxdError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise NxdError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completions:
+    """Sampled rows (``N`` = prompts x ``num_generations``, a prompt's group consecutive):
+    ``prompt_ids`` / ``prompt_mask`` ``[N, P]`` left-padded; ``completion_ids`` / ``completion_mask``
+    ``[N, C]`` right-padded, the mask 1 up to and including the stop token; ``truncated [N]``: no
+    stop token within ``max_completion_length``."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    truncated: torch.Tensor
+
+    def completions(self) -> list[list[int]]:
+        """Each row's completion tokens (its stop token included)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask, strict=True)]
+
+
+def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """``logits [N, V]`` after transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper`` (in that order; removed tokens at ``-inf``, at least one kept)."""
+    scores = logits / settings.temperature if settings.temperature != 1.0 else logits
+    if settings.top_k:
+        k = min(settings.top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], float("-inf"))
+    if settings.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - settings.top_p)
+        remove[..., -1:] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return scores
+
+
+def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits [N, V]``: the argmax when greedy, else a draw from the warped
+    distribution with ``generator``."""
+    if settings.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = warp(logits.float(), settings).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, P]`` ids and mask of ``prompts``, padded on the left to the longest."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise NxdError("every prompt must hold at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
+           stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
+           num_generations: int = 1) -> Completions:
+    """Completions of ``prompts`` (token ids), ``num_generations`` per prompt (see the module
+    docstring). The model runs in eval mode (no dropout) and is put back in its mode after.
+    ``generator`` lives on the model's device."""
+    if num_generations < 1:
+        raise NxdError(f"num_generations must be at least 1, got {num_generations}")
+    rows = [p for p in prompts for _ in range(num_generations)]
+    prompt_ids, prompt_mask = left_pad(rows, pad_id)
+    limit = settings.max_completion_length
+    _check_rope(model, prompt_ids.shape[1] + limit)
+    device = next(model.parameters()).device
+    ids, mask = prompt_ids.to(device), prompt_mask.to(device)
+    n = ids.shape[0]
+    cache = new_cache(n, ids.shape[1] + limit, device)
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    out = torch.full((n, limit), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.full((n,), limit, dtype=torch.long, device=device)
+    training = model.training
+    model.eval()
+    try:
+        logits = decode(model, ids, mask, cache)[:, -1]
+        for step in range(limit):
+            token = next_tokens(logits, settings, generator)
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            out[:, step] = token
+            stopped = ~done & torch.isin(token, stops)
+            lengths = torch.where(stopped, torch.full_like(lengths, step + 1), lengths)
+            done = done | stopped
+            if bool(done.all()) or step == limit - 1:
+                break
+            logits = decode(model, token[:, None], ~done[:, None], cache)[:, -1]
+    finally:
+        model.train(training)
+    completion_mask = (torch.arange(limit, device=device)[None] < lengths[:, None]).long()
+    return Completions(prompt_ids, prompt_mask, out.cpu(), completion_mask.cpu(), (~done).cpu())
+
+
+def _check_rope(model: DecoderForCausalLM, total: int) -> None:
+    """longrope switches its factors when a sequence passes ``original_max_position_embeddings``,
+    which cached keys cannot follow: refused where prompt + completion could pass it."""
+    after = model.model.rope.long_after
+    if after is not None and total > after:
+        raise NxdError(f"sampling with a KV cache past original_max_position_embeddings ({after}) of a longrope "
+                       f"model is not supported (prompt + max_completion_length = {total})")

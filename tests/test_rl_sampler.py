@@ -1,0 +1,116 @@
+"""The RL sampler on our model's KV cache (``models/decode.py``, ``rl/sampler.py``) against
+transformers: cached logits equal the full forward's at every position, greedy completions equal
+``generate(do_sample=False)`` on left-padded batches, the warpers equal transformers' own, and a
+seeded run repeats (from a saved generator state too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.models import load_pretrained
+from nxd_finetune.models.decode import decode, new_cache
+from nxd_finetune.rl.sampler import SamplingSettings, left_pad, sample, warp
+from tests.model_helpers import NO_SDPA, TINY_FAMILIES
+
+FAMILIES = ["llama", "qwen3", "mistral-sliding", "phi3", "gemma2", "gemma3"]
+PROMPTS = [[5, 9, 17, 3, 22, 41, 7], [11, 2], [64, 3, 90, 12]]
+
+
+def _model(make_tiny_hf, name: str):
+    family, overrides = TINY_FAMILIES.get(name, ("llama", {}))
+    _, path = make_tiny_hf(family, **overrides)
+    return path, load_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_cached_logits_equal_the_full_forward(make_tiny_hf, name):
+    """Prefill the left-padded prompts, then one token at a time: every real position's logits
+    equal the uncached forward of that row alone (1e-5). Rows reach past the sliding windows."""
+    _, model = _model(make_tiny_hf, name)
+    rows = [p + [(7 * i + 3 * j) % 128 for j in range(12)] for i, p in enumerate(PROMPTS)]
+    ids, mask = left_pad([r[:len(p)] for r, p in zip(rows, PROMPTS, strict=True)], 0)
+    cache = new_cache(len(rows), ids.shape[1] + 12, torch.device("cpu"))
+    with torch.no_grad():
+        steps = [decode(model, ids, mask, cache)]
+        for j in range(12):
+            token = torch.tensor([[r[len(p) + j]] for r, p in zip(rows, PROMPTS, strict=True)])
+            steps.append(decode(model, token, torch.ones_like(token), cache))
+        cached = torch.cat(steps, dim=1)
+        for i, (row, prompt) in enumerate(zip(rows, PROMPTS, strict=True)):
+            full = model(torch.tensor([row]))[0]
+            ours = cached[i, ids.shape[1] - len(prompt):]
+            assert (ours - full).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_completions_equal_transformers_generate(make_tiny_hf, name):
+    path, model = _model(make_tiny_hf, name)
+    attn = "eager" if name.startswith(NO_SDPA) else "sdpa"
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()
+    ids, mask = left_pad(PROMPTS, 0)
+
+    def hf_generate(eos: list[int]) -> list[list[int]]:
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                          eos_token_id=eos or None)[:, ids.shape[1]:]
+        rows = []
+        for row in out.tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            rows.append(row[:cut])
+        return rows
+
+    free = hf_generate([])
+    eos = [free[0][4], free[1][6]]  # rows stop early, at different steps
+    expected = hf_generate(eos)
+    got = sample(model, PROMPTS, SamplingSettings(max_completion_length=10, temperature=0), eos, 0,
+                 torch.Generator().manual_seed(0))
+    assert got.completions() == expected
+    assert got.truncated.tolist() == [not any(t in eos for t in row) for row in expected]
+    assert got.completions() != free  # the stop ids did stop rows
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8),
+                                      dict(temperature=1.3, top_k=20, top_p=0.9)])
+def test_warpers_equal_transformers(settings):
+    logits = torch.randn(6, 128, generator=torch.Generator().manual_seed(3)) * 3
+    s = SamplingSettings(max_completion_length=1, **settings)
+    expected = logits.clone()
+    if s.temperature != 1.0:
+        expected = TemperatureLogitsWarper(s.temperature)(None, expected)
+    if s.top_k:
+        expected = TopKLogitsWarper(s.top_k)(None, expected)
+    if s.top_p < 1.0:
+        expected = TopPLogitsWarper(s.top_p)(None, expected)
+    assert torch.equal(warp(logits, s), expected)
+
+
+def test_seeded_sampling_repeats_and_resumes_from_a_saved_state(make_tiny_hf):
+    _, model = _model(make_tiny_hf, "qwen3")
+    settings = SamplingSettings(max_completion_length=8, temperature=1.0, top_p=0.95, top_k=50)
+
+    def run(generator: torch.Generator):
+        return sample(model, PROMPTS, settings, [1], 0, generator, num_generations=4)
+
+    first = torch.Generator().manual_seed(7)
+    a = run(first)
+    state = first.get_state()
+    b = run(first)
+    again = torch.Generator().manual_seed(7)
+    assert torch.equal(run(again).completion_ids, a.completion_ids)
+    restored = torch.Generator()
+    restored.set_state(state)
+    assert torch.equal(run(restored).completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, b.completion_ids)
+    # a group's 4 rows share a prompt and differ in what they drew
+    assert a.prompt_ids.shape[0] == 12 and torch.equal(a.prompt_ids[0], a.prompt_ids[3])
+    assert len({tuple(r) for r in a.completions()[:4]}) > 1
+
+
+def test_longrope_past_its_original_length_is_refused(make_tiny_hf):
+    _, model = _model(make_tiny_hf, "phi3-longrope")
+    with pytest.raises(NxdError, match="original_max_position_embeddings \\(16\\)") as err:
+        sample(model, PROMPTS, SamplingSettings(max_completion_length=10), [1], 0, torch.Generator())
+    assert "\n" not in str(err.value)
