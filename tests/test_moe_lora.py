@@ -241,3 +241,17 @@ def test_the_docs_lora_section_is_a_valid_recipe():
     recipe = load_recipe(QUICKSTART, [f"lora.{k}={json.dumps(v)}" for k, v in lora.items()])
     cfg = LoraConfig.from_section(recipe.lora)
     assert (cfg.target_modules, cfg.target_parameters, cfg.modules_to_save) == ("all-linear", EXPERTS, ["gate"])
+
+
+def test_init_from_an_adapter_with_other_expert_tensors_is_one_line():
+    from nxd_finetune.lora.init_from import check_same_lora
+    from nxd_finetune.models import DecoderConfig
+
+    config = DecoderConfig.from_hf(tiny_moe_config("mixtral").to_dict())
+    ours = LoraConfig(target_parameters=EXPERTS)
+    check_same_lora(ours, LoraConfig(target_parameters=list(reversed(EXPERTS))), config, "x")
+    with pytest.raises(AdapterError) as e:
+        check_same_lora(ours, LoraConfig(target_parameters=["down_proj"]), config, "x")
+    assert str(e.value) == ("lora.init_from x: the recipe has lora.target_parameters=['mlp.experts.gate_up_proj', "
+                            "'mlp.experts.down_proj'] but the adapter has ['down_proj'] (they select different "
+                            "expert tensors)")

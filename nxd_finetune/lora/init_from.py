@@ -2,13 +2,14 @@
 
 The source is a local adapter directory (ours or HF PEFT's), a registry REF or a plain ``s3://``
 adapter prefix (:func:`nxd_finetune.registry.fetch.fetch_adapter`). The adapter must describe the
-same LoRA as the recipe: rank, alpha, rsLoRA, bias mode, ``modules_to_save`` and the set of
-modules ``target_modules`` selects in this model (compared after matching, so ``all-linear`` and
-the explicit list of the same layers agree). Any difference is one AdapterError line naming the
-recipe field and both values. A base model that differs from the one the adapter records
-(:func:`nxd_finetune.lora.identity.check_base`: config keys, or the same config with other
-weights) is one AdapterError line too, unless ``lora.allow_other_base: true``; an adapter that
-records no base fingerprint, or another revision, is a warning.
+same LoRA as the recipe: rank, alpha, rsLoRA, bias mode, ``modules_to_save``, the set of modules
+``target_modules`` selects in this model (compared after matching, so ``all-linear`` and the explicit
+list of the same layers agree) and the expert tensors ``target_parameters`` selects. Any difference
+is one AdapterError line naming the recipe field and both values. A base model that differs from
+the one the adapter records (:func:`nxd_finetune.lora.identity.check_base`: config keys, or the
+same config with other weights) is one AdapterError line too, unless
+``lora.allow_other_base: true``; an adapter that records no base fingerprint, or another revision,
+is a warning.
 
 :func:`check_init_from` is the whole check without loading anything; ``run`` (through
 :func:`init_lora_from`) and ``validate`` both call it, so they refuse the same adapters with the
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora import LoraConfig, find_targets
+from nxd_finetune.lora.experts import find_expert_targets
 from nxd_finetune.lora.identity import check_base
 from nxd_finetune.lora.io import CONFIG_NAME
 from nxd_finetune.models import DecoderConfig, build_model
@@ -43,6 +45,7 @@ def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: Dec
     model = build_model(config)  # meta device: module names only
     try:
         theirs_targets = find_targets(model, adapter_cfg)
+        theirs_experts = find_expert_targets(model, adapter_cfg)
     except AdapterError as e:
         raise AdapterError(f"{where}: the adapter does not fit this model: {e}") from None
     if find_targets(model, recipe_cfg) != theirs_targets:
@@ -50,6 +53,9 @@ def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: Dec
             f"{where}: the recipe has lora.target_modules={recipe_cfg.target_modules!r} but the adapter has "
             f"{adapter_cfg.target_modules!r} (they select different modules)"
         )
+    if find_expert_targets(model, recipe_cfg) != theirs_experts:
+        raise AdapterError(f"{where}: the recipe has lora.target_parameters={recipe_cfg.target_parameters!r} but the "
+                           f"adapter has {adapter_cfg.target_parameters!r} (they select different expert tensors)")
 
 
 def check_init_from(adapter_dir: Path, recipe_cfg: LoraConfig, source: str, *, config: DecoderConfig,
