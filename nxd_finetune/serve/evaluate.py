@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from nxd_finetune.assets import BUILTIN_PREFIX
 from nxd_finetune.data.datasets import DataSpec, _split_eval, load_rows
 from nxd_finetune.data.formats import load_chat_template, resolve_columns
 from nxd_finetune.data.inputs import resolve_model_dir
@@ -57,6 +58,9 @@ class ExactMatch(TypedDict):
 @contextlib.contextmanager
 def _artefact(target: str) -> Iterator[tuple[str, Path, str]]:
     """``(kind, local path, description)`` with kind ``adapter`` or ``model``."""
+    if target.startswith(BUILTIN_PREFIX):  # a built-in model (builtin:smollm2-135m-instruct): the base alone
+        yield "model", resolve_model_dir(target), target
+        return
     local = Path(target).expanduser()
     if "://" not in target and (local / "config.json").is_file() and not (local / ADAPTER_CONFIG).is_file():
         yield "model", local, target
@@ -95,7 +99,7 @@ def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: 
                                      "model": recipe.model.path if kind == "adapter" else str(path),
                                      **_score(scoring, recipe)}
         if exact_match and _is_main():
-            scores.update(generated_exact_match(scoring, target if kind == "model" else str(path), max_new_tokens))
+            scores.update(generated_exact_match(scoring, str(path), max_new_tokens))
     scores["nproc"] = scoring.parallel.nproc
     scores["time_s"] = round(time.perf_counter() - t0, 2)
     if _is_main():
