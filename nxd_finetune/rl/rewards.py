@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from nxd_finetune.errors import NxdError
+from nxd_finetune.recipe.rl import ExactMatchReward, RegexReward, RLSection
 
 Message = Mapping[str, str]
 Text = str | Sequence[Message]
@@ -198,3 +199,23 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, num_generations: int
     std_zero = torch.isclose(std, torch.zeros_like(std))
     return Advantages((scores * w).nansum(dim=1).masked_fill(unscored, math.nan), torch.nan_to_num(adv, nan=0.0),
                       std_zero)
+
+
+def build_rewards(section: RLSection) -> list[Reward]:
+    """The section's ``reward_funcs`` as :class:`Reward` s with their ``reward_weights`` (1 each by
+    default), named as TRL names them (a function's ``__name__``; a built-in's type); importing a
+    ``module:function`` that fails is one line."""
+    weights = section.reward_weights or [1.0] * len(section.reward_funcs)
+    rewards = []
+    for entry, weight in zip(section.reward_funcs, weights, strict=True):
+        if isinstance(entry, str):
+            func = import_reward(entry)
+            rewards.append(Reward(getattr(func, "__name__", entry), func, weight))
+        elif isinstance(entry, ExactMatchReward):
+            rewards.append(Reward(entry.type, exact_match(entry.column), weight))
+        elif isinstance(entry, RegexReward):
+            rewards.append(Reward(entry.type, regex(entry.pattern), weight))
+        else:
+            rewards.append(Reward(entry.type, length(entry.max_length or section.max_completion_length, entry.cache),
+                                  weight))
+    return rewards
