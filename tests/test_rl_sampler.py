@@ -31,19 +31,7 @@ def test_cached_logits_equal_the_full_forward(make_tiny_hf, name):
     """Prefill the left-padded prompts, then one token at a time: every real position's logits
     equal the uncached forward of that row alone (1e-5). Rows reach past the sliding windows."""
     _, model = _model(make_tiny_hf, name)
-    rows = [p + [(7 * i + 3 * j) % 128 for j in range(12)] for i, p in enumerate(PROMPTS)]
-    ids, mask = left_pad([r[:len(p)] for r, p in zip(rows, PROMPTS, strict=True)], 0)
-    cache = new_cache(len(rows), ids.shape[1] + 12, torch.device("cpu"))
-    with torch.no_grad():
-        steps = [decode(model, ids, mask, cache)]
-        for j in range(12):
-            token = torch.tensor([[r[len(p) + j]] for r, p in zip(rows, PROMPTS, strict=True)])
-            steps.append(decode(model, token, torch.ones_like(token), cache))
-        cached = torch.cat(steps, dim=1)
-        for i, (row, prompt) in enumerate(zip(rows, PROMPTS, strict=True)):
-            full = model(torch.tensor([row]))[0]
-            ours = cached[i, ids.shape[1] - len(prompt):]
-            assert (ours - full).abs().max().item() <= 1e-5, name
+    _check_cached_equals_full(model, name, steps=12)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -114,3 +102,61 @@ def test_longrope_past_its_original_length_is_refused(make_tiny_hf):
     with pytest.raises(NxdError, match="original_max_position_embeddings \\(16\\)") as err:
         sample(model, PROMPTS, SamplingSettings(max_completion_length=10), [1], 0, torch.Generator())
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_cached_logits_of_mixture_of_experts_models(tmp_path, family):
+    from tests.moe_helpers import build_tiny_moe, tiny_moe_config
+
+    build_tiny_moe(tiny_moe_config(family), tmp_path / family)
+    model = load_pretrained(tmp_path / family).eval()
+    _check_cached_equals_full(model, family)
+
+
+def test_cached_logits_with_lora(make_tiny_hf):
+    """LoRA's layers (B non-zero, dropout on but off in eval) are the layer parts the cache runs."""
+    from nxd_finetune.lora import LoraConfig, inject_lora
+
+    _, model = _model(make_tiny_hf, "qwen3")
+    inject_lora(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    _check_cached_equals_full(model.eval(), "lora")
+
+
+def _check_cached_equals_full(model, what: str, steps: int = 6) -> None:
+    rows = [p + [(7 * i + 3 * j) % 128 for j in range(steps)] for i, p in enumerate(PROMPTS)]
+    ids, mask = left_pad(PROMPTS, 0)
+    cache = new_cache(len(rows), ids.shape[1] + steps, torch.device("cpu"))
+    with torch.no_grad():
+        logits = [decode(model, ids, mask, cache)]
+        for j in range(steps):
+            token = torch.tensor([[r[len(p) + j]] for r, p in zip(rows, PROMPTS, strict=True)])
+            logits.append(decode(model, token, torch.ones_like(token), cache))
+        cached = torch.cat(logits, dim=1)
+        for i, (row, prompt) in enumerate(zip(rows, PROMPTS, strict=True)):
+            full = model(torch.tensor([row]))[0]
+            assert (cached[i, ids.shape[1] - len(prompt):] - full).abs().max().item() <= 1e-5, what
+
+
+def test_sampled_completions_equal_transformers_with_the_same_seed(make_tiny_hf):
+    """transformers draws with ``torch.multinomial`` on the global generator, one draw per step over
+    all rows, as ours does on the given one: seeded alike, the same tokens."""
+    path, model = _model(make_tiny_hf, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, mask = left_pad(PROMPTS, 0)
+    settings = SamplingSettings(max_completion_length=12, temperature=0.8, top_p=0.9, top_k=40)
+    torch.manual_seed(11)
+    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=12, pad_token_id=0,
+                      eos_token_id=None, temperature=0.8, top_p=0.9, top_k=40)[:, ids.shape[1]:]
+    got = sample(model, PROMPTS, settings, [], 0, torch.Generator().manual_seed(11))
+    assert torch.equal(got.completion_ids, out)
+
+
+def test_a_pipeline_stage_is_refused(make_tiny_hf):
+    _, model = _model(make_tiny_hf, "llama")
+    model.lm_head = None
+    with pytest.raises(NxdError, match="needs the whole model; this one is a pipeline stage"):
+        sample(model, PROMPTS, SamplingSettings(max_completion_length=2), [1], 0, torch.Generator())

@@ -73,7 +73,8 @@ def decode(model: DecoderForCausalLM, ids: torch.Tensor, valid: torch.Tensor, ca
     cache.positions[:, start:start + t] = positions
     cache.length = start + t
     inner = model.model
-    assert inner.embed_tokens is not None and inner.norm is not None  # a whole model (or a first+last stage)
+    if inner.embed_tokens is None or inner.norm is None or model.lm_head is None:
+        raise NxdError("decoding with a KV cache needs the whole model; this one is a pipeline stage")
     x = inner.embed_tokens(ids)
     if model.config.embed_scale:  # as DecoderModel.forward
         x = x * torch.tensor(model.config.hidden_size ** 0.5, dtype=x.dtype)
