@@ -102,6 +102,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
 
     from nxd_finetune.data.inputs import load_tokenizer
     from nxd_finetune.data.loader import build_dataloaders
+    from nxd_finetune.objective import SFT
     from nxd_finetune.parallel.launch import init_distributed
     from nxd_finetune.recipe import recipe_from_dict
     from nxd_finetune.sft.engine import build_engine
@@ -123,7 +124,7 @@ def worker(recipe_dict: dict[str, Any], steps: int) -> dict[str, Any]:
     for _ in range(steps):
         mbs, _ = next(batches)
         n = engine.dp_sum(sum((b["labels"][:, 1:] != -100).sum() for b in mbs).float())
-        engine.forward_backward(mbs, n)
+        engine.forward_backward(mbs, n, SFT)
         grads_mb = _mb(p.grad for p in engine.trainable() if p.grad is not None)
         engine.step()
     inner = engine.optimizer.optimizer

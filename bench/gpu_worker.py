@@ -222,7 +222,7 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
                 for row in b["segment_ids"]:
                     lengths += torch.unique_consecutive(row[row > 0], return_counts=True)[1].tolist()
             clock.tokens.append(n)
-            clock.targets.append(sum(int(rr.engine.objective.count(b)) for b in step))
+            clock.targets.append(sum(int(rr.objective.count(b)) for b in step))
             clock.lengths.append(lengths)
             clock.slots.append(sum(int(b["input_ids"].numel()) for b in step))
             yield step, n

@@ -41,6 +41,7 @@ def batch_for(shape: str, packing: bool, mbs: int, index: int) -> dict[str, torc
 def ours_step(shape: str, optimizer: bool = False):
     """The trainer's step on one micro-batch: ``Engine.forward_backward`` (loss at target positions),
     plus ``Engine.step`` (clipping, AdamW, schedule) with ``optimizer``."""
+    from nxd_finetune.objective import SFT
     from nxd_finetune.recipe import recipe_from_dict
     from nxd_finetune.sft.engine import build_engine
 
@@ -50,7 +51,7 @@ def ours_step(shape: str, optimizer: bool = False):
 
     def step(batch):
         n = (batch["labels"][:, 1:] != -100).sum().clamp(min=1).float()
-        engine.forward_backward([batch], n)
+        engine.forward_backward([batch], n, SFT)
         if optimizer:
             engine.step()
 

@@ -1,31 +1,34 @@
 """The objective: what the training step computes on one micro-batch, in one place for every path.
 
 The step (``sft/step.py``), the engine's whole-model path (``sft/engine.py``) and the pipeline's
-last stage (``parallel/pipeline.py``) all ask the run's :class:`Objective` for the micro-batch's
-loss and eval statistics; none of them knows which objective it is. The model output reaches the
-objective as :class:`~nxd_finetune.loss.Scores` (vocab-parallel and chunked as the layout needs,
-never a ``[tokens, vocab]`` tensor the objective must handle).
+last stage (``parallel/pipeline.py``) all ask the :class:`Objective` they are handed, per call,
+for the micro-batch's loss and eval statistics; none of them stores it or knows which objective it
+is. The model output reaches the objective as :class:`~nxd_finetune.loss.Scores` (vocab-parallel
+and chunked as the layout needs, never a ``[tokens, vocab]`` tensor the objective must handle;
+``Scores.token_nll`` gives the per-token log-probs). An objective is stateless: its metrics come
+back with each call and the caller (the engine, the pipeline runner, the loop, Lightning) sums them.
 
 An objective defines:
 
-- ``target(batch)``: the tensor (batch dimension first) that travels with a micro-batch to the
-  pipeline's last stage, and ``labels(target)``: its ``[B, T]`` token labels (-100: no loss);
+- ``side(batch)``: its side data of a micro-batch, a :data:`SideData` dict of tensors with the
+  batch dimension first (``[B]`` per row, ``[B, T]`` per token) that the pipeline carries to its
+  last stage, and ``labels(side)``: the ``[B, T]`` token labels the scores are taken against
+  (-100: no loss);
 - ``count(batch)``: the micro-batch's normalisation units (int64 scalar); the step sums them over
-  its micro-batches and the data-parallel ranks, and each micro-batch's ``loss_sum`` is divided by
+  its micro-batches and the data-parallel ranks, and each micro-batch's loss sum is divided by
   that total, so the step's gradient is the mean over the global batch however it is split;
-- ``loss_sum(scores, target)``: the micro-batch's loss, summed over its units;
-- ``eval_stats(scores, target)``: a fixed-length vector summed over eval batches and dp ranks, and
-  ``eval_record(stats)``: the logged eval record from that sum;
-- ``take_train_stats()``: the metric sums (``[train_width]``) ``loss_sum`` accumulated over the
-  training micro-batches since the last call (None when the objective logs no metrics of its own),
-  ``put_train_stats(stats)`` to replace them (the pipeline hands the last stage's to every rank),
-  and ``train_record(stats)``: the step's metrics from their sum over dp ranks, logged beside
-  ``train_loss``.
+- ``loss(scores, side)``: ``(loss_sum, stats)``: the micro-batch's loss, summed over its units,
+  and its metric sums (``[train_width]``; None when the objective logs no metrics of its own),
+  which the caller sums over micro-batches, steps and dp ranks, then ``train_record(stats)``: the
+  metrics logged beside ``train_loss``;
+- ``eval_stats(scores, side)``: a fixed-length vector summed over eval batches and dp ranks, and
+  ``eval_record(stats)``: the logged eval record from that sum.
 
 :class:`CrossEntropy` (supervised fine-tuning: token-mean cross entropy of the target tokens) is
 the first objective; the preference objectives (:mod:`nxd_finetune.preference`: DPO, IPO, hinge,
-SimPO, ORPO, with their own batch fields and metrics) are other classes with these methods; the
-loop, the pipeline schedule, the checkpoint and the exporter stay as they are.
+SimPO, ORPO, with their own batch fields and metrics) are other classes with these methods. Each
+has an :class:`ObjectiveRecord` in the registry (:mod:`nxd_finetune.objectives`); the loop, the
+pipeline schedule, the checkpoint and the exporter stay as they are.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ TokenBatch = Mapping[str, torch.Tensor]
 ``position_ids`` / ``segment_ids`` (packed rows); an objective may require more fields."""
 
 
+SideData = dict[str, torch.Tensor]
+"""An objective's side data of a micro-batch (:meth:`Objective.side`): tensors, batch dimension first."""
+
+
 class Objective(Protocol):
     """What the step computes on a micro-batch (see the module docstring)."""
 
@@ -55,24 +62,22 @@ class Objective(Protocol):
         """Length of the ``eval_stats`` vector."""
         ...
 
-    def target(self, batch: TokenBatch) -> torch.Tensor: ...
+    def side(self, batch: TokenBatch) -> SideData: ...
 
-    def labels(self, target: torch.Tensor) -> torch.Tensor: ...
+    def labels(self, side: SideData) -> torch.Tensor: ...
 
     def count(self, batch: TokenBatch) -> torch.Tensor: ...
 
-    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor: ...
+    def loss(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor: ...
+    def eval_stats(self, scores: Scores, side: SideData) -> torch.Tensor: ...
 
     def eval_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
     @property
-    def train_width(self) -> int: ...
-
-    def take_train_stats(self) -> torch.Tensor | None: ...
-
-    def put_train_stats(self, stats: torch.Tensor | None) -> None: ...
+    def train_width(self) -> int:
+        """Length of the metric sums :meth:`loss` returns (0: it returns None)."""
+        ...
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
@@ -82,17 +87,18 @@ class Objective(Protocol):
         ...
 
 
+def add_stats(total: torch.Tensor | None, stats: torch.Tensor | None) -> torch.Tensor | None:
+    """Metric sums (:meth:`Objective.loss`'s second value) added up; None stays out."""
+    if stats is None:
+        return total
+    return stats if total is None else total + stats
+
+
 class NoTrainStats:
     """An objective whose one training metric is the step loss (the loop's ``train_loss``)."""
 
     train_width = 0
     progress_metric: str | None = None
-
-    def take_train_stats(self) -> torch.Tensor | None:
-        return None
-
-    def put_train_stats(self, stats: torch.Tensor | None) -> None:
-        pass
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]:
         return {}
@@ -104,19 +110,19 @@ class CrossEntropy(NoTrainStats):
     name = "sft"
     eval_width = 3
 
-    def target(self, batch: TokenBatch) -> torch.Tensor:
-        return batch["labels"]
+    def side(self, batch: TokenBatch) -> SideData:
+        return {"labels": batch["labels"]}
 
-    def labels(self, target: torch.Tensor) -> torch.Tensor:
-        return target
+    def labels(self, side: SideData) -> torch.Tensor:
+        return side["labels"]
 
     def count(self, batch: TokenBatch) -> torch.Tensor:
         return (shift_labels(batch["labels"]) != IGNORE_INDEX).sum().to(torch.int64)
 
-    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
-        return scores.ce_sum()
+    def loss(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return scores.ce_sum(), None
 
-    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+    def eval_stats(self, scores: Scores, side: SideData) -> torch.Tensor:
         """``[loss sum, correct next-token predictions, targets]``."""
         return scores.eval_stats()
 

@@ -18,15 +18,15 @@ The batch contract. A preference micro-batch of ``P`` pairs is a dict with
 is the mean over the global batch's pairs (TRL's ``per_sequence_loss.mean()``); ``loss_sum`` sums
 over the micro-batch's pairs. A sequence's log-prob is the sum of its completion tokens' log-probs,
 read from :meth:`~nxd_finetune.loss.Scores.token_nll` (vocab-parallel and chunked: never a
-``[tokens, vocab]`` tensor). The target that travels to a pipeline's last stage packs the labels
-and ``ref_logps`` into one float64 ``[2P, T + 1]`` tensor (token ids are exact in float64); ORPO's
-packs the labels it scores (by default the chosen rows' prompt tokens too, for its NLL term) and
-each row's completion start.
+``[tokens, vocab]`` tensor). The side data that travels to a pipeline's last stage
+(:meth:`side`) is ``{"labels", "ref_logps"}`` (``ref_logps`` only with a reference); ORPO's is the
+labels it scores (by default the chosen rows' prompt tokens too, for its NLL term) and each row's
+completion start, ``{"labels", "start"}``.
 
 Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
 ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ORPO adds ``nll_loss``,
-``log_odds_ratio``, ``log_odds_chosen``): sums over pairs, accumulated by ``loss_sum`` during a
-training step (:meth:`take_train_stats`) and by :meth:`eval_stats`, divided by the pairs in the
+``log_odds_ratio``, ``log_odds_chosen``): sums over pairs, returned by :meth:`loss` with each
+micro-batch's loss (the caller sums them) and by :meth:`eval_stats`, divided by the pairs in the
 records.
 """
 
@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
-from nxd_finetune.objective import ObjectiveRecord, Section, TokenBatch
+from nxd_finetune.objective import ObjectiveRecord, Section, SideData, TokenBatch
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 _PAIR_STATS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
@@ -57,14 +57,6 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     so a log-prob that rounds to 0 gives a finite value and gradient."""
     x = x.clamp(max=-1e-7)
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-def pack_target(labels: torch.Tensor, ref_logps: torch.Tensor | None) -> torch.Tensor:
-    """``labels`` ``[B, T]`` and one value per row ``[B]`` (DPO's ``ref_logps``, ORPO's completion
-    starts; zeros when None) as one float64 ``[B, T+1]``."""
-    ref = torch.zeros(labels.shape[0], dtype=torch.float64, device=labels.device) if ref_logps is None \
-        else ref_logps.to(torch.float64)
-    return torch.cat([labels.to(torch.float64), ref.unsqueeze(1)], dim=1)
 
 
 def sequence_logps(scores: Scores, labels: torch.Tensor) -> torch.Tensor:
@@ -94,7 +86,6 @@ class _PairObjective:
 
     beta: float = 0.1
     name: str = "dpo"
-    _train: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     progress_metric = "rewards/accuracies"  # shown on the progress bar (a class attribute, not a field)
 
     @property
@@ -109,36 +100,28 @@ class _PairObjective:
 
     needs_reference: bool = dataclasses.field(default=False, init=False)
 
-    def target(self, batch: TokenBatch) -> torch.Tensor:
-        if self.needs_reference and "ref_logps" not in batch:
+    def side(self, batch: TokenBatch) -> SideData:
+        if not self.needs_reference:
+            return {"labels": batch["labels"]}
+        if "ref_logps" not in batch:
             raise NxdError(f"a {self.name} micro-batch without ref_logps: the reference log-probs were not "
                            "computed before training (nxd_finetune.sft.reference.attach_reference)")
-        return pack_target(batch["labels"], batch.get("ref_logps"))
+        return {"labels": batch["labels"], "ref_logps": batch["ref_logps"]}
 
-    def labels(self, target: torch.Tensor) -> torch.Tensor:
-        return target[:, :-1].to(torch.long)
+    def labels(self, side: SideData) -> torch.Tensor:
+        return side["labels"]
 
     def count(self, batch: TokenBatch) -> torch.Tensor:
         return real_pairs(batch["labels"]).sum().to(torch.int64)
 
-    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
-        loss, stats = self._pairs(scores, target)
-        if torch.is_grad_enabled():  # a training step: its metrics, read by the loop after the step
-            self._train = stats if self._train is None else self._train + stats
-        return loss
+    def loss(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's loss summed over its pairs and its metric sums (``[train_width]``:
+        pairs, then :attr:`stat_names`); sum those over micro-batches and dp ranks, then
+        :meth:`train_record`."""
+        return self._pairs(scores, side)
 
-    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
-        return self._pairs(scores, target)[1]
-
-    def take_train_stats(self) -> torch.Tensor | None:
-        """The metric sums of the training micro-batches since the last call (``[train_width]``:
-        pairs, then :attr:`stat_names`), and reset; sum it over dp ranks, then :meth:`train_record`."""
-        out, self._train = self._train, None
-        return out
-
-    def put_train_stats(self, stats: torch.Tensor | None) -> None:
-        """Replace the accumulated metric sums (the pipeline hands the last stage's to every rank)."""
-        self._train = stats
+    def eval_stats(self, scores: Scores, side: SideData) -> torch.Tensor:
+        return self._pairs(scores, side)[1]
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]:
         return self._record(stats, "")
@@ -156,7 +139,7 @@ class _PairObjective:
             rec.pop("loss")
         return {f"{prefix}{k}": v for k, v in rec.items()}
 
-    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pairs(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     @staticmethod
@@ -186,8 +169,8 @@ class DirectPreference(_PairObjective):
     def __post_init__(self) -> None:
         self.needs_reference = self.loss_type != "simpo"
 
-    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = self.labels(target)
+    def _pairs(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = side["labels"]
         p = labels.shape[0] // 2
         logps = sequence_logps(scores, labels)
         beta, eps = self.beta, self.label_smoothing
@@ -197,7 +180,7 @@ class DirectPreference(_PairObjective):
             losses = -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps
             rewards = beta * logps.detach()
         else:
-            ratios = logps - target[:, -1].to(logps.dtype)
+            ratios = logps - side["ref_logps"].to(logps.dtype)
             delta = ratios[:p] - ratios[p:]
             if self.loss_type == "sigmoid":
                 losses = -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
@@ -223,7 +206,7 @@ class OddsRatioPreference(_PairObjective):
     The NLL term is the token mean over the micro-batch's chosen rows (TRL's ``CrossEntropyLoss``
     over the chosen half of the batch) of the tokens ``nll`` names: ``prompt_and_completion``
     (TRL: every token of the chosen sequence after its first, prompt included) or ``completion``
-    (the chosen completion only, the paper's ``-log P(y_w | x)``). For the first, :meth:`target`
+    (the chosen completion only, the paper's ``-log P(y_w | x)``). For the first, :meth:`side`
     scores the chosen rows' prompt tokens as well and keeps each row's completion start, so the
     log-probs of the odds ratio stay the completions' (one forward, the same scores)."""
 
@@ -238,10 +221,10 @@ class OddsRatioPreference(_PairObjective):
     def stat_names(self) -> tuple[str, ...]:
         return _PAIR_STATS + _ORPO_STATS
 
-    def target(self, batch: TokenBatch) -> torch.Tensor:
-        """float64 ``[2P, T + 1]``: the scored labels (with ``prompt_and_completion`` the chosen
-        rows' ``input_ids`` up to their last completion token, the rejected rows' completion
-        labels) and each row's completion start (``T`` for a row without one)."""
+    def side(self, batch: TokenBatch) -> SideData:
+        """``labels``: the scored labels (with ``prompt_and_completion`` the chosen rows'
+        ``input_ids`` up to their last completion token, the rejected rows' completion labels);
+        ``start``: each row's completion start (``T`` for a row without one)."""
         labels = batch["labels"]
         has = labels != IGNORE_INDEX
         t = labels.shape[1]
@@ -250,13 +233,12 @@ class OddsRatioPreference(_PairObjective):
             p = labels.shape[0] // 2
             upto_last = has[:p].flip(1).cumsum(1).flip(1) > 0
             labels = torch.cat([torch.where(upto_last, batch["input_ids"][:p], IGNORE_INDEX), labels[p:]])
-        return pack_target(labels, start)
+        return {"labels": labels, "start": start}
 
-    def _pairs(self, scores: Scores, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scored = self.labels(target)
+    def _pairs(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor]:
+        scored, start = side["labels"], side["start"]
         n, t = scored.shape
         p = n // 2
-        start = target[:, -1].to(torch.long)
         labels = scored.masked_fill(torch.arange(t, device=scored.device) < start.unsqueeze(1), IGNORE_INDEX)
         nll, position = scores.token_nll()
         row = position // t

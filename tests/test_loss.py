@@ -135,6 +135,7 @@ def test_engine_chunked_path_equals_the_default(quickstart_cache, monkeypatch):
     """``training.loss_chunk_tokens`` on the quickstart model: the same loss and gradients as the
     default (one chunk), through ``Engine.forward_backward`` and ``eval_stats``."""
     from nxd_finetune.data.inputs import resolve_model_dir
+    from nxd_finetune.objective import SFT
     from nxd_finetune.recipe import load_recipe
     from nxd_finetune.sft.engine import build_engine
 
@@ -160,9 +161,9 @@ def test_engine_chunked_path_equals_the_default(quickstart_cache, monkeypatch):
     for rows in (None, 16):
         engine.loss_chunk_rows = rows
         engine.optimizer.zero_grad(set_to_none=True)
-        loss = engine.forward_backward([batch], torch.tensor(88.0))
+        loss, _ = engine.forward_backward([batch], torch.tensor(88.0), SFT)
         grads = [p.grad.clone() for p in engine.trainable()]
-        results.append((loss, grads, engine.eval_stats(batch)))
+        results.append((loss, grads, engine.eval_stats(batch, SFT)))
     assert chunked_calls == [1]  # the chunked path ran (with rows=16 only)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
     for a, b in zip(results[1][1], results[0][1], strict=True):
@@ -184,15 +185,15 @@ def test_pipeline_scores_from_hidden_states_equal_full_logits():
     labels[0, :4] = IGNORE_INDEX
     want = ce_sum(head(hidden), shift_labels(labels)) / 7.0
     gw = torch.autograd.grad(want, [hidden, head.weight])
-    got = SFT.loss_sum(hidden_scores(hidden, labels, head=head, rows=3), labels) / 7.0
+    got = SFT.loss(hidden_scores(hidden, labels, head=head, rows=3), {"labels": labels})[0] / 7.0
     gg = torch.autograd.grad(got, [hidden, head.weight])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     for a, b in zip(gg, gw, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     full = LogitScores(head(hidden), shift_labels(labels))
-    torch.testing.assert_close(SFT.loss_sum(full, labels), want * 7.0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(SFT.loss(full, {"labels": labels})[0], want * 7.0, rtol=1e-12, atol=0)
     with torch.no_grad():
-        torch.testing.assert_close(SFT.eval_stats(hidden_scores(hidden, labels, head=head, rows=3), labels),
+        torch.testing.assert_close(SFT.eval_stats(hidden_scores(hidden, labels, head=head, rows=3), {"labels": labels}),
                                    eval_stats(head(hidden), shift_labels(labels)), rtol=1e-6, atol=0)
 
 

@@ -26,7 +26,7 @@ from nxd_finetune.data.loader import build_dataloaders
 from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.loss import ChunkedScores, LogitScores, causal_lm_loss, shift_labels
-from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, pack_target, sequence_logps
+from nxd_finetune.preference import DirectPreference, OddsRatioPreference, log1mexp, sequence_logps
 from nxd_finetune.recipe import recipe_from_dict, reference_of
 from nxd_finetune.recipe.resume import check_resume, describe_changes
 from nxd_finetune.serve.evaluate import evaluate_recipe
@@ -155,17 +155,18 @@ def pipeline_batches(recipe, data: list[dict[str, Any]], trainer_, kind: str) ->
 
 
 def run_ours(recipe, model_dir: Path, batches: list[dict[str, torch.Tensor]], reference: str | None):
-    engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS, objective=objective_of(recipe))
+    objective = objective_of(recipe)
+    engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS)
     if reference is not None:  # the reference pass the run makes before its first step
         batches = [{**b, "ref_logps": logps} for b, logps in zip(batches, row_logps(engine, batches, reference),
                                                                   strict=True)]
     records = []
     engine.train(True)
     for b in batches:
-        result = train_step(engine, [b], int(b["input_ids"].numel()))
-        stats = engine.objective.take_train_stats()
+        result = train_step(engine, [b], int(b["input_ids"].numel()), objective=objective)
+        stats = result.stats
         assert stats is not None
-        records.append({"loss": float(result.loss), **engine.objective.train_record(stats.tolist())})
+        records.append({"loss": float(result.loss), **objective.train_record(stats.tolist())})
     return records, engine
 
 
@@ -297,8 +298,8 @@ def test_orpo_log1mexp_is_finite_near_zero_and_far_below():
     labels = torch.zeros(4, 3, dtype=torch.long)
     labels[:, 0] = -100
     orpo = OddsRatioPreference()
-    target = orpo.target({"input_ids": labels.clamp(min=0), "labels": labels})
-    loss = orpo.loss_sum(LogitScores(logits, shift_labels(orpo.labels(target))), target)
+    side = orpo.side({"input_ids": labels.clamp(min=0), "labels": labels})
+    loss, _ = orpo.loss(LogitScores(logits, shift_labels(orpo.labels(side))), side)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
 
@@ -312,14 +313,14 @@ def test_dpo_without_reference_logps_reads_zeros_and_label_smoothing_is_cdpo():
     scores = LogitScores(logits, shift_labels(labels))
     logps = sequence_logps(scores, labels)
     delta = (logps[0] - ref[0]) - (logps[1] - ref[1])
-    got = DirectPreference(beta=0.2, label_smoothing=0.1).loss_sum(scores, pack_target(labels, ref))
+    got, _ = DirectPreference(beta=0.2, label_smoothing=0.1).loss(scores, {"labels": labels, "ref_logps": ref})
     want = -0.9 * torch.nn.functional.logsigmoid(0.2 * delta) - 0.1 * torch.nn.functional.logsigmoid(-0.2 * delta)
     torch.testing.assert_close(got, want)
     # a DPO batch that missed the reference pass is refused, not trained against zeros
     batch = {"input_ids": labels.clamp(min=0), "labels": labels}
     with pytest.raises(NxdError, match="without ref_logps"):
-        DirectPreference().target(batch)
-    assert DirectPreference(loss_type="simpo").target(batch).shape == (2, 6)  # SimPO has no reference
+        DirectPreference().side(batch)
+    assert set(DirectPreference(loss_type="simpo").side(batch)) == {"labels"}  # SimPO has no reference
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nxd_finetune.checkpoint.run_state import RngState, RunState, TrainState
-from nxd_finetune.objective import TokenBatch
+from nxd_finetune.objective import SFT, Objective, TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
@@ -39,6 +39,7 @@ class NxdModuleBase(pl.LightningModule):
         self.train_state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.step_log = StepLog(self.train_state, self.history)  # run's step bookkeeping
+        self.objective: Objective = SFT  # what each step computes (the recipe module: its recipe's)
 
     # ------------------------------------------------------------------ what subclasses provide
 
@@ -84,14 +85,14 @@ class NxdModuleBase(pl.LightningModule):
         return self.parallel_optimizer.grad_norm
 
     def lightning_step(self, stepper: Stepper, micro_batches: Sequence[TokenBatch], n_input: int) -> torch.Tensor:
-        """One optimizer step over this rank's ``micro_batches`` through ``run``'s step on
-        ``stepper`` (the engine), with Lightning's backward and optimizer step. Returns the step's
-        mean loss over the global batch (the same on every rank) after logging it."""
-        result = train_step(stepper, micro_batches, n_input, backward=self.manual_backward,
+        """One optimizer step of :attr:`objective` over this rank's ``micro_batches`` through
+        ``run``'s step on ``stepper`` (the engine), with Lightning's backward and optimizer step.
+        Returns the step's mean loss over the global batch (the same on every rank) after logging it."""
+        result = train_step(stepper, micro_batches, n_input, objective=self.objective, backward=self.manual_backward,
                             optimizer_step=self._optimizer_step)
         step_loss = self.dp_sum(result.loss)
-        stats = stepper.objective.take_train_stats()  # the objective's own step metrics (preference: rewards/...)
-        extra = {} if stats is None else stepper.objective.train_record(self.dp_sum(stats).tolist())
+        # the objective's own step metrics (preference: rewards/...)
+        extra = {} if result.stats is None else self.objective.train_record(self.dp_sum(result.stats).tolist())
         self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]),
                      extra)
         return step_loss

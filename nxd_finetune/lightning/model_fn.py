@@ -27,6 +27,7 @@ and RNG (the dataloader's position is the user's).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -38,7 +39,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
 from nxd_finetune.lightning.strategy import NxdStrategy
 from nxd_finetune.loss import LogitScores, shift_labels
-from nxd_finetune.objective import SFT, Objective, TokenBatch
+from nxd_finetune.objective import Objective, TokenBatch
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Hyperparameter
@@ -67,7 +68,6 @@ class NxdModelModule(NxdModuleBase):
         self._optimizer: ParallelOptimizer | None = None
         self._scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._state: ParallelState | None = None
-        self.objective: Objective = SFT
 
     # ------------------------------------------------------------------ building
 
@@ -134,17 +134,20 @@ class NxdModelModule(NxdModuleBase):
 
     # ------------------------------------------------------------------ the step's Stepper (sft/step.py)
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
-                         backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor, objective: Objective,
+                         backward: Callable[[torch.Tensor], None] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each micro-batch's objective loss (supervised cross entropy over this rank's vocabulary
-        shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum."""
-        return backward_micro_batches(micro_batches, n_targets, self._loss_sum, backward or self.manual_backward)
+        shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum and the
+        objective's metric sums (None when it has none)."""
+        return backward_micro_batches(micro_batches, n_targets, functools.partial(self._loss, objective),
+                                      backward or self.manual_backward)
 
-    def _loss_sum(self, batch: TokenBatch) -> torch.Tensor:
-        """The objective's summed loss of a micro-batch on this rank's logits."""
-        target = self.objective.target(batch)
-        scores = LogitScores(self.forward_logits(batch), shift_labels(self.objective.labels(target)), self._tp_group)
-        return self.objective.loss_sum(scores, target)
+    def _loss(self, objective: Objective, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``objective``'s summed loss and metric sums of a micro-batch on this rank's logits."""
+        side = objective.side(batch)
+        scores = LogitScores(self.forward_logits(batch), shift_labels(objective.labels(side)), self._tp_group)
+        return objective.loss(scores, side)
 
     def step(self) -> torch.Tensor | None:
         """Unused: the step's optimizer step is Lightning's (:meth:`NxdModuleBase.lightning_step`)."""

@@ -127,6 +127,7 @@ class NxdLightningModule(NxdModuleBase):
         layout = strategy.parallel_state
         assert layout is not None
         rr = setup_rank(recipe, device=device, layout=layout, source=self._make_source)
+        self.objective = rr.objective
         attach_reference(recipe, rr.engine, rr.data, rr.model_dir)  # preference: reference log-probs, before training
         if self.trainer.max_steps < 0:
             self.trainer.fit_loop.epoch_loop.max_steps = rr.total_steps
@@ -188,7 +189,7 @@ class NxdLightningModule(NxdModuleBase):
 
     def on_validation_epoch_start(self) -> None:
         assert self.engine is not None
-        self._eval_stats = torch.zeros(self.engine.objective.eval_width, device=self.engine.device)
+        self._eval_stats = torch.zeros(self.objective.eval_width, device=self.engine.device)
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         """``[loss sum, correct, targets]`` of a batch, summed (``eval.max_batches`` per rank, as ``run``)."""
@@ -196,12 +197,12 @@ class NxdLightningModule(NxdModuleBase):
         if limit is not None and batch_idx >= limit:
             return
         assert self.engine is not None and self._eval_stats is not None
-        self._eval_stats += self.engine.eval_stats(batch)
+        self._eval_stats += self.engine.eval_stats(batch, self.objective)
 
     def on_validation_epoch_end(self) -> None:
         """``eval_loss``, ``eval_ppl``, ``eval_accuracy`` over every dp rank's share, as ``run``'s."""
         assert self.engine is not None and self._eval_stats is not None
-        rec = self.engine.objective.eval_record(self.engine.dp_sum(self._eval_stats).tolist())
+        rec = self.objective.eval_record(self.engine.dp_sum(self._eval_stats).tolist())
         if not rec or self.trainer.sanity_checking:
             return
         self.history.append({"step": self.train_state.step, **rec})

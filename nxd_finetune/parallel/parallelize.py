@@ -33,7 +33,6 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.models.loading import materialize
-from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.parallel.pipeline import LossFn, PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.recompute import checkpointed
@@ -91,8 +90,6 @@ class ParallelizeSpec:
     the objective's scores run the output layer this many target positions at a time
     (:class:`loss.ChunkedScores`), so no ``[tokens, vocab]`` logits are held; None: the last stage
     returns logits."""
-    objective: Objective = SFT
-    """What the pipeline's last stage computes (:mod:`nxd_finetune.objective`)."""
 
 
 @dataclasses.dataclass
@@ -200,8 +197,8 @@ def parallelize_model(
 
     Collective when a process group is initialised (every rank calls it; the pipeline runner makes
     the tied-embedding groups). ``loss_fn(logits, labels, n_targets)`` / ``stats_fn(logits,
-    targets)``: a custom pipeline last-stage loss and eval statistics in place of
-    ``spec.objective``'s (over this rank's vocabulary shard). Raises NxdError for a model
+    targets)``: a custom pipeline last-stage loss and eval statistics in place of the
+    objective each pipeline call is handed (over this rank's vocabulary shard). Raises NxdError for a model
     without a TP plan, a meta model with no weight source, a pipeline layout the model or schedule
     cannot take."""
     hooks = hooks or ModelHooks()
@@ -227,7 +224,7 @@ def parallelize_model(
         return RankModel(modules, state)
     chunk_rows = None if spec.sequence_parallel else spec.loss_chunk_rows
     runner = PipelineRunner(modules, state, spec.pp_schedule, n_microbatches=spec.n_microbatches or state.size("pp"),
-                            loss_fn=loss_fn, stats_fn=stats_fn, loss_chunk_rows=chunk_rows, objective=spec.objective)
+                            loss_fn=loss_fn, stats_fn=stats_fn, loss_chunk_rows=chunk_rows)
     if weights.checkpoint is None:
         runner.sync_tied_weights()  # param_init_fn drew the tied copies independently
     return RankModel(modules, state, runner)

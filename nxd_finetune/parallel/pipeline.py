@@ -21,9 +21,17 @@ the positional ``step`` arguments to the first stage only (later stages get the 
 activations instead), but ``step``'s keyword arguments are split into micro-batches on each
 rank and given to *every* local stage (``PipelineStage.forward_one_chunk``: "kwargs can be
 passed to all stages via respective step calls"). So :class:`PipelineRunner` calls
-``schedule.step(input_ids (first rank only), position_ids=..., segment_ids=..., target=labels
+``schedule.step(input_ids (first rank only), position_ids=..., segment_ids=..., target=index
 (last rank only))`` on every pipeline rank; only the hidden states travel between ranks. This
 needs every rank of a pipeline group to be given the same micro-batches.
+
+Side data. The objective is handed to each call (:meth:`PipelineRunner.train_step`,
+:meth:`PipelineRunner.eval_step`), not stored. On the last stage each micro-batch's side data
+(:meth:`Objective.side`: a dict of tensors, e.g. the labels and DPO's reference log-probs) is
+taken from the micro-batch and kept for the call; the schedule's ``target`` is the micro-batch
+index (a CPU ``[n]`` tensor that the schedule splits into one index per micro-batch), by which
+the loss function finds its side data. The objective's metric sums come back from the loss by
+micro-batch index and are summed, then broadcast from the last stage to every pipeline rank.
 
 Loss and ``scale_grads``. The loss function gets ``n_targets`` (target tokens of the whole
 optimizer step) through ``loss_kwargs``; each micro-batch loss is ``sum / n_targets``, as in
@@ -37,13 +45,15 @@ sums their gradients over a ``[first, last]`` process group after the backward, 
 get the full-model gradient and, stepped by the same optimizer, stay equal.
 
 Eval. :meth:`PipelineRunner.eval_step` runs one batch forward only (GPipe / looped-BFS schedule
-of one micro-batch) and returns ``[loss sum, correct, targets]`` on every pipeline rank.
+of one micro-batch) and returns the objective's eval statistics (supervised: ``[loss sum,
+correct, targets]``) on every pipeline rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -62,7 +72,7 @@ from torch.distributed.pipelining import (
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
 from nxd_finetune.models.llama import DecoderForCausalLM
-from nxd_finetune.objective import SFT, Objective
+from nxd_finetune.objective import SFT, Objective, SideData
 from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
@@ -194,15 +204,26 @@ def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, t
     return out
 
 
+@dataclasses.dataclass
+class _Call:
+    """One :meth:`PipelineRunner.train_step`'s objective, its micro-batches' side data (last stage)
+    and their metric sums by micro-batch index (a schedule's shape inference runs one twice)."""
+
+    objective: Objective
+    sides: list[SideData]
+    stats: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
 class PipelineRunner:
     """Forward + backward of one optimizer step's micro-batches through a pipeline schedule.
 
     ``stage_modules``: this rank's stages in local order (``build_stages``): one for ``1f1b`` and
     ``gpipe``, ``virtual_stages`` (>= 2) for ``interleaved_1f1b``. ``state``: the ParallelState
     (``pp_size >= 2``; the pipeline runs over ``state.group("pp")``). The last stage's loss and eval
-    statistics are the ``objective``'s (:mod:`nxd_finetune.objective`; default supervised cross
-    entropy) over this rank's vocabulary shard; ``loss_fn(logits, labels, n_targets)`` /
-    ``stats_fn(logits, targets)`` replace them (the NxD-style API's custom loss).
+    statistics are those of the objective each call is handed (:mod:`nxd_finetune.objective`;
+    default supervised cross entropy) over this rank's vocabulary shard; ``loss_fn(logits,
+    labels, n_targets)`` / ``stats_fn(logits, targets)`` replace them (the NxD-style API's custom
+    loss).
     ``loss_chunk_rows``: the last stage returns hidden states and its output layer runs inside the
     objective's scores, this many target positions at a time. Construction is collective over the
     world when the model has tied embeddings (it creates the [first, last] stage groups).
@@ -213,7 +234,7 @@ class PipelineRunner:
     def __init__(self, stage_modules: Sequence[nn.Module], state: ParallelState, schedule: str = "1f1b",
                  n_microbatches: int = 1, loss_fn: LossFn | None = None,
                  stats_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 loss_chunk_rows: int | None = None, objective: Objective = SFT) -> None:
+                 loss_chunk_rows: int | None = None) -> None:
         if schedule not in SCHEDULES:
             raise NxdError(f"pipeline schedule {schedule!r} is not supported (supported: {', '.join(SCHEDULES)})")
         if state.size("pp") < 2:
@@ -232,15 +253,13 @@ class PipelineRunner:
         self.stage_modules = list(stage_modules)
         self.num_stages = state.size("pp") * chunks
         self.stage_ids = stage_ids_of_rank(state.coord("pp"), state.size("pp"), chunks)
-        self.objective = objective
-        self._mb_stats: dict[int, torch.Tensor] = {}  # this step's objective metrics by micro-batch target
-        self.stats_fn = stats_fn
+        self._call: _Call | None = None  # the train_step under way
+        self.custom_loss, self.stats_fn = loss_fn, stats_fn
         self._tp_group = state.group("tp") if state.size("tp") > 1 else None
         self._head: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._rows = 0
         if loss_chunk_rows is not None and state.is_last_stage and loss_fn is None and stats_fn is None:
             self._head_in_loss(loss_chunk_rows)
-        self.loss_fn: LossFn = loss_fn or self._objective_loss
         self.device = next(self.stage_modules[0].parameters()).device
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._stepped: weakref.WeakSet[Any] = weakref.WeakSet()  # schedules past their first (shape-inferring) step
@@ -264,16 +283,19 @@ class PipelineRunner:
             return hidden_scores(output, labels, head=self._head, rows=self._rows, tp_group=self._tp_group)
         return LogitScores(output, shift_labels(labels), self._tp_group)
 
-    def _objective_loss(self, output: torch.Tensor, target: torch.Tensor,
-                        n_targets: torch.Tensor | int) -> torch.Tensor:
-        obj = self.objective
-        earlier = obj.take_train_stats()
-        loss = obj.loss_sum(self._scores(output, obj.labels(target)), target) / n_targets
-        mine = obj.take_train_stats()
-        if mine is not None:  # by micro-batch: a schedule's shape inference runs one twice
-            self._mb_stats[target.data_ptr()] = mine
-        obj.put_train_stats(earlier)
-        return loss
+    def _loss(self, output: torch.Tensor, index: torch.Tensor, n_targets: torch.Tensor | int) -> torch.Tensor:
+        """The schedule's loss function: micro-batch ``index``'s loss (its share of the step's mean)
+        from the objective of the call under way and the micro-batch's side data."""
+        call = self._call
+        assert call is not None, "the schedule's loss runs inside PipelineRunner.train_step"
+        i = int(index.reshape(-1)[0])
+        side = call.sides[i]
+        if self.custom_loss is not None:
+            return self.custom_loss(output, side["labels"], n_targets)
+        loss, stats = call.objective.loss(self._scores(output, call.objective.labels(side)), side)
+        if stats is not None:
+            call.stats[i] = stats
+        return loss / n_targets
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
@@ -314,7 +336,7 @@ class PipelineRunner:
             if train:
                 # scale_grads=False: the loss is already divided by the step's target tokens
                 cls = SCHEDULES[self.schedule_name]
-                schedule = cls(stages if multi else stages[0], self.n_microbatches, loss_fn=self.loss_fn,
+                schedule = cls(stages if multi else stages[0], self.n_microbatches, loss_fn=self._loss,
                                scale_grads=False)
             else:  # forward only; these two accept a single micro-batch
                 schedule = ScheduleLoopedBFS(stages, 1) if multi else ScheduleGPipe(stages[0], 1)
@@ -346,48 +368,55 @@ class PipelineRunner:
 
     def step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]],
              n_targets: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Forward and backward of one optimizer step's ``micro_batches`` (dicts of ``input_ids``,
-        ``labels`` and optional ``position_ids``/``segment_ids``, each ``[B, T]``); every rank of the
-        pipeline group passes the same micro-batches. Gradients accumulate into ``.grad``.
+        """:meth:`train_step` of the supervised objective; returns the step loss."""
+        return self.train_step(micro_batches, n_targets, SFT)[0]
 
-        ``n_targets``: target tokens of the whole optimizer step (default: counted here; pass the
-        count summed over dp ranks under data parallelism). Micro-batches of unequal shape are
-        padded to the largest (no loss, no attention to real tokens). Returns the step loss
-        (sum of micro-batch losses, detached, fp32), the same on every rank of the pipeline group.
-        Call once per optimizer step, gradients zeroed before: the tied-embedding sync sums the
-        accumulated gradients.
+    def train_step(self, micro_batches: Sequence[Mapping[str, torch.Tensor]], n_targets: torch.Tensor | int | None,
+                   objective: Objective) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward and backward of one optimizer step's ``micro_batches`` (dicts of ``input_ids``,
+        ``labels``, optional ``position_ids``/``segment_ids``, each ``[B, T]``, and the fields
+        ``objective`` reads); every rank of the pipeline group passes the same micro-batches.
+        Gradients accumulate into ``.grad``.
+
+        ``n_targets``: the objective's units of the whole optimizer step (default: counted here;
+        pass the count summed over dp ranks under data parallelism). Micro-batches of unequal
+        shape are padded to the largest (no loss, no attention to real tokens). Returns the step
+        loss (sum of micro-batch losses, detached, fp32) and the objective's metric sums over the
+        micro-batches (None when it has none), both the same on every rank of the pipeline
+        group. Call once per optimizer step, gradients zeroed before: the tied-embedding sync
+        sums the accumulated gradients.
         """
         if len(micro_batches) != self.n_microbatches:
             raise NxdError(f"pipeline step got {len(micro_batches)} micro-batches, expected {self.n_microbatches}")
         mbs = self._uniform(micro_batches)
         if n_targets is None:
-            n_targets = torch.stack([self.objective.count(m) for m in mbs]).sum().clamp(min=1)
+            n_targets = torch.stack([objective.count(m) for m in mbs]).sum().clamp(min=1)
         schedule = self._schedule_for(tuple(mbs[0]["input_ids"].shape))
         args, kwargs = self._inputs(mbs)
         last = self.state.is_last_stage
-        target = torch.cat([self.objective.target(m) for m in mbs]) if last else None
+        call = _Call(objective, [objective.side(m) for m in mbs] if last else [])
+        index = torch.arange(len(mbs)) if last else None  # on the CPU: read without a device sync
         losses: list[torch.Tensor] | None = [] if last else None
-        # a new schedule's first step infers the gradients' shapes with torch.autograd.grad
-        with recording_graph() if schedule not in self._stepped else contextlib.nullcontext():
-            schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                          loss_kwargs={"n_targets": n_targets}, **kwargs)
+        self._call = call
+        try:
+            # a new schedule's first step infers the gradients' shapes with torch.autograd.grad
+            with recording_graph() if schedule not in self._stepped else contextlib.nullcontext():
+                schedule.step(*args, target=index, losses=losses, return_outputs=False,
+                              loss_kwargs={"n_targets": n_targets}, **kwargs)
+        finally:
+            self._call = None
         self._stepped.add(schedule)
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
-        width = self.objective.train_width
-        if width:  # the objective's step metrics, computed on the last stage, for every rank
-            stats = None
-            if last:
-                stats = torch.stack(list(self._mb_stats.values())).sum(0)
-                earlier = self.objective.take_train_stats()
-                stats = stats if earlier is None else earlier + stats
-            self.objective.put_train_stats(self._from_last(stats, (width,)))
-        self._mb_stats.clear()
+        stats = None
+        if objective.train_width:  # the objective's step metrics, computed on the last stage, for every rank
+            mine = torch.stack([call.stats[i] for i in sorted(call.stats)]).sum(0) if last else None
+            stats = self._from_last(mine, (objective.train_width,))
         self.sync_tied_grads()
-        return loss
+        return loss, stats
 
     @torch.no_grad()
-    def eval_step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Forward only of one batch: the objective's eval statistics (supervised: ``[loss summed
+    def eval_step(self, batch: Mapping[str, torch.Tensor], objective: Objective = SFT) -> torch.Tensor:
+        """Forward only of one batch: ``objective``'s eval statistics (supervised: ``[loss summed
         over targets, correct next-token predictions, targets]``, fp32), the same on every rank of
         the pipeline group (the trainer's eval sums these over batches)."""
         mb = self._uniform([batch])
@@ -399,9 +428,9 @@ class PipelineRunner:
             if self.stats_fn is not None:
                 stats = self.stats_fn(logits, shift_labels(mb[0]["labels"]))
             else:
-                target = self.objective.target(mb[0])
-                stats = self.objective.eval_stats(self._scores(logits, self.objective.labels(target)), target)
-        return self._from_last(stats, (3,) if self.stats_fn is not None else (self.objective.eval_width,))
+                side = objective.side(mb[0])
+                stats = objective.eval_stats(self._scores(logits, objective.labels(side)), side)
+        return self._from_last(stats, (3,) if self.stats_fn is not None else (objective.eval_width,))
 
     @torch.no_grad()
     def sync_tied_weights(self) -> None:

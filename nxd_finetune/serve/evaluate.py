@@ -137,7 +137,7 @@ def eval_rank(recipe: Recipe, run_recipe: Recipe | None = None) -> dict[str, flo
         raise DataError("the eval set is empty")
     # preference: the pairs' reference log-probs (the training run's reference, not the scored adapter)
     attach_reference(recipe, rr.engine, rr.data, rr.model_dir, run_recipe)
-    scores = evaluate(rr.engine, iter(rr.data.eval), recipe.eval.max_batches, rr.runtime)
+    scores = evaluate(rr.engine, rr.objective, iter(rr.data.eval), recipe.eval.max_batches, rr.runtime)
     if not rr.engine.is_logger:
         return None
     return {**scores, "eval_rows": rr.data.stats.get("eval", {}).get("samples")} if scores else {}

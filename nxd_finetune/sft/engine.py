@@ -15,7 +15,8 @@
 
 The :class:`Engine` then runs one optimizer step's forward/backward (:meth:`Engine.forward_backward`:
 plain micro-batch loop, or the pipeline schedule), the optimizer step (:meth:`Engine.step`) and
-eval statistics (:meth:`Engine.eval_stats`); every loss comes from :mod:`nxd_finetune.loss`.
+eval statistics (:meth:`Engine.eval_stats`); every loss comes from :mod:`nxd_finetune.loss`, and
+the objective (:mod:`nxd_finetune.objective`) is handed to each call, not held.
 Outside pipeline parallel, logits are computed only at target positions (``logits_index``),
 which SFT's masked prompts make a large saving, unless :attr:`Engine.full_logits` asks for every
 position (sequence parallel; fixed shapes on XLA).
@@ -39,7 +40,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
-from nxd_finetune.objective import SFT, Objective, TokenBatch
+from nxd_finetune.objective import Objective, SideData, TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
@@ -96,7 +97,6 @@ class Engine:
     sequence_parallel: bool = False
     full_logits: bool = False
     loss_chunk_rows: int | None = None
-    objective: Objective = SFT
 
     # ------------------------------------------------------------------ layout facts
 
@@ -176,14 +176,11 @@ class Engine:
         hidden, head, targets, index = self._hidden_and_targets(batch, labels)
         return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group, index)
 
-    def _objective_scores(self, batch: Batch) -> tuple[Scores, torch.Tensor]:
-        """The micro-batch's scores and the objective's target (whose labels they are scored on)."""
-        target = self.objective.target(batch)
-        return self.scores(batch, self.objective.labels(target)), target
-
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """The objective's summed loss of a micro-batch on the whole model."""
-        return self.objective.loss_sum(*self._objective_scores(batch))
+    def scores_and_side(self, batch: Batch, objective: Objective) -> tuple[Scores, SideData]:
+        """The micro-batch's scores on the whole model and ``objective``'s side data (whose labels
+        they are scored on)."""
+        side = objective.side(batch)
+        return self.scores(batch, objective.labels(side)), side
 
     def _hidden_and_targets(self, batch: Batch,
                             labels: torch.Tensor) -> tuple[torch.Tensor, Head, torch.Tensor, torch.Tensor]:
@@ -195,18 +192,21 @@ class Engine:
         hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
         return hidden, model.head, targets, index  # lm_head and the final soft-cap (Gemma 2)
 
-    def forward_backward(self, micro_batches: Sequence[Batch], n_targets: torch.Tensor,
-                         backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Forward + backward of one optimizer step's micro-batches (on the device); gradients
-        accumulate. ``n_targets``: the objective's units of the whole step (all micro-batches and
-        dp ranks). ``backward(loss)``: how a micro-batch loss is backpropagated (default
-        ``loss.backward()``; Lightning's ``manual_backward``); the pipeline schedule runs its own.
-        Returns this dp rank's share of the step loss (detached; the same on every TP and PP rank
-        of it): summing it over dp gives the step's mean loss."""
+    def forward_backward(self, micro_batches: Sequence[Batch], n_targets: torch.Tensor, objective: Objective,
+                         backward: Callable[[torch.Tensor], None] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward + backward of ``objective`` over one optimizer step's micro-batches (on the
+        device); gradients accumulate. ``n_targets``: the objective's units of the whole step (all
+        micro-batches and dp ranks). ``backward(loss)``: how a micro-batch loss is backpropagated
+        (default ``loss.backward()``; Lightning's ``manual_backward``); the pipeline schedule runs
+        its own. Returns this dp rank's share of the step loss (detached; the same on every TP and
+        PP rank of it): summing it over dp gives the step's mean loss; and the objective's metric
+        sums over the micro-batches (None when it has none)."""
         with autocast(self.device, self.precision):
             if self.runner is not None:
-                return self.runner.step(micro_batches, n_targets)
-            return backward_micro_batches(micro_batches, n_targets.to(self.device), self.loss_sum,
+                return self.runner.train_step(micro_batches, n_targets, objective)
+            return backward_micro_batches(micro_batches, n_targets.to(self.device),
+                                          lambda batch: objective.loss(*self.scores_and_side(batch, objective)),
                                           backward or torch.Tensor.backward)
 
     def step(self) -> torch.Tensor | None:
@@ -218,13 +218,13 @@ class Engine:
         return self.optimizer.grad_norm
 
     @torch.no_grad()
-    def eval_stats(self, batch: Batch) -> torch.Tensor:
-        """The objective's eval statistics of one batch on this dp rank (supervised: ``[loss sum,
+    def eval_stats(self, batch: Batch, objective: Objective) -> torch.Tensor:
+        """``objective``'s eval statistics of one batch on this dp rank (supervised: ``[loss sum,
         correct, targets]``; summed over batches and dp ranks, then :meth:`Objective.eval_record`)."""
         with autocast(self.device, self.precision):
             if self.runner is not None:
-                return self.runner.eval_step(batch)
-            return self.objective.eval_stats(*self._objective_scores(batch))
+                return self.runner.eval_step(batch, objective)
+            return objective.eval_stats(*self.scores_and_side(batch, objective))
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1)."""
@@ -307,8 +307,7 @@ def _check_compile(device: torch.device) -> None:
 
 
 def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_steps: int,
-                 state: ParallelState | None = None,
-                 objective: Objective = SFT) -> Engine:
+                 state: ParallelState | None = None) -> Engine:
     """This rank's :class:`Engine` (see the module docstring). Collective when a process group is
     initialised: every rank calls it with the same recipe. ``state``: the layout's
     groups (device and host) when the caller has made them already (the trainer needs them before the engine), else
@@ -334,8 +333,7 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     rows = chunk_rows(config.vocab_size // state.size("tp"), tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,
-                           activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows,
-                           objective=objective)
+                           activation_checkpointing=checkpoint_spec(par), loss_chunk_rows=rows)
     if recipe.model.attention == "flex" and device.type != "cuda":
         raise NxdError(f"model.attention=flex trains on CUDA only (training.device resolves to {device.type}): "
                        "torch's FlexAttention has no backward on CPU; use model.attention=auto or sdpa")
@@ -348,5 +346,4 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, lora_cfg, targets,
-                  started[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows,
-                  objective=objective)
+                  started[0], par.sequence_parallel, full_logits=par.sequence_parallel, loss_chunk_rows=rows)

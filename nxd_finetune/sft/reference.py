@@ -13,7 +13,8 @@ The reference weights (:func:`nxd_finetune.recipe.reference_of`): ``base`` is th
 LoRA adapter path off (or, for full fine-tuning, the initial model); ``init_from`` is the adapter
 the run starts from (``lora.init_from``), that is the model as it stands before the first step.
 The pass runs through :meth:`Engine.eval_stats`, so it is vocab-parallel, chunked and pipelined as
-the layout is: the engine's objective is swapped for :class:`RowLogps` for its duration.
+the layout is: the same call as an eval, handed the :class:`RowLogps` objective (each row's summed
+per-token log-probs) instead of the run's; nothing is swapped.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from nxd_finetune.data.loader import DataLoaders
 from nxd_finetune.data.pairs import assemble_ref_logps, ref_logps_key
 from nxd_finetune.data.ref_store import RefStoreError
 from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
+from nxd_finetune.lora import lora_modules
 from nxd_finetune.lora.identity import weights_fingerprint
 from nxd_finetune.loss import Scores
-from nxd_finetune.objective import NoTrainStats, Objective, TokenBatch
+from nxd_finetune.objective import NoTrainStats, SideData, TokenBatch
 from nxd_finetune.objectives import run_reference
-from nxd_finetune.preference import pack_target, sequence_logps
+from nxd_finetune.preference import real_pairs, sequence_logps
 from nxd_finetune.sft.engine import Engine
 from nxd_finetune.sft.init_from import StartAdapter, resolve_start
 
@@ -52,46 +54,43 @@ Identity = dict[str, object]
 def adapter_off(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Every LoRA layer of ``modules`` contributes nothing (its scaling set to 0) for the block:
     the base model's outputs, exactly, without a copy of any weight."""
-    saved: list[tuple[nn.Module, float]] = []
-    for root in modules:
-        for m in root.modules():
-            if hasattr(m, "lora_A") and isinstance(getattr(m, "scaling", None), float):
-                saved.append((m, getattr(m, "scaling")))  # noqa: B009
-                setattr(m, "scaling", 0.0)  # noqa: B010 (a LoRA layer's plain float attribute)
+    saved = [(m, m.scaling) for root in modules for _, m in lora_modules(root)]
+    for m, _ in saved:
+        m.scaling = 0.0
     try:
         yield
     finally:
         for m, scaling in saved:
-            setattr(m, "scaling", scaling)  # noqa: B010
+            m.scaling = scaling
 
 
 @dataclasses.dataclass
 class RowLogps(NoTrainStats):
-    """An objective whose eval statistics are the micro-batch's per-row summed log-probs
-    (``[rows]``): what the reference pass reads through the engine on every layout."""
+    """An objective whose eval statistics are the micro-batch's per-row summed completion
+    log-probs (``[rows]``, from the per-token log-probs): what the reference pass reads through
+    the engine's eval call on every layout."""
 
     rows: int
-    inner: Objective
     name: str = "reference"
 
     @property
     def eval_width(self) -> int:
         return self.rows
 
-    def target(self, batch: TokenBatch) -> torch.Tensor:
-        return pack_target(batch["labels"], None)  # the batch has no ref_logps yet
+    def side(self, batch: TokenBatch) -> SideData:
+        return {"labels": batch["labels"]}  # the batch has no ref_logps yet
 
-    def labels(self, target: torch.Tensor) -> torch.Tensor:
-        return self.inner.labels(target)
+    def labels(self, side: SideData) -> torch.Tensor:
+        return side["labels"]
 
     def count(self, batch: TokenBatch) -> torch.Tensor:
-        return self.inner.count(batch)
+        return real_pairs(batch["labels"]).sum().to(torch.int64)
 
-    def loss_sum(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, scores: Scores, side: SideData) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise RuntimeError("the reference pass does not train")
 
-    def eval_stats(self, scores: Scores, target: torch.Tensor) -> torch.Tensor:
-        return sequence_logps(scores, self.labels(target)).float()
+    def eval_stats(self, scores: Scores, side: SideData) -> torch.Tensor:
+        return sequence_logps(scores, side["labels"]).float()
 
     def eval_record(self, stats: Sequence[float]) -> dict[str, float]:
         return {}
@@ -102,7 +101,6 @@ def row_logps(engine: Engine, batches: Iterable[TokenBatch], reference: str) -> 
     """Each batch's per-row summed completion log-prob (``[rows]`` float32, on the CPU) under the
     ``reference`` weights, in eval mode. Collective like :meth:`Engine.eval_stats` (every rank of
     a tp / pp group passes the same batches)."""
-    inner, runner = engine.objective, engine.runner
     was_training = engine.modules[0].training
     engine.train(False)
     off = adapter_off(engine.modules) if reference == "base" else contextlib.nullcontext()
@@ -110,14 +108,8 @@ def row_logps(engine: Engine, batches: Iterable[TokenBatch], reference: str) -> 
         with off:
             for batch in batches:
                 moved = {k: v.to(engine.device) for k, v in batch.items()}
-                engine.objective = RowLogps(moved["input_ids"].shape[0], inner)
-                if runner is not None:
-                    runner.objective = engine.objective
-                yield engine.eval_stats(moved).cpu()
+                yield engine.eval_stats(moved, RowLogps(moved["input_ids"].shape[0])).cpu()
     finally:
-        engine.objective = inner
-        if runner is not None:
-            runner.objective = inner
         engine.train(was_training)
 
 

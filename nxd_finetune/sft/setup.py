@@ -3,8 +3,9 @@
 :func:`setup_rank` builds, in order: the device and the process groups (or takes the caller's:
 Lightning's strategy makes its own), the device runtime hooks (:mod:`nxd_finetune.runtime`), the
 model directory and tokenizer, this data-parallel rank's loaders, the step count, and the
-:class:`~nxd_finetune.sft.engine.Engine` (model, optimizer, schedule, objective). It returns them
-as one :class:`RankRun`. Rank 0 fills the caches (model, tokenized data) before the others read.
+:class:`~nxd_finetune.sft.engine.Engine` (model, optimizer, schedule), and the run's objective
+(handed to each step and eval call). It returns them as one :class:`RankRun`. Rank 0 fills the
+caches (model, tokenized data) before the others read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from nxd_finetune.data.datasets import DataSpec
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
-from nxd_finetune.objective import Objective
+from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.objectives import objective_of
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
@@ -53,6 +54,8 @@ class RankRun:
     grad_accum: int
     total_steps: int
     engine: Engine
+    objective: Objective = SFT
+    """What the run's steps and evals compute (:func:`objective_of` the recipe), handed to each call."""
     source: BatchSource | None = None
     """Where the optimizer steps come from (:mod:`nxd_finetune.sft.source`; by default the train
     loader's micro-batches grouped into steps, on the device, lazy: nothing is drawn before a resume
@@ -146,11 +149,10 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
                                  dp_rank=layout.coord("dp"), dp_world=par.dp, seed=tcfg.seed,
                                  fixed_shape=par.pp > 1 or par.sequence_parallel or runtime.lazy)
     total_steps = total_steps_of(recipe, data.train.batches_per_epoch)
-    engine = build_engine(recipe, model_dir, device, total_steps, layout,
-                          objective if objective is not None else objective_of(recipe))
+    engine = build_engine(recipe, model_dir, device, total_steps, layout)
     runtime.prepare(engine)
     rr = RankRun(recipe, device, layout, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
-                   total_steps, engine)
+                   total_steps, engine, objective if objective is not None else objective_of(recipe))
     if checkpoints or source is not None:
         rr.source = (source or loader_source)(rr)
     if checkpoints:

@@ -27,7 +27,7 @@ from nxd_finetune.checkpoint.run_state import TrainState
 from nxd_finetune.data.loader import TrainLoader
 from nxd_finetune.data.pairs import pair_tokens
 from nxd_finetune.errors import NxdError
-from nxd_finetune.objective import Objective, TokenBatch
+from nxd_finetune.objective import Objective, TokenBatch, add_stats
 from nxd_finetune.objectives import objective_record, section_of
 
 if TYPE_CHECKING:
@@ -36,14 +36,14 @@ if TYPE_CHECKING:
 
 class Stepper(Protocol):
     """What a step runs on: the :class:`~nxd_finetune.sft.engine.Engine`, or the Lightning model
-    function module's own (a user's model under the NxD-style API)."""
-
-    objective: Objective
+    function module's own (a user's model under the NxD-style API). The objective is handed to
+    each call."""
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
-                         backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor: ...
+    def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor, objective: Objective,
+                         backward: Callable[[torch.Tensor], None] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def step(self) -> torch.Tensor | None: ...
 
@@ -52,46 +52,55 @@ class Stepper(Protocol):
 class StepResult:
     """``loss``: this dp rank's share of the step's mean loss (sum it over dp for the step loss);
     ``counts``: ``[units, input tokens]`` of the step over every dp rank (int64, on the device);
-    ``grad_norm``: the global gradient norm before clipping (None without clipping)."""
+    ``grad_norm``: the global gradient norm before clipping (None without clipping); ``stats``: the
+    objective's metric sums over this dp rank's micro-batches (None when it has none; sum them over
+    steps and dp, then ``objective.train_record``)."""
 
     loss: torch.Tensor
     counts: torch.Tensor
     grad_norm: torch.Tensor | None
+    stats: torch.Tensor | None = None
 
 
-def step_counts(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: int) -> torch.Tensor:
+def step_counts(engine: Stepper, objective: Objective, micro_batches: Sequence[TokenBatch],
+                n_input: int) -> torch.Tensor:
     """``[objective units, non-padding input tokens]`` of the step, summed over the dp ranks."""
-    units = torch.stack([engine.objective.count(b) for b in micro_batches]).sum().to(torch.int64)
+    units = torch.stack([objective.count(b) for b in micro_batches]).sum().to(torch.int64)
     local = torch.stack([units, torch.tensor(int(n_input), dtype=torch.int64, device=units.device)])
     return engine.dp_sum(local)
 
 
-def train_step(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: int, *,
+def train_step(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: int, *, objective: Objective,
                backward: Callable[[torch.Tensor], None] | None = None,
                optimizer_step: Callable[[], torch.Tensor | None] | None = None) -> StepResult:
-    """One optimizer step over ``micro_batches`` (already on the engine's device; ``n_input``: their
-    non-padding tokens, counted on the host). ``backward`` / ``optimizer_step``: the caller's,
-    where it owns them (Lightning); by default the engine's."""
-    counts = step_counts(engine, micro_batches, n_input)
+    """One optimizer step of ``objective`` over ``micro_batches`` (already on the engine's device;
+    ``n_input``: their non-padding tokens, counted on the host). ``backward`` / ``optimizer_step``:
+    the caller's, where it owns them (Lightning); by default the engine's."""
+    counts = step_counts(engine, objective, micro_batches, n_input)
     n_units = counts[0].clamp(min=1).to(torch.float32)
-    loss = engine.forward_backward(micro_batches, n_units, backward)
+    loss, stats = engine.forward_backward(micro_batches, n_units, objective, backward)
     grad_norm = optimizer_step() if optimizer_step is not None else engine.step()
-    return StepResult(loss, counts, grad_norm)
+    return StepResult(loss, counts, grad_norm, stats)
 
 
 def backward_micro_batches(micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
-                           loss_sum: Callable[[TokenBatch], torch.Tensor],
-                           backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> torch.Tensor:
-    """Each micro-batch's ``loss_sum(batch) / n_targets`` (the objective's summed loss over the step's
-    units) backpropagated with ``backward`` (gradients accumulate); returns their detached sum, on
-    ``n_targets``' device."""
+                           loss: Callable[[TokenBatch], tuple[torch.Tensor, torch.Tensor | None]],
+                           backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each micro-batch's objective loss (``loss(batch)``: its summed loss over the step's units and
+    its metric sums, :meth:`Objective.loss`) divided by ``n_targets``, backpropagated with
+    ``backward`` (gradients accumulate); returns their detached sum, on ``n_targets``' device, and
+    the metric sums added up (None when the objective has none)."""
     total = torch.zeros((), device=n_targets.device)
+    stats: torch.Tensor | None = None
     for batch in micro_batches:
-        loss = loss_sum(batch) / n_targets
-        backward(loss)
-        total += loss.detach()
-        del loss  # its graph's nodes, kept by it, would stay through the next forward
-    return total
+        loss_sum, mb_stats = loss(batch)
+        mb_loss = loss_sum / n_targets
+        backward(mb_loss)
+        total += mb_loss.detach()
+        stats = add_stats(stats, mb_stats)
+        del loss_sum, mb_loss  # their graph's nodes would stay through the next forward
+    return total, stats
 
 
 class StepLog:

@@ -113,9 +113,11 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         if ev and "eval_ppl" in ev:
             rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  ppl {ev['eval_ppl']:.2f}  "
                                          f"token acc {ev['eval_accuracy']:.3f}"))
-        elif ev:  # a preference objective
+        elif ev and "eval_rewards/accuracies" in ev:  # a preference objective
             acc, margin = ev["eval_rewards/accuracies"], ev["eval_rewards/margins"]
             rows.append((f"eval {when}", f"loss {ev['eval_loss']:.4f}  preference acc {acc:.3f}  margin {margin:.4f}"))
+        elif ev:  # another objective: its eval record as it is
+            rows.append((f"eval {when}", "  ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in ev.items())))
     rows.append(("saved", f"{summary['output']} ({summary['save_mode']})"))
     if "registry_version" in summary:
         rows.append(("published", f"{summary['registry_version']}"))

@@ -34,6 +34,7 @@ from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
+from nxd_finetune.objective import Objective, add_stats
 from nxd_finetune.objectives import objective_record, run_reference, section_of
 from nxd_finetune.parallel.clip import counts_on_rank, norm_axes
 from nxd_finetune.parallel.launch import in_launched_env, launch
@@ -59,22 +60,22 @@ if TYPE_CHECKING:
     from nxd_finetune.sft.engine import Engine
 
 
-def evaluate(engine: Engine, batches: Iterator[dict[str, torch.Tensor]], max_batches: int | None,
-             runtime: StepRuntime | None = None) -> dict[str, float]:
-    """The objective's eval record over every dp rank's eval share (supervised: token-mean eval
+def evaluate(engine: Engine, objective: Objective, batches: Iterator[dict[str, torch.Tensor]],
+             max_batches: int | None, runtime: StepRuntime | None = None) -> dict[str, float]:
+    """``objective``'s eval record over every dp rank's eval share (supervised: token-mean eval
     loss, perplexity and next-token accuracy over target tokens). Collective (every rank calls
     it; eval loaders give each rank as many batches).
     One host read at the end; on XLA one graph per batch (``runtime.sync()``)."""
     engine.train(False)
-    stats = torch.zeros(engine.objective.eval_width, device=engine.device)
+    stats = torch.zeros(objective.eval_width, device=engine.device)
     for i, batch in enumerate(batches):
         if max_batches is not None and i >= max_batches:
             break
-        stats += engine.eval_stats({k: v.to(engine.device) for k, v in batch.items()})
+        stats += engine.eval_stats({k: v.to(engine.device) for k, v in batch.items()}, objective)
         if runtime is not None:
             runtime.sync()
     engine.train(True)
-    return engine.objective.eval_record(engine.dp_sum(stats).tolist())
+    return objective.eval_record(engine.dp_sum(stats).tolist())
 
 
 def train(
@@ -89,8 +90,10 @@ def train(
     runtime: StepRuntime | None = None,
     ckpt: TrainingCheckpoints | None = None,
     history: list[dict[str, float]] | None = None,
+    *,
+    objective: Objective,
 ) -> list[dict[str, float]]:
-    """The optimizer-step loop. ``source`` (:mod:`nxd_finetune.sft.source`) gives, right before each
+    """The optimizer-step loop of ``objective``. ``source`` (:mod:`nxd_finetune.sft.source`) gives, right before each
     optimizer step, this rank's micro-batches and their number of non-padding tokens (counted on
     the host). Returns the logged records (the same
     on every rank). Device values (token counts; loss and grad norm on logging steps) reach the
@@ -111,7 +114,7 @@ def train(
     def on_values(step: int, lr: float, logging: bool, v: HostValues) -> None:
         """Token accounting, the finiteness check and, on logging steps, the record; ``v`` holds
         host values."""
-        counts, loss, grad_norm, objective = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
+        counts, loss, grad_norm, extra = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
         assert isinstance(counts, list)  # [targets, inputs]
         log.count(counts)
         stop_if_diverged(step, {"loss": loss, "grad_norm": grad_norm}, hint)
@@ -120,21 +123,22 @@ def train(
             return
         assert isinstance(loss, float) and (grad_norm is None or isinstance(grad_norm, float))
         # the objective's own metrics (preference: rewards/...)
-        extra = None if objective is None else engine.objective.train_record(
-            [objective] if isinstance(objective, float) else objective)
-        rec = log.record(step, loss, lr, grad_norm, extra, peak_host_mb=host_peak_mb())
+        own = None if extra is None else objective.train_record([extra] if isinstance(extra, float) else extra)
+        rec = log.record(step, loss, lr, grad_norm, own, peak_host_mb=host_peak_mb())
         metrics.log(step, rec)
-        shown = engine.objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
+        shown = objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
         more = f"  {shown} {rec[shown]:.2f}" if shown is not None and shown in rec else ""
         info = f"loss {rec['train_loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s"
         progress.update(step, info + more)
 
+    sums: torch.Tensor | None = None  # the objective's metric sums since the last logging step
     engine.train(True)
     try:
         while state.step < total_steps:
             micro_batches, n_input = source.next_step(engine, state.step + 1)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
-            result = train_step(engine, micro_batches, n_input)
+            result = train_step(engine, micro_batches, n_input, objective=objective)
+            sums = add_stats(sums, result.stats)
             state.step += 1
             # every step's loss reaches the host (checked), as its counts already do: no extra sync
             values: dict[str, torch.Tensor | float | None] = {
@@ -142,8 +146,8 @@ def train(
             logging = state.step % log_every == 0 or state.step == total_steps
             if logging:
                 # summed since the last logging step: the record's metrics cover the whole window
-                extra = engine.objective.take_train_stats()
-                values["objective"] = None if extra is None else engine.dp_sum(extra)
+                values["objective"] = None if sums is None else engine.dp_sum(sums)
+                sums = None
             lr = float(engine.scheduler.get_last_lr()[0])
             runtime.on_host(functools.partial(on_values, state.step, lr, logging), values)
             runtime.end_step()
@@ -274,7 +278,9 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary 
     def eval_fn() -> dict[str, float]:
         if samples is not None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
-        return evaluate(engine, iter(data.eval), recipe.eval.max_batches, runtime) if data.eval is not None else {}
+        if data.eval is None:
+            return {}
+        return evaluate(engine, rr.objective, iter(data.eval), recipe.eval.max_batches, runtime)
 
     batches, ckpt = rr.source, rr.checkpoints
     assert batches is not None and ckpt is not None  # setup_rank(checkpoints=True)
@@ -300,7 +306,7 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary 
     tokens_before = state.input_tokens  # a resumed run's earlier tokens are not this run's throughput
     try:
         history = train(engine, batches, total_steps, recipe, metrics, eval_fn if data.eval is not None else None,
-                        state, recipe.logging.progress, runtime, ckpt, history)
+                        state, recipe.logging.progress, runtime, ckpt, history, objective=rr.objective)
         ckpt.finish(state, history)
     except BaseException:
         metrics.close()  # what was logged reaches its files (TensorBoard's buffered events too)
