@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
+from nxd_finetune.models.moe import record_router_logits, router_aux_loss
 from nxd_finetune.objective import Objective, SideData, TokenBatch
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
@@ -83,7 +85,9 @@ class Engine:
     ``start_adapter``: what ``lora.init_from`` resolved to (its source, pinned registry REF and
     weights digest: :class:`~nxd_finetune.sft.init_from.StartAdapter`), None without one.
     ``loss_chunk_rows``: target positions whose logits the loss computes at once (None: all of a
-    micro-batch's)."""
+    micro-batch's). ``aux_loss``: the router auxiliary loss of the micro-batches since the last
+    :meth:`take_aux_loss`, each weighted by its share of its step's units (a mixture-of-experts
+    model with ``output_router_logits``; detached)."""
 
     rank_model: RankModel
     device: torch.device
@@ -97,6 +101,7 @@ class Engine:
     sequence_parallel: bool = False
     full_logits: bool = False
     loss_chunk_rows: int | None = None
+    aux_loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ layout facts
 
@@ -154,24 +159,27 @@ class Engine:
         logits, targets, _ = self._logits_at(batch, batch["labels"] if labels is None else labels)
         return logits, targets
 
-    def _logits_at(self, batch: Batch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """:meth:`logits_and_targets` and the targets' flat positions (None: every position)."""
+    def _logits_at(self, batch: Batch, labels: torch.Tensor,
+                   every_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`logits_and_targets` and the targets' flat positions (None: every position, with
+        :attr:`full_logits` or ``every_position``)."""
         model = self.modules[0]
-        if self.full_logits:
+        if self.full_logits or every_position:
             logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
             return logits, shift_labels(labels), None
         index, targets = target_index(labels)
         logits = model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), logits_index=index)
         return logits, targets, index
 
-    def scores(self, batch: Batch, labels: torch.Tensor) -> Scores:
+    def scores(self, batch: Batch, labels: torch.Tensor, every_position: bool = False) -> Scores:
         """A micro-batch's model output on the whole model as the objective reads it, against the
         objective's ``labels`` (:meth:`Objective.labels`): logits at the target positions (or every
         position with :attr:`full_logits`), or with :attr:`loss_chunk_rows` the final hidden states
         there, the output layer running a chunk of positions at a time (:class:`loss.ChunkedScores`:
-        no ``[targets, vocab]`` logits)."""
-        if self.full_logits or self.loss_chunk_rows is None:
-            logits, targets, index = self._logits_at(batch, labels)
+        no ``[targets, vocab]`` logits). ``every_position``: the model runs every position through
+        its last layer (the router auxiliary loss needs each layer's router on every token)."""
+        if self.full_logits or every_position or self.loss_chunk_rows is None:
+            logits, targets, index = self._logits_at(batch, labels, every_position)
             return LogitScores(logits, targets, self.tp_group, index)
         hidden, head, targets, index = self._hidden_and_targets(batch, labels)
         return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group, index)
@@ -203,11 +211,39 @@ class Engine:
         PP rank of it): summing it over dp gives the step's mean loss; and the objective's metric
         sums over the micro-batches (None when it has none)."""
         with autocast(self.device, self.precision):
+            aux = self.config.num_experts > 0 and self.config.output_router_logits
             if self.runner is not None:
+                if aux:
+                    raise NxdError("output_router_logits (the router auxiliary loss) is not supported under "
+                                   "pipeline parallel: set it false in the model's config.json or use pp 1")
                 return self.runner.train_step(micro_batches, n_targets, objective)
-            return backward_micro_batches(micro_batches, n_targets.to(self.device),
-                                          lambda batch: objective.loss(*self.scores_and_side(batch, objective)),
-                                          backward or torch.Tensor.backward)
+            n_targets = n_targets.to(self.device)
+            loss = (functools.partial(self._loss_with_aux, objective=objective, n_targets=n_targets) if aux
+                    else lambda batch: objective.loss(*self.scores_and_side(batch, objective)))
+            return backward_micro_batches(micro_batches, n_targets, loss, backward or torch.Tensor.backward)
+
+    def _loss_with_aux(self, batch: Batch, objective: Objective,
+                       n_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``objective``'s loss sum of a micro-batch plus ``router_aux_loss_coef`` x its router
+        auxiliary loss x its units: divided by the step's ``n_targets`` it adds ``coef x aux``
+        weighted by the micro-batch's share of the step, which is transformers' ``loss`` (token-mean
+        cross entropy + ``coef x aux``) when the step is one micro-batch. Every token of the
+        micro-batch routes (no attention mask: packed rows and right padding alike)."""
+        model = self.model
+        with record_router_logits(model) as logits:
+            side = objective.side(batch)
+            scores = self.scores(batch, objective.labels(side), every_position=True)
+        loss_sum, stats = objective.loss(scores, side)
+        aux = router_aux_loss(model, logits).to(loss_sum.dtype)
+        units = objective.count(batch).to(loss_sum.dtype)
+        share = (aux * units / n_targets).detach()
+        self.aux_loss = share if self.aux_loss is None else self.aux_loss + share
+        return loss_sum + self.config.router_aux_loss_coef * aux * units, stats
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """:attr:`aux_loss` (None: none recorded), reset."""
+        out, self.aux_loss = self.aux_loss, None
+        return out
 
     def step(self) -> torch.Tensor | None:
         """Gradient reductions, clipping, optimizer and LR steps, zeroed grads; returns the global

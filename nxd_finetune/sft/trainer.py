@@ -124,7 +124,9 @@ def train(
         assert isinstance(loss, float) and (grad_norm is None or isinstance(grad_norm, float))
         # the objective's own metrics (preference: rewards/...)
         own = None if extra is None else objective.train_record([extra] if isinstance(extra, float) else extra)
-        rec = log.record(step, loss, lr, grad_norm, own, peak_host_mb=host_peak_mb())
+        aux = v.get("aux_loss")  # the router auxiliary loss (output_router_logits), mean over the window's steps
+        aux_rec = {} if not isinstance(aux, float) else {"aux_loss": aux}
+        rec = log.record(step, loss, lr, grad_norm, own, peak_host_mb=host_peak_mb(), **aux_rec)
         metrics.log(step, rec)
         shown = objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
         more = f"  {shown} {rec[shown]:.2f}" if shown is not None and shown in rec else ""
@@ -133,6 +135,7 @@ def train(
 
     sums: torch.Tensor | None = None  # the objective's metric sums since the last logging step
     engine.train(True)
+    logged_at = state.step  # the last logging step (the window's start)
     try:
         while state.step < total_steps:
             micro_batches, n_input = source.next_step(engine, state.step + 1)
@@ -148,6 +151,10 @@ def train(
                 # summed since the last logging step: the record's metrics cover the whole window
                 values["objective"] = None if sums is None else engine.dp_sum(sums)
                 sums = None
+                aux = engine.take_aux_loss()
+                if aux is not None:
+                    values["aux_loss"] = engine.dp_sum(aux) / (state.step - logged_at)
+                logged_at = state.step
             lr = float(engine.scheduler.get_last_lr()[0])
             runtime.on_host(functools.partial(on_values, state.step, lr, logging), values)
             runtime.end_step()
