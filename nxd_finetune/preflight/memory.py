@@ -216,6 +216,8 @@ def layer_tensors(recipe: Recipe, config: DecoderConfig, unsharded: bool = False
     shared = m == c  # the norm output is already in the compute dtype: q/k/v (gate/up) share it
     attention = [m * h / sp] * 2 + [c * h / sp] * (1 if shared else 3) + [c * q / t] * 3 + [c * k / t] * 2
     mlp = [c * h / sp] * (1 if shared else 2) + [c * f / t] * 3
+    if config.num_experts:
+        mlp = _moe_mlp(config, mlp, c, sp)
     if recipe.lora is None and m == 4:
         attention += [m * h / sp] * 2  # trainable fp32 norms also keep their normalised output
     attention += _family_tensors(recipe, config, m, c, t, sp)
@@ -223,6 +225,20 @@ def layer_tensors(recipe: Recipe, config: DecoderConfig, unsharded: bool = False
             "full": [m * h / sp]}[par.activation_checkpointing]
     recompute = {"none": [], "selective": mlp, "full": attention + mlp}[par.activation_checkpointing]
     return kept, recompute
+
+
+def _moe_mlp(config: DecoderConfig, dense: list[float], c: int, sp: int) -> list[float]:
+    """The MLP tensors per token of a mixture-of-experts model, averaged over its layers (dense
+    ``mlp_only_layers`` keep ``dense``): an MoE layer keeps its input ``c*h``, the router logits and
+    their fp32 softmax ``(c + 4)*E``, and per routed copy of the token (``k`` =
+    ``num_experts_per_tok``) the gathered input ``c*h``, gate, up and their product ``3*c*I_moe``
+    and the expert's output ``c*h``: the experts run the routed tokens only, never all ``E``."""
+    layers = config.num_hidden_layers
+    share = sum(config.is_moe_layer(i) for i in range(layers)) / layers
+    h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    i = config.moe_intermediate_size or config.intermediate_size
+    moe = [c * h / sp, (c + 4) * e] + [c * h, 3 * c * i, c * h] * k
+    return [w * share for w in moe] + [w * (1 - share) for w in dense]
 
 
 def _family_tensors(recipe: Recipe, config: DecoderConfig, m: int, c: int, t: int, sp: int) -> list[float]:

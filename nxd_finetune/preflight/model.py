@@ -85,6 +85,19 @@ def count_parameters(recipe: Recipe, config: DecoderConfig,
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), targets
 
 
+def expert_parameters(config: DecoderConfig) -> tuple[int, int]:
+    """``(expert parameters, those a token runs)`` of a mixture-of-experts model: each MoE layer's
+    fused experts, ``E x 3 x H x I_moe`` (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``), of
+    which a token runs ``num_experts_per_tok`` experts' share; ``(0, 0)`` for a dense model. The
+    router counts with the dense parameters (every token runs it): the active parameters per token
+    are ``total - experts + active experts``."""
+    if not config.num_experts:
+        return 0, 0
+    per_layer = 3 * config.hidden_size * (config.moe_intermediate_size or config.intermediate_size)
+    layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return config.num_experts * per_layer * layers, config.num_experts_per_tok * per_layer * layers
+
+
 def check_init_from_adapter(recipe: Recipe, config: DecoderConfig, model_dir: Path) -> None:
     """``lora.init_from``: the checks ``run`` makes before loading the adapter
     (:func:`nxd_finetune.lora.init_from.check_init_from`: LoRA ``peft_type``, the recipe's LoRA, the

@@ -13,7 +13,12 @@ from nxd_finetune.models import DecoderConfig
 from nxd_finetune.preflight.data import check_data, micro_batch_targets
 from nxd_finetune.preflight.hardware import check_cpu_formats
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
-from nxd_finetune.preflight.model import check_init_from_adapter, count_parameters, find_model_dir
+from nxd_finetune.preflight.model import (
+    check_init_from_adapter,
+    count_parameters,
+    expert_parameters,
+    find_model_dir,
+)
 from nxd_finetune.recipe import check_against_model
 
 if TYPE_CHECKING:
@@ -33,6 +38,7 @@ class Preflight:
     targets: list[str]
     memory: dict[str, float]
     loss_targets: int | None = None  # the most target positions in one micro-batch (None: not counted)
+    experts: tuple[int, int] = (0, 0)  # (expert parameters, those a token runs): .model.expert_parameters
 
 
 def run_checks(recipe: Recipe) -> Preflight:
@@ -53,7 +59,8 @@ def run_checks(recipe: Recipe) -> Preflight:
     loss_targets = micro_batch_targets(recipe, model_dir)
     memory = estimate_memory(recipe, config, total, trainable, loss_targets)
     check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
-    return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets)
+    return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets,
+                     expert_parameters(config))
 
 
 def layout(recipe: Recipe) -> JsonObject:
@@ -81,10 +88,17 @@ def report_json(result: Preflight) -> JsonObject:
                   "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
                   "num_key_value_heads": cfg.num_key_value_heads},
         "parameters": {"total": result.total, "trainable": result.trainable, "lora_modules": len(result.targets),
-                       "mode": "lora" if result.recipe.lora is not None else "full"},
+                       "mode": "lora" if result.recipe.lora is not None else "full", **_expert_counts(result)},
         "max_targets_per_micro_batch": result.loss_targets,
         "memory_per_rank_bytes": memory,
     }
+
+
+def _expert_counts(result: Preflight) -> dict[str, int]:
+    """A mixture-of-experts model's ``experts`` (expert parameters) and ``active_per_token`` (the
+    parameters one token runs: the dense ones and its top-k experts'); nothing for a dense model."""
+    experts, active = result.experts
+    return {"experts": experts, "active_per_token": result.total - experts + active} if experts else {}
 
 
 def print_report(result: Preflight) -> None:
@@ -100,6 +114,10 @@ def print_report(result: Preflight) -> None:
     console.print(f"model: {config.architecture}, {config.num_hidden_layers} layers, "
                   f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads ({mode})")
     console.print(f"parameters: total {total:,}  trainable {trainable:,} ({100 * trainable / total:.2f}%)")
+    moe = _expert_counts(result)
+    if moe:
+        console.print(f"experts: {moe['experts']:,} parameters ({config.num_experts} per MoE layer, "
+                      f"{config.num_experts_per_tok} per token); active per token {moe['active_per_token']:,}")
     console.print(f"layout: nproc={par.nproc} = tp {par.tp} x pp {par.pp} x dp {par.dp}; "
                   f"grad_accum {recipe.grad_accum_steps}, global batch {recipe.training.global_batch(par.dp)}")
     table = Table(title="memory per rank, estimate", title_justify="left")
