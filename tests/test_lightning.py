@@ -28,6 +28,8 @@ pytest.importorskip("lightning")
 from nxd_finetune.errors import NxdError  # noqa: E402
 from nxd_finetune.recipe import load_recipe  # noqa: E402
 from nxd_finetune.sft import trainer  # noqa: E402
+from tests.moe_helpers import moe_with_tokenizer  # noqa: E402, F401  (a fixture)
+from tests.moe_helpers import train as moe_train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
@@ -262,3 +264,17 @@ def test_unsupported_layouts_and_precisions_are_one_line_errors(tmp_path):
     with pytest.raises(NxdError, match="output.registry is not published under Lightning"):
         pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=1, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False).fit(module)
+
+
+def test_lightning_logs_aux_loss_as_run(moe_with_tokenizer, tmp_path):  # noqa: F811
+    """The Lightning module's steps have ``run``'s ``aux_loss`` (in its history and its logger)."""
+    config = moe_with_tokenizer / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True}))
+    overrides = [f"model.path={moe_with_tokenizer}", "lora=null", "training.max_steps=2"]
+    ref = moe_train(tmp_path / "run", moe_with_tokenizer, "lora=null", "logging.every_n_steps=1",
+                "training.warmup_steps=2", "training.eps=1e-6")
+    module = _fit(tmp_path / "lt", 1, overrides, max_steps=2)
+    logged = _logged(tmp_path / "lt")
+    want = [r["aux_loss"] for r in ref["history"] if "train_loss" in r]
+    assert [r["aux_loss"] for r in module.history] == pytest.approx(want, rel=1e-5)
+    assert [logged[s]["aux_loss"] for s in (1, 2)] == pytest.approx(want, rel=1e-5)

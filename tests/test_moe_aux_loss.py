@@ -76,3 +76,4 @@ def test_run_logs_aux_loss(moe_with_tokenizer, tmp_path):  # noqa: F811
     summary = train(tmp_path / "run", moe_with_tokenizer, "lora=null", "logging.every_n_steps=1")
     records = [r for r in summary["history"] if "train_loss" in r]
     assert len(records) == 2 and all(0.5 < r["aux_loss"] < 3.0 for r in records)
+

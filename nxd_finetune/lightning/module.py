@@ -179,7 +179,13 @@ class NxdLightningModule(NxdModuleBase):
         assert self.engine is not None and self._source is not None
         micro_batches, n_input = self._source.next_step(self.engine, self.train_state.step + 1)
         micro_batches = [{k: v.to(self.engine.device) for k, v in b.items()} for b in micro_batches]
-        return self.lightning_step(self.engine, micro_batches, n_input)
+        loss = self.lightning_step(self.engine, micro_batches, n_input)
+        aux = self.engine.take_aux_loss()  # an MoE model with output_router_logits: the step's aux loss
+        if aux is not None:
+            value = float(self.engine.dp_sum(aux))
+            self.history[-1]["aux_loss"] = value
+            self.log("aux_loss", value, on_step=True, batch_size=1)
+        return loss
 
     # ------------------------------------------------------------------ eval (Trainer's val_check_interval)
 
