@@ -23,11 +23,18 @@ def _engine(path: Path) -> Engine:
     return build_engine(recipe, path, torch.device("cpu"), 2)
 
 
-def _batch(seed: int, rows: int = 2, t: int = 20) -> dict[str, torch.Tensor]:
+def _batch(seed: int, rows: int = 2, t: int = 20, pad: int = 0) -> dict[str, torch.Tensor]:
+    """``rows`` random rows, the first 6 tokens a prompt; ``pad``: each row's last ``pad`` tokens are
+    padding (segment 0, as the loader pads packed rows)."""
     ids = torch.randint(0, 128, (rows, t), generator=torch.Generator().manual_seed(seed))
     labels = ids.clone()
     labels[:, :6] = IGNORE_INDEX  # a prompt: routed (aux) but no loss
-    return {"input_ids": ids, "labels": labels}
+    if not pad:
+        return {"input_ids": ids, "labels": labels}
+    segments = torch.ones_like(ids)
+    segments[:, t - pad:] = 0
+    labels[:, t - pad:] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "segment_ids": segments}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -36,15 +43,17 @@ def test_step_with_aux_loss_equals_transformers(tmp_path, family):
     hf = build_tiny_moe(tiny_moe_config(family, output_router_logits=True, router_aux_loss_coef=0.1), path)
     engine = _engine(path)
     assert engine.config.output_router_logits
-    batches = [_batch(1), _batch(2, rows=1)]
-    units = [SFT.count(b) for b in batches]
-    for split in ([batches[0]], batches):  # one micro-batch, then two (grad accumulation)
+    batches = [_batch(1), _batch(2, rows=1), _batch(3, pad=5)]
+    # one micro-batch, two (grad accumulation), one with padding (segment 0: transformers' attention mask)
+    for split in ([batches[0]], batches[:2], [batches[2]]):
         n_step = torch.stack([SFT.count(b) for b in split]).sum().float()
         hf.zero_grad(set_to_none=True)
         ref_loss = torch.zeros(())
         aux_ref = torch.zeros(())
-        for b, u in zip(split, units, strict=False):
-            out = hf(b["input_ids"], labels=b["labels"])  # mean CE + coef x aux (output_router_logits)
+        for b in split:
+            u = SFT.count(b)
+            mask = (b["segment_ids"] > 0).long() if "segment_ids" in b else None
+            out = hf(b["input_ids"], attention_mask=mask, labels=b["labels"])  # mean CE + coef x aux
             loss = out.loss * u / n_step  # the micro-batch's share of the step
             loss.backward()
             ref_loss += loss.detach()

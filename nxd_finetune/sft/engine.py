@@ -227,14 +227,16 @@ class Engine:
         """``objective``'s loss sum of a micro-batch plus ``router_aux_loss_coef`` x its router
         auxiliary loss x its units: divided by the step's ``n_targets`` it adds ``coef x aux``
         weighted by the micro-batch's share of the step, which is transformers' ``loss`` (token-mean
-        cross entropy + ``coef x aux``) when the step is one micro-batch. Every token of the
-        micro-batch routes (no attention mask: packed rows and right padding alike)."""
+        cross entropy + ``coef x aux``) when the step is one micro-batch. The tokens of segment 0
+        (packed rows' padding) are left out, as transformers' attention mask leaves padding out;
+        unpacked rows carry no segment ids, and their right padding counts."""
         model = self.model
         with record_router_logits(model) as logits:
             side = objective.side(batch)
             scores = self.scores(batch, objective.labels(side), every_position=True)
         loss_sum, stats = objective.loss(scores, side)
-        aux = router_aux_loss(model, logits).to(loss_sum.dtype)
+        segments = batch.get("segment_ids")
+        aux = router_aux_loss(model, logits, None if segments is None else segments > 0).to(loss_sum.dtype)
         units = objective.count(batch).to(loss_sum.dtype)
         share = (aux * units / n_targets).detach()
         self.aux_loss = share if self.aux_loss is None else self.aux_loss + share
