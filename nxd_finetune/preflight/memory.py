@@ -216,7 +216,7 @@ def layer_tensors(recipe: Recipe, config: DecoderConfig, unsharded: bool = False
     shared = m == c  # the norm output is already in the compute dtype: q/k/v (gate/up) share it
     attention = [m * h / sp] * 2 + [c * h / sp] * (1 if shared else 3) + [c * q / t] * 3 + [c * k / t] * 2
     mlp = [c * h / sp] * (1 if shared else 2) + [c * f / t] * 3
-    if config.num_experts:
+    if getattr(config, "num_experts", 0):  # a config-like namespace of dense fields counts as dense
         mlp = _moe_mlp(config, mlp, c, sp)
     if recipe.lora is None and m == 4:
         attention += [m * h / sp] * 2  # trainable fp32 norms also keep their normalised output
