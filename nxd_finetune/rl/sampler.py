@@ -65,16 +65,19 @@ class Completions:
 def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """``logits [N, V]`` after transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
     ``TopPLogitsWarper`` (in that order; removed tokens at ``-inf``, at least one kept)."""
-    scores = logits / settings.temperature if settings.temperature != 1.0 else logits
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = logits
+    if settings.temperature != 1.0:
+        scores = TemperatureLogitsWarper(settings.temperature)(None, scores)  # type: ignore[arg-type]
     if settings.top_k:
-        k = min(settings.top_k, scores.shape[-1])
-        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], float("-inf"))
+        scores = TopKLogitsWarper(settings.top_k)(None, scores)  # type: ignore[arg-type]
     if settings.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - settings.top_p)
-        remove[..., -1:] = False
-        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        scores = TopPLogitsWarper(settings.top_p)(None, scores)  # type: ignore[arg-type]
     return scores
 
 
