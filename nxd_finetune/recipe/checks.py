@@ -35,7 +35,7 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
       takes LoRA with an ``adapter`` or ``base_and_adapter`` artefact: full SFT and ``merged`` would
       write a checkpoint without its vision tower;
     - a mixture-of-experts model (``config.num_experts``) trains in one process for now: tp, pp and
-      dp do not place its experts yet.
+      dp do not place its experts yet, and its base is not quantized (``model.quantization``).
     Raises RecipeError with the numbers.
     """
     experts = getattr(config, "num_experts", 0)
@@ -43,6 +43,9 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
         par = recipe.parallel
         raise RecipeError(f"parallel.nproc={par.nproc} (tp={par.tp}, pp={par.pp}, dp={par.dp}): a mixture-of-experts "
                           f"model ({experts} experts) trains in one process for now; set parallel.nproc=1")
+    if experts and recipe.model.quantization is not None:
+        raise RecipeError(f"model.quantization on a mixture-of-experts model ({experts} experts) is not supported: "
+                          "bitsandbytes quantizes linear layers, not the fused expert tensors; remove it")
     if getattr(config, "multimodal", False):
         what = ("full fine-tuning" if recipe.lora is None else
                 "checkpoint.save_mode=merged" if recipe.checkpoint.save_mode == "merged" else None)

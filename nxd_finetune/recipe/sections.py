@@ -34,6 +34,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class QuantizationSection(_Section):
+    """``model.quantization``: a frozen base quantized by bitsandbytes under LoRA (QLoRA), in
+    bitsandbytes' and peft's names: ``method`` nf4 / fp4 (4-bit) or int8 (LLM.int8()); for 4-bit
+    ``double_quant`` (``bnb_4bit_use_double_quant``), ``compute_dtype`` (``bnb_4bit_compute_dtype``)
+    and ``block_size`` (transformers' loader always uses 64). Defaults: ``BitsAndBytesConfig``'s."""
+
+    method: Literal["nf4", "fp4", "int8"]
+    double_quant: bool = False
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: Literal[32, 64, 128, 256, 512, 1024, 2048, 4096] = 64
+
+    @model_validator(mode="after")
+    def _check(self) -> QuantizationSection:
+        four_bit_only = sorted({"double_quant", "compute_dtype", "block_size"} & self.model_fields_set)
+        if self.method == "int8" and four_bit_only:
+            raise ValueError(f"model.quantization.{four_bit_only[0]} applies to the 4-bit methods (nf4, fp4); "
+                             "int8 quantizes each weight row and computes in the input's dtype")
+        return self
+
+
 class ModelSection(_Section):
     """``path``: HF model directory (config.json + safetensors) or ``builtin:tiny-llama``.
     ``dtype``: the dtype the base weights are loaded in. ``tokenizer``: defaults to ``path``.
@@ -41,7 +61,7 @@ class ModelSection(_Section):
     FlexAttention on CUDA for packed rows, windows and soft-capped scores, SDPA otherwise).
     ``compile``: ``torch.compile`` each decoder layer's work around the attention kernel (norms,
     projections with their LoRA, rope, MLP), on CPU and CUDA; the first steps then take the compile
-    time."""
+    time. ``quantization``: the frozen base in 4 or 8 bits under LoRA (QLoRA, docs/qlora.md)."""
 
     path: str = Field(min_length=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -49,6 +69,7 @@ class ModelSection(_Section):
     compile: bool = False
     revision: str | None = None
     tokenizer: str | None = None
+    quantization: QuantizationSection | None = None
 
 
 class DataSection(_Section):
@@ -356,6 +377,9 @@ class Recipe(_Section):
         if self.eval.every_n_steps and self.data.eval is None and self.data.eval_fraction == 0:
             raise ValueError(f"eval.every_n_steps={self.eval.every_n_steps} but there is no eval data; "
                              "set data.eval or data.eval_fraction")
+        if self.model.quantization is not None and self.lora is None:
+            raise ValueError(f"model.quantization={self.model.quantization.method} needs a lora section: a quantized "
+                             "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
         wrong = check_objective(self.objective, {"preference": self.preference}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:

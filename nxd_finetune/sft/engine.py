@@ -39,6 +39,7 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
+from nxd_finetune.lora.quantized import QuantSpec, quantize_base, require_bitsandbytes
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
@@ -290,9 +291,12 @@ def checkpoint_spec(parallel: ParallelSection) -> CheckpointSpec:
 
 
 def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, targets: list[str],
-                started: list[StartAdapter | None], model_dir: Path, warn: bool) -> ModelHooks:
+                started: list[StartAdapter | None], model_dir: Path, warn: bool, device: torch.device) -> ModelHooks:
     """Freeze the base and inject LoRA (its names -> ``targets``); after the weights: the adapter's
-    master dtype (fp32 unless pure bf16) and ``lora.init_from`` (what it resolved to -> ``started[0]``)."""
+    master dtype (fp32 unless pure bf16), ``lora.init_from`` (what it resolved to -> ``started[0]``)
+    and, with ``model.quantization``, the frozen linears quantized on ``device`` (this rank's shards)."""
+    quant = recipe.model.quantization
+    spec = None if quant is None else QuantSpec(quant.method, quant.double_quant, quant.compute_dtype, quant.block_size)
     def inject(model: nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -308,6 +312,9 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
             started[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
                                         model_dir=model_dir, revision=recipe.model.revision,
                                         allow_other_base=recipe.lora.allow_other_base, warn=warn)
+        if spec is not None:
+            for m in modules:
+                quantize_base(m, spec, device)
 
     return ModelHooks(inject=inject, checkpoint_key=base_param_name, loaded=loaded)
 
@@ -367,7 +374,10 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     hooks = None
     if recipe.lora is not None:
         lora_cfg = LoraConfig.from_section(recipe.lora)
-        hooks = _lora_hooks(recipe, config, lora_cfg, targets, started, model_dir, warn=state.rank == 0)
+        if recipe.model.quantization is not None:
+            require_bitsandbytes()
+        hooks = _lora_hooks(recipe, config, lora_cfg, targets, started, model_dir, warn=state.rank == 0,
+                            device=device)
     rows = chunk_rows(config.vocab_size // state.size("tp"), tcfg.loss_chunk_tokens)
     spec = ParallelizeSpec(sequence_parallel=par.sequence_parallel, virtual_stages=par.virtual_stages,
                            pp_cuts=par.pp_cuts, pp_schedule=par.pp_schedule, n_microbatches=recipe.grad_accum_steps,

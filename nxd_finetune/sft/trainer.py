@@ -32,6 +32,7 @@ from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
 from nxd_finetune.export import ExportSpec, export_model
+from nxd_finetune.lora.quantized import parameter_elements
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
 from nxd_finetune.objective import Objective, add_stats
@@ -377,7 +378,7 @@ def _count(engine: Engine, params: list[torch.nn.Parameter]) -> int:
     axes = norm_axes(st, [placement_of(p, specs) for p in params])
     counted = [p for p in params if counts_on_rank(placement_of(p, specs), st, axes)]
     skip = {id(p) for p in (engine.runner.not_counted_parameters() if engine.runner else [])}
-    mine = sum(p.numel() for p in counted if id(p) not in skip)
+    mine = sum(parameter_elements(p) for p in counted if id(p) not in skip)  # a 4-bit weight: its own shape
     total = torch.tensor(float(mine), dtype=torch.float64)
     for axis in axes:
         dist.all_reduce(total, group=st.host_group(axis))

@@ -1,0 +1,200 @@
+"""A quantized frozen base under LoRA (QLoRA): bitsandbytes' 4-bit (NF4 / FP4) and 8-bit (LLM.int8())
+weights and matmuls, the kernels transformers' ``BitsAndBytesConfig`` and peft train QLoRA with.
+
+Nothing here quantizes or multiplies by itself: :func:`quantize_base` hands each frozen linear's
+loaded weight (this rank's shard under tensor parallel) to bitsandbytes' own parameter types
+(``Params4bit`` / ``Int8Params``, quantized where they are moved to, as ``Linear4bit`` and
+``Linear8bitLt`` are), and the forward is ``bitsandbytes.matmul_4bit`` / ``bitsandbytes.matmul`` with
+the casts ``Linear4bit.forward`` / ``Linear8bitLt.forward`` make. Same input weights and settings
+give the same quantized bytes as transformers' loader, so the logits equal theirs up to the kernels'
+rounding.
+
+Which linears: every frozen ``nn.Linear`` / :class:`ColumnParallelLinear` / :class:`RowParallelLinear`
+(a LoRA layer's ``base_layer`` or an untargeted one) but the output layer (``lm_head``) and what
+``modules_to_save`` trains, as transformers' integration keeps ``lm_head`` in full precision. The
+module keeps its class's steps and names (its class becomes the quantized subclass), so the sharded
+LoRA layers run on it unchanged; its ``weight`` is then bitsandbytes' packed parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import logging
+from types import ModuleType
+from typing import Literal, cast
+
+import torch
+from torch import nn
+
+from nxd_finetune.errors import NxdError
+from nxd_finetune.jsontypes import JsonObject
+from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+Method = Literal["nf4", "fp4", "int8"]
+INSTALL_HINT = "pip install 'nxd-finetune[qlora]' (bitsandbytes)"
+INT8_THRESHOLD = 6.0
+"""LLM.int8()'s outlier threshold: ``BitsAndBytesConfig``'s ``llm_int8_threshold`` default."""
+KEPT_IN_FULL_PRECISION = ("lm_head",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """``model.quantization`` (bitsandbytes' and peft's names): ``method`` nf4 / fp4 (4-bit,
+    ``bnb_4bit_quant_type``) or int8 (``load_in_8bit``); ``double_quant`` (``bnb_4bit_use_double_quant``:
+    the block scales quantized too), ``compute_dtype`` (``bnb_4bit_compute_dtype``), ``block_size``
+    (bitsandbytes' ``blocksize``; transformers always uses 64). The last three are 4-bit only."""
+
+    method: Method
+    double_quant: bool = False
+    compute_dtype: str = "float32"
+    block_size: int = 64
+
+    @property
+    def four_bit(self) -> bool:
+        return self.method != "int8"
+
+    def to_json(self) -> JsonObject:
+        """The settings as adapter metadata records them (with the library and its version)."""
+        bnb = require_bitsandbytes()
+        out: JsonObject = {"method": self.method, "library": "bitsandbytes", "version": str(bnb.__version__)}
+        if self.four_bit:
+            out.update(double_quant=self.double_quant, compute_dtype=self.compute_dtype, block_size=self.block_size)
+        return out
+
+    def bnb_config(self) -> JsonObject:
+        """The same settings as transformers' ``BitsAndBytesConfig`` keyword arguments."""
+        if not self.four_bit:
+            return {"load_in_8bit": True, "llm_int8_threshold": INT8_THRESHOLD}
+        return {"load_in_4bit": True, "bnb_4bit_quant_type": self.method,
+                "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": self.compute_dtype}
+
+
+def bitsandbytes_available() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def require_bitsandbytes() -> ModuleType:
+    """The ``bitsandbytes`` module; NxdError (one line: what to install) when it is missing."""
+    try:
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its note on an optional CPU kernel package
+        return importlib.import_module("bitsandbytes")
+    except ImportError:
+        raise NxdError(f"model.quantization needs bitsandbytes, which is not installed: {INSTALL_HINT}") from None
+
+
+def _quantized_weight(weight: torch.Tensor, spec: QuantSpec, device: torch.device) -> nn.Parameter:
+    """bitsandbytes' parameter for ``weight`` (frozen), quantized on ``device`` as it is moved there."""
+    bnb = require_bitsandbytes()
+    data = weight.detach()
+    if spec.four_bit:
+        param = bnb.nn.Params4bit(data, requires_grad=False, quant_type=spec.method, blocksize=spec.block_size,
+                                  compress_statistics=spec.double_quant, quant_storage=torch.uint8)
+    else:
+        param = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
+    return cast(nn.Parameter, param.to(device))
+
+
+class _Quantized(nn.Module):
+    """The forward of a quantized base, ``Linear4bit.forward`` / ``Linear8bitLt.forward``'s calls."""
+
+    quant_spec: QuantSpec
+    int8_state: object | None
+
+    def quantized_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        bnb = require_bitsandbytes()
+        weight = self.get_parameter("weight")
+        if self.quant_spec.four_bit:
+            compute = DTYPES[self.quant_spec.compute_dtype]
+            out = bnb.matmul_4bit(x.to(compute), weight, bias=None if bias is None else bias.to(compute),
+                                  quant_state=weight.quant_state)  # type: ignore[attr-defined]
+            return cast(torch.Tensor, out).to(x.dtype)
+        state = self.int8_state
+        assert state is not None
+        state.is_training = self.training  # type: ignore[attr-defined]
+        state.CB = weight.data  # type: ignore[attr-defined]
+        return cast(torch.Tensor, bnb.matmul(x, weight, bias=None if bias is None else bias.to(x.dtype),
+                                             state=state))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, quantization={self.quant_spec.method}"
+
+
+class QuantizedLinear(_Quantized, nn.Linear):
+    """A frozen ``nn.Linear`` with a quantized weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized_linear(x, self.bias)
+
+
+class QuantizedColumnParallelLinear(_Quantized, ColumnParallelLinear):
+    """A column-parallel linear whose local shard is quantized (its collectives unchanged)."""
+
+    def local_output(self, x_in: torch.Tensor) -> torch.Tensor:
+        return self.quantized_linear(x_in, self.bias)
+
+
+class QuantizedRowParallelLinear(_Quantized, RowParallelLinear):
+    """A row-parallel linear whose local shard is quantized (the bias is added after the reduction)."""
+
+    def local_partial(self, x_l: torch.Tensor) -> torch.Tensor:
+        return self.quantized_linear(x_l, None)
+
+
+_QUANTIZED: dict[type[nn.Module], type[_Quantized]] = {
+    nn.Linear: QuantizedLinear,
+    ColumnParallelLinear: QuantizedColumnParallelLinear,
+    RowParallelLinear: QuantizedRowParallelLinear,
+}
+
+
+def parameter_elements(p: torch.Tensor) -> int:
+    """Elements of the (local) weight ``p`` stands for: a packed 4-bit weight counts its original
+    shape (``quant_state.shape``), as peft counts it; any other tensor its ``numel``."""
+    state = getattr(p, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, _Quantized)
+
+
+def quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the frozen linears :func:`quantize_base` quantizes (see the module doc)."""
+    found = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if (type(module) in _QUANTIZED and parts[-1] not in KEPT_IN_FULL_PRECISION
+                and not {"modules_to_save", "original_module"} & set(parts)
+                and not any(p.requires_grad for p in module.parameters())):
+            found.append((name, module))
+    return found
+
+
+def quantize_base(model: nn.Module, spec: QuantSpec, device: torch.device) -> list[str]:
+    """Quantize ``model``'s frozen linears in place on ``device``, one at a time (each module's loaded
+    weight, this rank's shard, is freed once its quantized form exists); returns their names.
+    NxdError when bitsandbytes is missing or a weight is still on the meta device."""
+    bnb = require_bitsandbytes()
+    names = []
+    for name, module in quantizable(model):
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        if weight.device.type == "meta":
+            raise NxdError(f"cannot quantize {name}: its weight is not loaded (still on the meta device)")
+        quantized = _quantized_weight(weight, spec, device)
+        module.__class__ = _QUANTIZED[type(module)]
+        assert isinstance(module, _Quantized)
+        module.weight = quantized  # type: ignore[assignment]  # bitsandbytes' Parameter subclass
+        module.quant_spec = spec
+        module.int8_state = None
+        if not spec.four_bit:
+            state = bnb.MatmulLtState()
+            state.threshold, state.has_fp16_weights, state.use_pool = INT8_THRESHOLD, False, True
+            state.SCB = quantized.SCB  # type: ignore[attr-defined]
+            module.int8_state = state
+        names.append(name)
+    return names

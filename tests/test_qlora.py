@@ -1,0 +1,206 @@
+"""QLoRA (``model.quantization``): a frozen base quantized by bitsandbytes under LoRA, against
+transformers + bitsandbytes (``BitsAndBytesConfig`` with the same settings) and peft.
+
+- the recipe section and its one-line refusals (full fine-tuning, 4-bit settings on int8, a
+  missing bitsandbytes);
+- our quantized base holds the same bytes as transformers' loader and gives the same logits;
+- one LoRA training step (gradients, then AdamW) equals peft's on transformers' quantized model;
+- a quantized run's adapter loads in peft on transformers' quantized model with the same logits.
+
+transformers' models run in train mode (no dropout in these configs): in eval without gradients
+bitsandbytes' ``Linear4bit`` repacks its weight for an AVX512-BF16 CPU kernel (bf16 arithmetic, and
+it fails on widths that are not a multiple of the block size), which our frozen base never takes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from nxd_finetune.errors import RecipeError
+from nxd_finetune.lora import inject_lora, load_adapter, lora_modules, read_adapter
+from nxd_finetune.lora.quantized import DTYPES, QuantSpec, is_quantized, quantizable, quantize_base
+from nxd_finetune.models import load_pretrained
+from nxd_finetune.quickstart import resolve_model_path
+from nxd_finetune.recipe import load_recipe, recipe_from_dict
+from nxd_finetune.sft import trainer
+
+pytest.importorskip("bitsandbytes")  # the [qlora] extra (in .[dev])
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+FAST = ["data.max_seq_len=64", "training.max_steps=3", "training.micro_batch_size=2", "training.warmup_steps=1",
+        "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null", "checkpoint.every_n_steps=null"]
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+SPECS = {
+    "nf4-double": QuantSpec("nf4", double_quant=True),
+    "fp4": QuantSpec("fp4"),
+    "nf4-bf16-compute": QuantSpec("nf4", compute_dtype="bfloat16", block_size=64),
+    "int8": QuantSpec("int8"),
+}
+
+
+def hf_quantized(path: Path, spec: QuantSpec) -> torch.nn.Module:
+    """transformers' model of ``path`` quantized by bitsandbytes with ``spec``'s settings."""
+    kw = spec.bnb_config()
+    if "bnb_4bit_compute_dtype" in kw:
+        kw["bnb_4bit_compute_dtype"] = DTYPES[str(kw["bnb_4bit_compute_dtype"])]
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kw),
+                                                dtype=torch.float32, device_map="cpu",
+                                                attn_implementation="eager").train()
+
+
+@pytest.fixture
+def tiny(make_tiny_hf) -> Path:
+    return make_tiny_hf("llama", intermediate_size=128)[1]
+
+
+def test_recipe_section_and_one_line_refusals():
+    recipe = load_recipe(QUICKSTART, ["model.quantization.method=nf4", "model.quantization.double_quant=true",
+                                      "model.quantization.compute_dtype=bfloat16"])
+    q = recipe.model.quantization
+    assert q is not None and (q.method, q.double_quant, q.compute_dtype, q.block_size) == ("nf4", True, "bfloat16", 64)
+    cases = {
+        ("lora=null", "model.quantization.method=nf4"): "full fine-tuning of a quantized base is not supported",
+        ("model.quantization.method=int8", "model.quantization.double_quant=true"):
+            "model.quantization.double_quant applies to the 4-bit methods",
+        ("model.quantization.method=nf4", "model.quantization.block_size=48"): "block_size",
+        ("model.quantization.method=int4",): "method",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(RecipeError) as err:
+            load_recipe(QUICKSTART, list(overrides))
+        assert message in str(err.value) and "\n" not in str(err.value), (overrides, str(err.value))
+
+
+def test_the_docs_recipe_block_is_a_valid_recipe():
+    block = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "qlora.md").read_text(), flags=re.S)[0]
+    shown = yaml.safe_load(block)
+    recipe = load_recipe(QUICKSTART).to_dict()
+    recipe["model"].update(shown["model"])
+    recipe["lora"].update(shown["lora"])
+    q = recipe_from_dict(recipe).model.quantization
+    assert q is not None and (q.method, q.double_quant, q.compute_dtype) == ("nf4", True, "bfloat16")
+
+
+def test_missing_bitsandbytes_is_one_line(quickstart_cache, tmp_path):
+    code = ("import sys; sys.modules['bitsandbytes'] = None\n"  # as if it were not installed
+            "from nxd_finetune.cli import main\n"
+            f"main(['run', {str(QUICKSTART)!r}, 'model.quantization.method=nf4', 'output.dir={tmp_path}', "
+            + ", ".join(repr(o) for o in FAST) + "])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert lines == ["error: model.quantization needs bitsandbytes, which is not installed: "
+                     "pip install 'nxd-finetune[qlora]' (bitsandbytes)"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_quantized_base_equals_transformers_bitsandbytes(tiny, name):
+    spec = SPECS[name]
+    hf = hf_quantized(tiny, spec)
+    ours = load_pretrained(tiny).requires_grad_(False)
+    names = quantize_base(ours, spec, torch.device("cpu"))
+    hf_linears = {n: m for n, m in hf.named_modules() if hasattr(m, "weight") and m.weight.dtype in
+                  (torch.uint8, torch.int8)}
+    assert sorted(hf_linears) == sorted(names) and len(names) == 14
+    for n in names:
+        theirs, mine = hf_linears[n].weight, ours.get_submodule(n).weight
+        assert torch.equal(theirs.data, mine.data), n  # the same quantized bytes
+        if spec.four_bit:
+            assert torch.equal(theirs.quant_state.absmax, mine.quant_state.absmax), n
+    assert not is_quantized(ours.lm_head) and ours.lm_head.weight.dtype == torch.float32
+    ours.train()
+    torch.testing.assert_close(ours(IDS), hf(IDS).logits, atol=1e-5, rtol=1e-5)
+    full = load_pretrained(tiny)(IDS)
+    assert (ours(IDS) - full).abs().max() > 1e-3  # the base is really quantized
+
+
+def _peft_on_quantized(tiny: Path, spec: QuantSpec, out: Path) -> peft.PeftModel:
+    """peft's QLoRA model (``prepare_model_for_kbit_training``) with every LoRA tensor random; saved to ``out``."""
+    hf = peft.prepare_model_for_kbit_training(hf_quantized(tiny, spec), use_gradient_checkpointing=False)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, p in sorted(pm.named_parameters()):
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    pm.save_pretrained(out)
+    return pm.train()
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), IDS[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("name", ["nf4-double", "int8"])
+def test_lora_step_equals_peft_on_their_quantized_model(tiny, tmp_path, name):
+    spec = SPECS[name]
+    pm = _peft_on_quantized(tiny, spec, tmp_path / "adapter")
+    ours = load_pretrained(tiny)
+    inject_lora(ours, read_adapter(tmp_path / "adapter")[0])
+    load_adapter(ours, tmp_path / "adapter", inject=False)
+    quantize_base(ours, spec, torch.device("cpu"))
+    ours.train()
+    theirs = {n.replace("base_model.model.", "").replace(".default", ""): p
+              for n, p in pm.named_parameters() if p.requires_grad}
+    mine = dict((n, p) for n, p in ours.named_parameters() if p.requires_grad)
+    assert sorted(mine) == sorted(theirs) and len(mine) == 28
+    opt_a = torch.optim.AdamW(list(mine.values()), lr=1e-2)
+    opt_b = torch.optim.AdamW(list(theirs.values()), lr=1e-2)
+    for step in range(2):
+        loss_a, loss_b = _loss(ours(IDS)), _loss(pm(input_ids=IDS).logits)
+        torch.testing.assert_close(loss_a, loss_b, atol=1e-5, rtol=1e-5, msg=f"step {step} loss")
+        loss_a.backward()
+        loss_b.backward()
+        for n in mine:
+            torch.testing.assert_close(mine[n].grad, theirs[n].grad, atol=1e-5, rtol=1e-4, msg=f"step {step} {n}")
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    for n in mine:
+        torch.testing.assert_close(mine[n], theirs[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_quantized_run_adapter_loads_in_peft_on_their_quantized_model(quickstart_cache, tmp_path):
+    spec = QuantSpec("nf4", double_quant=True)
+    recipe = load_recipe(QUICKSTART, [*FAST, f"output.dir={tmp_path}", "model.quantization.method=nf4",
+                                      "model.quantization.double_quant=true"])
+    summary = trainer.run(recipe)
+    final = Path(summary["output"])
+    losses = [h["train_loss"] for h in summary["history"]]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    plain_run = trainer.run(load_recipe(QUICKSTART, [*FAST, f"output.dir={tmp_path / 'plain'}"]))
+    plain_losses = [h["train_loss"] for h in plain_run["history"]]
+    assert abs(losses[0] - plain_losses[0]) > 1e-4, (losses, plain_losses)  # trained on the quantized base
+    assert abs(losses[0] - plain_losses[0]) < 0.05 * plain_losses[0]
+    base = Path(resolve_model_path("builtin:tiny-llama"))
+    n_base = sum(p.numel() for p in load_pretrained(base).parameters())
+    assert summary["parameters"] == n_base + summary["trainable_parameters"]  # 4-bit weights at their own size
+    cfg = json.loads((final / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] and cfg["r"] == 16
+    pm = peft.PeftModel.from_pretrained(hf_quantized(base, spec), final).train()
+    ours = load_pretrained(base)
+    load_adapter(ours, final)
+    assert {f"{n}.base_layer" for n, _ in lora_modules(ours)} == {n for n, _ in quantizable(ours)}  # all-linear
+    quantize_base(ours, spec, torch.device("cpu"))
+    ids = IDS % 100
+    with torch.no_grad():
+        mine = ours.train()(ids)
+        theirs = pm(input_ids=ids).logits
+        plain = hf_quantized(base, spec)(input_ids=ids).logits
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    assert (theirs - plain).abs().max() > 1e-4  # the trained adapter changes the logits
