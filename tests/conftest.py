@@ -39,7 +39,8 @@ SLOW_MODULES = frozenset({
     "test_families_parallel", "test_flex_attention", "test_full_disk",
     "test_gemma3_multimodal",
     "test_kill_soak", "test_lightning", "test_parallel_api", "test_parallel_dp", "test_parallel_lora",
-    "test_parallel_run", "test_pipeline", "test_preference", "test_preference_layouts", "test_quickstart_qwen3",
+    "test_parallel_run", "test_pipeline", "test_preference", "test_preference_layouts", "test_qlora_layouts",
+    "test_quickstart_qwen3",
     "test_resume_changes", "test_serve", "test_smollm2", "test_trackers", "test_xla_env",
 })
 
