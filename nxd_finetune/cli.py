@@ -181,6 +181,7 @@ def merge(
     """
     from nxd_finetune.data.inputs import resolve_model_dir
     from nxd_finetune.lora.merge import merge_adapter, parse_size
+    from nxd_finetune.lora.quantized import describe, trained_quantization
     from nxd_finetune.models import resolve_dtype
     from nxd_finetune.registry.fetch import fetch_adapter
 
@@ -191,7 +192,10 @@ def merge(
     with fetch_adapter(adapter, "--adapter") as fetched:
         merge_adapter(fetched.path, base_dir, out, dtype=dtype, max_shard_bytes=shard_bytes,
                       base_revision=base_revision, progress=True, allow_other_base=allow_other_base)
-    typer.echo(f"merged {fetched.lineage or adapter} into {base_dir} -> {out}")
+        recorded = trained_quantization(fetched.path)
+    note = "" if recorded is None else (f" (the full-precision base, from its checkpoint files; the adapter was "
+                                        f"trained on its {describe(recorded)} quantization)")
+    typer.echo(f"merged {fetched.lineage or adapter} into {base_dir}{note} -> {out}")
 
 
 @app.command()

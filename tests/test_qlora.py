@@ -25,11 +25,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from cli_run import run_cli
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.lora import inject_lora, load_adapter, lora_modules, read_adapter
-from nxd_finetune.lora.quantized import DTYPES, QuantSpec, is_quantized, quantizable, quantize_base
+from nxd_finetune.lora.quantized import (
+    DTYPES,
+    QuantSpec,
+    is_quantized,
+    quantizable,
+    quantize_base,
+    trained_quantization,
+)
 from nxd_finetune.models import load_pretrained
 from nxd_finetune.quickstart import resolve_model_path
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
@@ -204,3 +213,39 @@ def test_quantized_run_adapter_loads_in_peft_on_their_quantized_model(quickstart
         plain = hf_quantized(base, spec)(input_ids=ids).logits
     torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     assert (theirs - plain).abs().max() > 1e-4  # the trained adapter changes the logits
+
+
+def test_merge_folds_into_the_full_precision_base_and_metadata_records_the_quantization(
+        quickstart_cache, tmp_path, capsys):
+    quant = ["model.quantization.method=nf4", "model.quantization.double_quant=true",
+             "model.quantization.compute_dtype=bfloat16"]
+    merged = Path(trainer.run(load_recipe(QUICKSTART, [*FAST, *quant, f"output.dir={tmp_path / 'm'}",
+                                                       "checkpoint.save_mode=merged"]))["output"])
+    both = Path(trainer.run(load_recipe(QUICKSTART, [*FAST, *quant, f"output.dir={tmp_path / 'b'}",
+                                                     "checkpoint.save_mode=base_and_adapter"]))["output"])
+    recorded = trained_quantization(both / "adapter")
+    assert recorded is not None and {k: recorded[k] for k in ("method", "double_quant", "compute_dtype", "block_size",
+                                                              "library")} == {
+        "method": "nf4", "double_quant": True, "compute_dtype": "bfloat16", "block_size": 64, "library": "bitsandbytes"}
+    base = Path(resolve_model_path("builtin:tiny-llama"))
+    # the field's merge onto the original base: peft's merge_and_unload on transformers' unquantized model
+    expected = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                              both / "adapter").merge_and_unload().state_dict()
+    got = load_file(merged / "model.safetensors")
+    q_key = "model.layers.0.self_attn.q_proj.weight"
+    assert set(got) <= set(expected) and q_key in got
+    for key, t in got.items():
+        torch.testing.assert_close(t, expected[key], atol=1e-6, rtol=1e-6, msg=key)
+    dequantized = hf_quantized(base, SPECS["nf4-double"]).get_submodule(q_key.removesuffix(".weight"))
+    from bitsandbytes.functional import dequantize_4bit
+
+    delta = got[q_key] - load_file(base / "model.safetensors")[q_key]
+    on_4bit = dequantize_4bit(dequantized.weight.data, dequantized.weight.quant_state) + delta
+    assert (on_4bit - got[q_key]).abs().max() > 1e-3  # not the dequantized 4-bit base
+    code, out, err = run_cli(capsys, "merge", "--adapter", str(both / "adapter"), "--base", "builtin:tiny-llama",
+                             "--out", str(tmp_path / "cli-merged"))
+    assert code == 0, err
+    assert ("(the full-precision base, from its checkpoint files; the adapter was trained on its nf4 (double_quant "
+            "true, compute_dtype \"bfloat16\", block_size 64; bitsandbytes ") in out
+    for key, t in load_file(tmp_path / "cli-merged" / "model.safetensors").items():
+        assert torch.equal(t, got[key]), key

@@ -21,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
+from pathlib import Path
 from types import ModuleType
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -32,12 +34,18 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+if TYPE_CHECKING:
+    from nxd_finetune.recipe import QuantizationSection
+
 Method = Literal["nf4", "fp4", "int8"]
 INSTALL_HINT = "pip install 'nxd-finetune[qlora]' (bitsandbytes)"
 INT8_THRESHOLD = 6.0
 """LLM.int8()'s outlier threshold: ``BitsAndBytesConfig``'s ``llm_int8_threshold`` default."""
 KEPT_IN_FULL_PRECISION = ("lm_head",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+METADATA_KEY = "nxd_base_quantization"
+"""The adapter's safetensors metadata key (where peft does not look) holding the quantization it
+was trained on, as JSON (:meth:`QuantSpec.to_json`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,10 @@ class QuantSpec:
     double_quant: bool = False
     compute_dtype: str = "float32"
     block_size: int = 64
+
+    @classmethod
+    def from_section(cls, section: QuantizationSection) -> QuantSpec:
+        return cls(section.method, section.double_quant, section.compute_dtype, section.block_size)
 
     @property
     def four_bit(self) -> bool:
@@ -70,6 +82,34 @@ class QuantSpec:
             return {"load_in_8bit": True, "llm_int8_threshold": INT8_THRESHOLD}
         return {"load_in_4bit": True, "bnb_4bit_quant_type": self.method,
                 "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": self.compute_dtype}
+
+
+def quantization_metadata(section: QuantizationSection | None) -> dict[str, str]:
+    """The adapter metadata entry of a run with ``model.quantization`` (empty without)."""
+    if section is None:
+        return {}
+    return {METADATA_KEY: json.dumps(QuantSpec.from_section(section).to_json(), sort_keys=True)}
+
+
+def trained_quantization(adapter_dir: str | Path) -> JsonObject | None:
+    """The quantization an adapter records it was trained on (:data:`METADATA_KEY`), or None."""
+    from safetensors import safe_open
+
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        recorded = (f.metadata() or {}).get(METADATA_KEY)
+    value = json.loads(recorded) if recorded else None
+    return value if isinstance(value, dict) else None
+
+
+def describe(recorded: JsonObject) -> str:
+    """``nf4 (double_quant true, compute_dtype bfloat16, block_size 64; bitsandbytes 0.50.2)``."""
+    settings = ", ".join(f"{k} {json.dumps(recorded[k])}" for k in ("double_quant", "compute_dtype", "block_size")
+                         if k in recorded)
+    library = f"{recorded.get('library', 'bitsandbytes')} {recorded.get('version', '')}".strip()
+    return f"{recorded.get('method')} ({settings + '; ' if settings else ''}{library})"
 
 
 def bitsandbytes_available() -> bool:

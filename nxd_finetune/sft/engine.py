@@ -296,7 +296,7 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
     master dtype (fp32 unless pure bf16), ``lora.init_from`` (what it resolved to -> ``started[0]``)
     and, with ``model.quantization``, the frozen linears quantized on ``device`` (this rank's shards)."""
     quant = recipe.model.quantization
-    spec = None if quant is None else QuantSpec(quant.method, quant.double_quant, quant.compute_dtype, quant.block_size)
+    spec = None if quant is None else QuantSpec.from_section(quant)
     def inject(model: nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(False)

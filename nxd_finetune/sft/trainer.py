@@ -32,7 +32,7 @@ from nxd_finetune.data.datasets import DataSpec, prepare_datasets
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.errors import NxdError, NxdWarning, show_warnings_as_lines
 from nxd_finetune.export import ExportSpec, export_model
-from nxd_finetune.lora.quantized import parameter_elements
+from nxd_finetune.lora.quantized import parameter_elements, quantization_metadata
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
 from nxd_finetune.objective import Objective, add_stats
@@ -216,7 +216,8 @@ def export_spec(recipe: Recipe, model_dir: Path, tokenizer: PreTrainedTokenizerB
     return ExportSpec(mode="full" if recipe.lora is None else recipe.checkpoint.save_mode, source_dir=model_dir,
                       base_name=str(model_dir) if path.startswith("builtin:") else path, dtype=dtype,
                       revision=recipe.model.revision, tokenizer=tokenizer,
-                      metadata=objective_metadata(recipe, reference))
+                      metadata={**objective_metadata(recipe, reference),
+                                **quantization_metadata(recipe.model.quantization)})
 
 
 def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dict[str, str]:
