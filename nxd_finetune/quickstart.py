@@ -1,5 +1,5 @@
-"""The quickstart's tiny local models (``model.path: builtin:tiny-llama`` or ``builtin:tiny-qwen3``)
-and its accuracy metric.
+"""The quickstart's tiny local models (``model.path: builtin:tiny-llama``, ``builtin:tiny-qwen3`` or
+``builtin:tiny-qwen3-moe``) and its accuracy metric.
 
 ``ensure_tiny_model(name=...)`` builds, once per machine, an HF-format directory holding
 
@@ -13,7 +13,9 @@ using ``<|system|>``, ``<|user|>`` and ``<|assistant|>`` markers. ``builtin:tiny
 ``Qwen3ForCausalLM`` (q/k norms, head_dim set apart from hidden / heads) with Qwen3's tokens
 (``<|im_start|>``, ``<|im_end|>`` as eos, ``<|endoftext|>`` as pad, ``<think>`` / ``</think>``, no bos)
 and Qwen3's released chat template (``nxd_finetune/assets/qwen3_chat_template.jinja``: ChatML, an
-empty ``<think>`` block in the last assistant turn, ``enable_thinking``).
+empty ``<think>`` block in the last assistant turn, ``enable_thinking``). ``builtin:tiny-qwen3-moe``:
+``Qwen3MoeForCausalLM``, tiny-qwen3's attention and tokens with a mixture-of-experts block in every
+layer (8 experts of width 128, top 2, renormalised), the model of the MoE quickstart.
 
 Nothing is downloaded. The directory lives under ``$NXD_FINETUNE_CACHE`` (default
 ``~/.cache/nxd-finetune``) in ``models/tiny-<family>-<hash>``, the hash covering everything that
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 TINY_LLAMA = "builtin:tiny-llama"
 TINY_QWEN3 = "builtin:tiny-qwen3"
+TINY_QWEN3_MOE = "builtin:tiny-qwen3-moe"
 CORPUS = QUICKSTART_CORPUS  # package data: found in an installed package too
 
 _VERSION = 1  # bump when the build below changes in a way the hash would not see
@@ -108,6 +111,12 @@ TINY_MODELS: dict[str, TinyModel] = {
                           ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
                           QWEN3_CHAT_TEMPLATE.read_text(encoding="utf-8"), added=("<think>", "</think>")),
 }
+# Qwen3-30B-A3B's block, shrunk: every layer sparse, top 2 of 8 experts renormalised (norm_topk_prob),
+# experts narrower than a dense MLP (moe_intermediate_size); attention and tokens are tiny-qwen3's
+TINY_MODELS[TINY_QWEN3_MOE] = dataclasses.replace(
+    TINY_MODELS[TINY_QWEN3], family="qwen3-moe", config_class="Qwen3MoeConfig",
+    config={**TINY_MODELS[TINY_QWEN3].config, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128, "norm_topk_prob": True, "decoder_sparse_step": 1})
 
 
 def _tiny_model(name: str) -> TinyModel:
@@ -217,9 +226,10 @@ def ensure_tiny_model(cache_root: str | os.PathLike | None = None, name: str = T
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path | str:
-    """Map ``builtin:tiny-llama`` / ``builtin:tiny-qwen3`` to :func:`ensure_tiny_model` and
-    ``builtin:smollm2-135m-instruct`` to :func:`nxd_finetune.smollm2.ensure_smollm2`; return any
-    other path unchanged. Other ``builtin:`` names raise ModelLoadError listing the known ones.
+    """Map the :data:`TINY_MODELS` names (``builtin:tiny-llama``, ``builtin:tiny-qwen3``,
+    ``builtin:tiny-qwen3-moe``) to :func:`ensure_tiny_model` and ``builtin:smollm2-135m-instruct`` to
+    :func:`nxd_finetune.smollm2.ensure_smollm2`; return any other path unchanged. Other ``builtin:``
+    names raise ModelLoadError listing the known ones.
     """
     from nxd_finetune.smollm2 import SMOLLM2, ensure_smollm2
 

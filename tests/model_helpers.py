@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from nxd_finetune.models import DecoderConfig
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from nxd_finetune.models import DecoderConfig, build_model
+from nxd_finetune.models.loading import split_experts
+from nxd_finetune.quickstart import ensure_tiny_model
+from nxd_finetune.safetensors_io import header_bytes
 
 
 def num_parameters(config: DecoderConfig) -> int:
@@ -14,9 +23,11 @@ def num_parameters(config: DecoderConfig) -> int:
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if config.qkv_bias else 0) + (h if config.o_bias else 0)
     mlp = 3 * h * i + ((2 * i + h) if config.mlp_bias else 0)
     norms = (4 if config.sandwich_norms else 2) * h + (2 * config.head_dim if config.qk_norm else 0)
-    per_layer = attn + mlp + norms
+    # a mixture-of-experts layer: the router [E, H] and E experts of gate, up, down at width I_moe
+    moe = config.num_experts * h + config.num_experts * 3 * h * (config.moe_intermediate_size or i)
+    mlps = sum(moe if config.is_moe_layer(n) else mlp for n in range(config.num_hidden_layers))
     head = 0 if config.tie_word_embeddings else v * h
-    return v * h + config.num_hidden_layers * per_layer + h + head
+    return v * h + config.num_hidden_layers * (attn + norms) + mlps + h + head
 
 
 # family -> tiny transformers config overrides (conftest.tiny_hf_config); head_dim set apart from
@@ -45,3 +56,33 @@ TINY_FAMILIES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 NO_SDPA = ("gemma2",)  # transformers has no sdpa Gemma 2 (soft-capped scores): eager only
+
+
+def write_header_only_checkpoint(path: Path, raw: dict, shard_bytes: int = 2**31) -> Path:
+    """``config.json`` and safetensors shards (with their index) whose headers name every tensor
+    with its shape and whose data regions are holes (sparse files: no weights written or stored),
+    plus the quickstart tokenizer. Enough for ``validate``, which reads headers only."""
+    path.mkdir(parents=True)
+    config = DecoderConfig.from_hf(raw)
+    shards: list[list] = [[]]
+    for n, t in ((key, part) for name, full in build_model(config).state_dict().items()
+                 for key, part in split_experts(config, name, full)):  # an MoE model's per-expert keys
+        if n == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if shards[-1] and sum(2 * s.numel() for _, _, s in shards[-1]) + 2 * t.numel() > shard_bytes:
+            shards.append([])
+        shards[-1].append((n, torch.bfloat16, t.shape))
+    weight_map = {}
+    for i, entries in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header = header_bytes(entries, {"format": "pt"})
+        with open(path / name, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(2 * s.numel() for _, _, s in entries))
+        weight_map.update(dict.fromkeys((n for n, _, _ in entries), name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(raw))
+    for f in ensure_tiny_model().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, path / f.name)
+    return path

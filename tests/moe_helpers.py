@@ -3,6 +3,8 @@ from the Hub; a tiny Qwen3-MoE with the quickstart tokenizer and a short quickst
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -72,3 +74,11 @@ def train(tmp_path: Path, model: Path, *overrides: str) -> dict[str, object]:
                                       "logging.progress=false", "eval.max_batches=1", f"output.dir={tmp_path}",
                                       *overrides])
     return trainer.run(recipe)
+
+
+def doc_commands() -> dict[str, list[str]]:
+    """The ``nxd-finetune`` lines of docs/models.md's bash blocks (comments dropped), by line."""
+    text = (QUICKSTART.parents[1] / "docs" / "models.md").read_text()
+    lines = [ln.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in block.splitlines()]
+    argvs = (shlex.split(line, comments=True) for line in lines)
+    return {" ".join(argv): argv for argv in argvs if argv[:1] == ["nxd-finetune"]}

@@ -110,6 +110,34 @@ RELEASED_CONFIGS["Qwen2.5-7B-Instruct"] = {
     "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
     "sliding_window": 131072, "tie_word_embeddings": False, "vocab_size": 152064}
 
+# Mixture-of-experts releases (the recipes qwen3-30b-a3b-lora.yaml and mixtral-8x7b-lora.yaml).
+# Checked, every field, against two public copies of Qwen/Qwen3-30B-A3B's config.json found by
+# exact-string search (the index names neither repository): one listing Qwen3 configs by name
+# ("Qwen3-30B-A3B", transformers 4.51.0, every field below equal), one quoted in a model-config
+# parser (transformers 4.57.1, "dtype" for "torch_dtype", every shape and token id equal); the shapes
+# also against keras-hub qwen3_moe "qwen3_moe_30b_a3b_en" (48 layers, 32 query / 4 kv heads, 128
+# experts, 8 active) and its parameter count below.
+RELEASED_CONFIGS["Qwen3-30B-A3B"] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936}
+# Verified, every field: mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py (preset
+# "Mixtral-8x7B-v0.1", transformers 4.36.0.dev0); the shapes also against a vendored
+# BUILTIN_MODEL_CONFIGS["mixtral_8x7b"] citing the Hub's config.json (found by exact-string search,
+# its repository not named by the index).
+RELEASED_CONFIGS["Mixtral-8x7B-v0.1"] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000}
+
 # name -> total parameters as published (the Hub's safetensors count, or a count that equals it).
 # keras-hub is keras-team/keras-hub keras_hub/src/models/<family>/<family>_presets.py.
 PUBLISHED_PARAMETERS: dict[str, int] = {
@@ -128,6 +156,8 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     # keras-hub gemma3 "gemma3_instruct_1b", and the Hub's record (safetensors.total) in
     # daniel-p-green/alain-ai-learning-platform out/research-google-gemma-3-1b-it/sources/huggingface/model.json
     "gemma-3-1b-it": 999_885_952,
+    "Qwen3-30B-A3B": 30_532_122_624,  # keras-hub qwen3_moe "qwen3_moe_30b_a3b_en" (card: 30.5B, 3.3B activated)
+    "Mixtral-8x7B-v0.1": 46_702_792_704,  # keras-hub mixtral "mixtral_8_7b_en"
 }
 
 # name -> parameters without the embeddings (and without an untied lm_head), as the model cards

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,10 +23,8 @@ from nxd_finetune.lora import LoraConfig, inject_lora, save_adapter
 from nxd_finetune.models import DecoderConfig, build_model, load_pretrained
 from nxd_finetune.parallel.plan import check_tp_config
 from nxd_finetune.preflight.memory import layer_tensors
-from nxd_finetune.quickstart import ensure_tiny_model
 from nxd_finetune.recipe import load_recipe
-from nxd_finetune.safetensors_io import header_bytes
-from tests.model_helpers import NO_SDPA, TINY_FAMILIES, num_parameters
+from tests.model_helpers import NO_SDPA, TINY_FAMILIES, num_parameters, write_header_only_checkpoint
 from tests.released_configs import PUBLISHED_NON_EMBEDDING_B, PUBLISHED_PARAMETERS, RELEASED_CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,35 +146,6 @@ def test_parameter_counts_equal_transformers(name):
     tied = config.tie_word_embeddings
     assert sorted(n for n in build_model(config).state_dict() if n != "lm_head.weight" or not tied) \
         == sorted(n for n in hf.state_dict() if n != "lm_head.weight" or not tied)
-
-
-def write_header_only_checkpoint(path: Path, raw: dict, shard_bytes: int = 2**31) -> Path:
-    """``config.json`` and safetensors shards (with their index) whose headers name every tensor
-    with its shape and whose data regions are holes (sparse files: no weights written or stored),
-    plus the quickstart tokenizer. Enough for ``validate``, which reads headers only."""
-    path.mkdir(parents=True)
-    config = DecoderConfig.from_hf(raw)
-    shards: list[list] = [[]]
-    for n, t in build_model(config).state_dict().items():
-        if n == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if shards[-1] and sum(2 * s.numel() for _, _, s in shards[-1]) + 2 * t.numel() > shard_bytes:
-            shards.append([])
-        shards[-1].append((n, torch.bfloat16, t.shape))
-    weight_map = {}
-    for i, entries in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header = header_bytes(entries, {"format": "pt"})
-        with open(path / name, "wb") as f:
-            f.write(header)
-            f.truncate(len(header) + sum(2 * s.numel() for _, _, s in entries))
-        weight_map.update(dict.fromkeys((n for n, _, _ in entries), name))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(raw))
-    for f in ensure_tiny_model().iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 # recipe -> (released config it targets, LoRA trainable parameters computed by hand)
