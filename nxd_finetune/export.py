@@ -46,7 +46,6 @@ import torch.distributed as dist
 from nxd_finetune.checkpoint.writer import failpoint
 from nxd_finetune.lora import (
     LoraConfig,
-    adapter_state_dict,
     gather_adapter_state_dict,
     save_tokenizer,
     write_adapter_files,
@@ -109,8 +108,7 @@ def gather_to_writer(rank_model: RankModel, lora: LoraConfig | None,
         return _unite_stages(rank_model, pp_group, dict(_streamed_model(rank_model)))
     local: Tensors = {}
     for m in rank_model.modules:
-        local.update(adapter_state_dict(m, lora.bias) if state.size("tp") == 1
-                     else gather_adapter_state_dict(m, state, lora.bias))
+        local.update(gather_adapter_state_dict(m, state, lora.bias))  # sharded over tp or ep: gathered
     return _unite_stages(rank_model, pp_group, local)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout_helpers import assert_same_curves, assert_same_files, assert_same_finish, final_tensors, run_layouts
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,7 +37,7 @@ from nxd_finetune.parallel.launch import init_distributed, launch
 from nxd_finetune.parallel.placement import gather_full, iter_placements
 from nxd_finetune.parallel.plan import make_slice_reader
 from nxd_finetune.quickstart import ensure_tiny_model
-from nxd_finetune.recipe import load_recipe, recipe_from_dict
+from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,29 +91,10 @@ def _recipe(model: Path, out: Path, nproc: int, *overrides: str):
                                     *overrides])
 
 
-def _run_layouts(recipe_dicts: list[dict]) -> list[dict | None]:
-    torch.set_num_threads(1)
-    return [trainer.run_rank(recipe_from_dict(d)) for d in recipe_dicts]
-
-
-def _final_tensors(summary: dict) -> dict[str, torch.Tensor]:
-    final = Path(summary["output"])
-    name = "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
-    return load_file(final / name)
-
-
 def _assert_same_run(name: str, got: dict, ref: dict) -> None:
-    curve = [torch.tensor([h[k] for h in s["history"]], dtype=torch.float64) for s in (got, ref)
-             for k in ("train_loss", "grad_norm")]
-    assert curve[0].shape == (STEPS,), name
-    assert torch.allclose(curve[0], curve[2], rtol=1e-5, atol=0), (name, curve[0].tolist(), curve[2].tolist())
-    assert torch.allclose(curve[1], curve[3], rtol=1e-4, atol=0), (name, curve[1].tolist(), curve[3].tolist())
+    assert_same_curves(name, got, ref, STEPS)
     assert got["eval_after"]["eval_loss"] == pytest.approx(ref["eval_after"]["eval_loss"], rel=1e-5), name
-    assert (got["parameters"], got["trainable_parameters"]) == (ref["parameters"], ref["trainable_parameters"])
-    tg, tr = _final_tensors(got), _final_tensors(ref)
-    assert tg.keys() == tr.keys(), (name, sorted(set(tg) ^ set(tr))[:4])
-    for k in tr:
-        assert (tg[k] - tr[k]).abs().max().item() <= 2e-5, (name, k)
+    assert_same_files(name, got, ref)
 
 
 def _tp2_grads(model_dirs: dict[str, str]) -> dict[str, float]:
@@ -201,16 +183,16 @@ def test_every_layout_reproduces_the_single_process_run(quickstart_cache, make_t
         for layout in ("tp2", "pp2"):
             names.append(f"{family}/{mode}/{layout}")
             dicts.append(_recipe(model, tmp_path / mode / layout, 2, *LAYOUTS[layout], *extra).to_dict())
-    results = launch(_run_layouts, 2, dicts, start_method="fork")
+    results = launch(run_layouts, 2, dicts, start_method="fork")
     for name, got in zip(names, results[0], strict=True):
         assert got["parallel"]["nproc"] == 2, name
         ref = refs[name.split("/")[1]]
         if name.endswith("tp2-resumed"):
-            _assert_same_finish(name, got, ref)
+            assert_same_finish(name, got, ref)
         else:
             _assert_same_run(name, got, ref)
     # full fine-tuning moved every tensor the layouts were compared on (the per-head norms too)
-    base, sft = load_file(model / "model.safetensors"), _final_tensors(refs["sft"])
+    base, sft = load_file(model / "model.safetensors"), final_tensors(refs["sft"])
     assert base.keys() == sft.keys()
     assert all((base[k] - sft[k]).abs().max() > 1e-4 for k in base), [k for k in base if torch.equal(base[k], sft[k])]
     # the merged checkpoint is a transformers model
@@ -219,17 +201,3 @@ def test_every_layout_reproduces_the_single_process_run(quickstart_cache, make_t
     ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (load_pretrained(merged).eval()(ids) - hf(ids).logits).abs().max() <= 1e-5
-
-
-def _assert_same_finish(name: str, got: dict, ref: dict) -> None:
-    """A run resumed from the reference's step-2 checkpoint: steps 3 and 4 and the final files
-    equal the reference's."""
-    steps = {h["step"]: h for h in got["history"]}
-    ref_steps = {h["step"]: h for h in ref["history"]}
-    for step in (3, 4):
-        assert steps[step]["train_loss"] == pytest.approx(ref_steps[step]["train_loss"], rel=1e-5), (name, step)
-        assert steps[step]["grad_norm"] == pytest.approx(ref_steps[step]["grad_norm"], rel=1e-4), (name, step)
-    tg, tr = _final_tensors(got), _final_tensors(ref)
-    assert tg.keys() == tr.keys(), name
-    for k in tr:
-        assert (tg[k] - tr[k]).abs().max().item() <= 2e-5, (name, k)

@@ -264,6 +264,10 @@ def test_unsupported_layouts_and_precisions_are_one_line_errors(tmp_path):
     with pytest.raises(NxdError, match="output.registry is not published under Lightning"):
         pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=1, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False).fit(module)
+    module = NxdLightningModule(QUICKSTART, [f"output.dir={tmp_path}", "parallel.nproc=2", "parallel.ep=2"])
+    with pytest.raises(NxdError, match="parallel.ep=2 is not supported under Lightning"):
+        pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False).fit(module)
 
 
 def test_lightning_logs_aux_loss_as_run(moe_with_tokenizer, tmp_path):  # noqa: F811

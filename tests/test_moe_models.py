@@ -231,14 +231,23 @@ def test_lora_targets_peft_reads_as_experts_are_refused(make_moe):
 
 
 @pytest.mark.parametrize("layout", [["parallel.nproc=2"], ["parallel.nproc=2", "parallel.tp=2"],
-                                    ["parallel.nproc=2", "parallel.pp=2"]])
-def test_layouts_other_than_one_process_are_refused(layout):
+                                    ["parallel.nproc=2", "parallel.pp=2"], ["parallel.nproc=2", "parallel.ep=2"]])
+def test_every_layout_but_sequence_parallel_takes_a_moe_model(layout):
+    """tests/test_moe_expert_parallel.py trains them; ep needs experts, sequence parallel is refused."""
     recipe = load_recipe(QUICKSTART, layout)
     config = DecoderConfig.from_hf(tiny_moe_config("mixtral").to_dict())
-    with pytest.raises(RecipeError, match=r"^parallel.nproc=2 \(tp=\d, pp=\d, dp=\d\): a mixture-of-experts model "
-                                          r"\(4 experts\) trains in one process for now; set parallel.nproc=1$"):
-        check_against_model(recipe, config)
-    check_against_model(recipe, DecoderConfig.from_hf(tiny_moe_config("qwen3_moe", num_experts=0).to_dict()))
+    check_against_model(recipe, config)
+    dense = DecoderConfig.from_hf(tiny_moe_config("qwen3_moe", num_experts=0).to_dict())
+    if "parallel.ep=2" in layout:
+        with pytest.raises(RecipeError, match=r"^parallel.ep=2 splits the experts of a mixture-of-experts model; this "
+                                              r"model has none \(set parallel.ep=1\)$"):
+            check_against_model(recipe, dense)
+    else:
+        check_against_model(recipe, dense)
+    sp = load_recipe(QUICKSTART, ["parallel.nproc=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
+    with pytest.raises(RecipeError, match=r"^parallel.sequence_parallel on a mixture-of-experts model \(4 experts\) "
+                                          r"is not supported: its router and experts run on whole rows; set it false$"):
+        check_against_model(sp, config)
 
 
 def test_full_fine_tune_in_one_process(moe_with_tokenizer, tmp_path):  # noqa: F811

@@ -4,6 +4,7 @@ estimate's expert terms (weights: the real parameter bytes; activations: the top
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -36,3 +37,34 @@ def test_validate_counts_experts_and_estimates_them(moe_with_tokenizer, capsys):
     print_report(result)
     out = capsys.readouterr().out
     assert f"experts: {report['experts']:,} parameters (6 per MoE layer, 2 per token)" in out
+
+
+def test_validate_estimates_each_ranks_experts_under_ep_and_a_bad_ep_is_one_line(moe_with_tokenizer, capsys):  # noqa: F811
+    """Full fine-tuning in fp32: at ep2 a rank holds 3 of the 6 experts (their weights, gradients and
+    AdamW states halve); under tp the experts stay whole on every rank (only the dense parts halve).
+    An ep that does not divide dp or the expert count is one line from ``validate``."""
+    from nxd_finetune.errors import RecipeError
+    from tests.cli_run import run_cli
+
+    base = [f"model.path={moe_with_tokenizer}", "lora=null", "data.max_seq_len=64", "training.micro_batch_size=2",
+            "parallel.activation_checkpointing=none"]
+    dp2, ep2, tp2 = (run_checks(load_recipe(QUICKSTART, [*base, *extra])) for extra in (
+        ["parallel.nproc=2"], ["parallel.nproc=2", "parallel.ep=2"], ["parallel.nproc=2", "parallel.tp=2"]))
+    report = report_json(dp2)["parameters"]
+    experts, total = report["experts"], report["total"]
+    assert dp2.memory["weights"] - ep2.memory["weights"] == experts * 4 / 2
+    assert dp2.memory["gradients"] - ep2.memory["gradients"] == experts * 4 / 2
+    assert dp2.memory["optimizer"] - ep2.memory["optimizer"] == experts * 8 / 2
+    assert tp2.memory["weights"] == (total - experts) * 4 / 2 + experts * 4
+    with pytest.raises(RecipeError, match=r"^parallel.ep=4 does not divide the model's 6 experts$"):
+        run_checks(load_recipe(QUICKSTART, [*base, "parallel.nproc=4", "parallel.ep=4"]))
+    for extra, message in ((["parallel.nproc=4", "parallel.ep=3"],
+                            "parallel.ep=3 does not divide the data-parallel degree dp=4"),
+                           (["parallel.nproc=4", "parallel.ep=4"],
+                            "parallel.ep=4 does not divide the model's 6 experts"),
+                           (["parallel.nproc=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                            "parallel.sequence_parallel on a mixture-of-experts model")):
+        capsys.readouterr()
+        code, _, err = run_cli(capsys, "validate", str(QUICKSTART), *base, *extra)
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (code, err)

@@ -120,6 +120,9 @@ class NxdLightningModule(NxdModuleBase):
         device = strategy.root_device
         if device.type not in ("cpu", "cuda"):
             raise NxdError(f"NxdLightningModule runs on cpu or cuda, not {device.type}: use `nxd-finetune run` on XLA")
+        if self.recipe.parallel.ep > 1:
+            raise NxdError(f"parallel.ep={self.recipe.parallel.ep} is not supported under Lightning (NxdStrategy "
+                           "has no expert-parallel axis): train with `nxd-finetune run`, or set parallel.ep=1")
         if self.recipe.output.registry:
             raise NxdError("output.registry is not published under Lightning: push the exported adapter with "
                            "`nxd-finetune adapters push <output.dir>/final ...` after trainer.fit")

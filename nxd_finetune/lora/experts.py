@@ -25,8 +25,9 @@ from torch import nn
 
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora.config import LoraConfig
-from nxd_finetune.lora.layers import LoraLinear
+from nxd_finetune.lora.layers import LoraLinear, init_lora_factors
 from nxd_finetune.models.moe import Experts, LowRank
+from nxd_finetune.parallel.placement import AxisPlacement, Placement, Shard
 
 
 class ExpertLora(LoraLinear):
@@ -40,7 +41,7 @@ class ExpertLora(LoraLinear):
         self.parameter_name = parameter_name
         weight = self.weight
         weight.requires_grad_(False)
-        e, out_f, in_f = weight.shape
+        e, out_f, in_f = weight.shape  # the experts this rank holds (all of them without expert parallel)
         self.num_experts, self.in_features, self.out_features = e, in_f, out_f
         self.r = r
         self.lora_alpha = lora_alpha
@@ -48,10 +49,29 @@ class ExpertLora(LoraLinear):
         self.lora_dropout = nn.Identity()
         device = torch.device("cpu") if weight.device.type == "meta" else weight.device
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        self.lora_A = nn.Linear(in_f, r * e, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(r * e, out_f, bias=False, device=device, dtype=dtype)
+        every = self.experts.num_experts  # the factors of every expert first: the same draws as in one process
+        self.lora_A = nn.Linear(in_f, r * every, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r * every, out_f, bias=False, device=device, dtype=dtype)
         self.merged = False
         self.reset_lora_parameters(init_lora_weights)
+        placement = getattr(self.experts, "placements", {}).get(parameter_name)
+        if placement is not None and placement.sharded:  # expert parallel: this rank's experts' factors
+            for linear, spec in zip((self.lora_A, self.lora_B), expert_factor_placements(placement, r), strict=True):
+                linear.weight = nn.Parameter(spec.take(linear.weight.detach()).clone())
+                linear.out_features, linear.in_features = spec.local_shape
+                linear.placements = {"weight": spec}  # type: ignore[assignment]  # as lora/sharded.py's
+
+    @torch.no_grad()
+    def reset_lora_parameters(self, init_lora_weights: str = "default") -> None:
+        """PEFT's init of the factors of every expert (the same draws on every rank, and as in one
+        process), then this rank's experts' slices kept (all of them without expert parallel)."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        spec_a = getattr(self.lora_A, "placements", {}).get("weight", Placement(tuple(a.shape)))
+        spec_b = getattr(self.lora_B, "placements", {}).get("weight", Placement(tuple(b.shape)))
+        full_a, full_b = a.new_empty(spec_a.full_shape), b.new_empty(spec_b.full_shape)
+        init_lora_factors(full_a, full_b, self.r, init_lora_weights)
+        a.copy_(spec_a.take(full_a))
+        b.copy_(spec_b.take(full_b))
 
     @property
     def experts(self) -> Experts:
@@ -105,6 +125,27 @@ class ExpertLora(LoraLinear):
 
     def extra_repr(self) -> str:
         return f"parameter_name={self.parameter_name!r}, experts={self.num_experts}, {super().extra_repr()}"
+
+
+def expert_factor_placements(weight: Placement, r: int) -> tuple[Placement, Placement]:
+    """PEFT's ``lora_A [r * E, in]`` and ``lora_B [out, r * E]`` placed after the fused tensor
+    ``weight [E, out, in]``: split on experts (expert parallel) ``lora_A``'s rows ``e*r : (e+1)*r``
+    go with expert ``e`` (a contiguous block per rank) and ``lora_B``'s columns ``e, e + E, ...``
+    (each of its ``r`` runs of ``E`` columns split alike: ``Shard.parts``); other axes as the weight."""
+    e, out_f, in_f = weight.full_shape
+    on_a: list[tuple[str, AxisPlacement]] = []
+    on_b: list[tuple[str, AxisPlacement]] = []
+    for axis, p in weight.on:
+        if isinstance(p, Shard):
+            if p.dim != 0:
+                raise AdapterError(f"LoRA on experts split on dim {p.dim} over {axis}: only a split by expert "
+                                   "is supported")
+            on_a.append((axis, Shard(0, p.pieces, p.index)))
+            on_b.append((axis, Shard(1, p.pieces, p.index, parts=(e,) * r)))
+        else:
+            on_a.append((axis, p))
+            on_b.append((axis, p))
+    return Placement((r * e, in_f), tuple(on_a)), Placement((out_f, r * e), tuple(on_b))
 
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, str, str]]:

@@ -50,10 +50,13 @@ GEMMA2_TP_PLAN: Mapping[str, str] = MappingProxyType({
     "model.layers.*.post_feedforward_layernorm": "replicate",
 })
 GEMMA3_TP_PLAN: Mapping[str, str] = MappingProxyType({**GEMMA2_TP_PLAN, **_HEAD_NORMS})
-# mixture-of-experts families train in one process for now (recipe/checks.py): the router and the
-# experts are in no plan; Qwen3-MoE's dense layers (``mlp_only_layers``) keep Llama's MLP entries
+# mixture-of-experts families: the router and the experts stay whole on every tp rank (their input
+# is replicated over tp; expert parallel splits the experts: parallel/experts.py); Qwen3-MoE's dense
+# layers (``mlp_only_layers``) keep Llama's MLP entries
+_MOE = {"model.layers.*.mlp.gate": "replicate", "model.layers.*.mlp.experts": "replicate"}
+QWEN3_MOE_TP_PLAN: Mapping[str, str] = MappingProxyType({**QWEN3_TP_PLAN, **_MOE})
 MIXTRAL_TP_PLAN: Mapping[str, str] = MappingProxyType({
-    k: v for k, v in LLAMA_TP_PLAN.items() if not k.endswith(("gate_proj", "up_proj", "down_proj"))})
+    **{k: v for k, v in LLAMA_TP_PLAN.items() if not k.endswith(("gate_proj", "up_proj", "down_proj"))}, **_MOE})
 
 _GEMMA_FLAGS = {"embed_scale": True, "norm_unit_offset": True, "sandwich_norms": True}
 
@@ -133,7 +136,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.architecture: f for f in (
     Family("Gemma2ForCausalLM", "gemma2", GEMMA2_TP_PLAN, _GEMMA_FLAGS, attention_bias_all=True, gemma=True),
     Family("Gemma3ForCausalLM", "gemma3_text", GEMMA3_TP_PLAN, {**_GEMMA_FLAGS, "qk_norm": True},
            attention_bias_all=True, gemma=True),
-    Family("Qwen3MoeForCausalLM", "qwen3_moe", QWEN3_TP_PLAN, {"qk_norm": True}, attention_bias_all=True,
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", QWEN3_MOE_TP_PLAN, {"qk_norm": True}, attention_bias_all=True,
            window_needs_flag=True, experts=QWEN3_MOE_EXPERTS),
     Family("MixtralForCausalLM", "mixtral", MIXTRAL_TP_PLAN, {"router_fp32_weights": True},
            experts=MIXTRAL_EXPERTS),

@@ -23,6 +23,7 @@ from torch import nn
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.models.moe import Experts
 from nxd_finetune.safetensors_io import Entry, header_bytes, write_tensor
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -138,7 +139,8 @@ def materialize(
         module = model.get_submodule(module_name)
         parts = config.expert_keys(name) if isinstance(config, DecoderConfig) and key not in index else None
         if parts is not None and all(k in index for group in parts for k in group):
-            experts.append((module, attr, parts))
+            held = module.held if isinstance(module, Experts) else range(len(parts[0]))  # expert parallel: its own
+            experts.append((module, attr, tuple(tuple(group[e] for e in held) for group in parts)))
             continue
         if key not in index:
             if tied and name == "lm_head.weight":
@@ -181,8 +183,8 @@ def materialize(
 
 def _read_experts(index: Mapping[str, Path], parts: tuple[tuple[str, ...], ...], model_dir: str | Path) -> torch.Tensor:
     """A fused expert tensor from its per-expert checkpoint tensors (:meth:`DecoderConfig.expert_keys`):
-    each group's experts stacked, the groups (gate, up) concatenated along dim 1. Read whole: mixture-of-
-    experts models train in one process for now, so no rank reads a slice."""
+    each group's experts stacked, the groups (gate, up) concatenated along dim 1. ``parts`` name the
+    experts this rank holds only (under expert parallel), so no rank reads another's."""
     by_file: dict[Path, list[str]] = {}
     for key in (k for group in parts for k in group):
         by_file.setdefault(index[key], []).append(key)

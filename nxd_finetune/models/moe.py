@@ -19,7 +19,8 @@ so no ``[E, out, in]`` delta is formed).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,17 @@ KERNELS = ("grouped", "loop")
 # One fused expert tensor's LoRA: (A ``[E, r, in]``, B ``[E, out, r]``, scaling), keyed by the
 # parameter's name (``gate_up_proj`` / ``down_proj``) in the mapping the experts take.
 LowRank = tuple[torch.Tensor, torch.Tensor, float]
+# The experts' computation on rows grouped by held expert: (rows, rows per held expert) -> outputs.
+GroupFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Exchange(Protocol):
+    """Expert parallel's dispatch and combine (:mod:`nxd_finetune.parallel.experts`): the rows of
+    the (token, expert) pairs sorted by expert and the pair counts per expert ``[E]`` in; the rows
+    sent to the ranks holding their experts, ``run`` on them there, the outputs back in the input's
+    order out."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, run: GroupFn) -> torch.Tensor: ...
 
 
 def _grouped_proj(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, lora: LowRank | None) -> torch.Tensor:
@@ -79,13 +91,20 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     """The experts' SwiGLU weights, fused as transformers 5 holds them: ``gate_up_proj [E, 2I, H]``
     (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]``. ``kernel``: ``grouped``
-    (default) or ``loop`` (the reference)."""
+    (default) or ``loop`` (the reference).
+
+    Under expert parallel (:func:`nxd_finetune.parallel.experts.apply_expert_parallel`) the module
+    holds the experts ``held`` only (its tensors ``[len(held), ...]``; ``num_experts`` stays the
+    model's) and ``exchange`` sends each (token, expert) pair's row to the rank holding the expert
+    (the grouped kernel: the loop is the one-process reference)."""
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         e, h = config.num_experts, config.hidden_size
         i = config.moe_intermediate_size or config.intermediate_size
         self.num_experts = e
+        self.held = range(e)
+        self.exchange: Exchange | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.kernel = "grouped"
@@ -96,7 +115,9 @@ class Experts(nn.Module):
         experts of its weight times the expert's output. ``lora``: low-rank deltas by parameter
         name (``gate_up_proj`` / ``down_proj``), what LoRA wrappers around this module pass."""
         lora = lora or {}
-        return self.loop(x, index, weights, lora) if self.kernel == "loop" else self.grouped(x, index, weights, lora)
+        if self.kernel == "loop" and self.exchange is None:
+            return self.loop(x, index, weights, lora)
+        return self.grouped(x, index, weights, lora)
 
     def grouped(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                 lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:
@@ -107,13 +128,33 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        counts = torch.bincount(flat, minlength=self.num_experts)
         lora = lora or {}
-        gate_up = _grouped_proj(x[token], self.gate_up_proj, offsets, lora.get("gate_up_proj"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = _grouped_proj(swiglu(gate, up), self.down_proj, offsets, lora.get("down_proj"))
+
+        def run(rows: torch.Tensor, held_counts: torch.Tensor) -> torch.Tensor:
+            return self.run_groups(rows, held_counts, lora)
+
+        rows = x[token]
+        y = run(rows, counts) if self.exchange is None else self.exchange(rows, counts, run)
         y = y * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    def run_groups(self, rows: torch.Tensor, counts: torch.Tensor,
+                   lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:
+        """``rows`` grouped by held expert (``counts``: rows per held expert) through their
+        experts' SwiGLU: two grouped GEMMs (and LoRA's). No rows (no pair routed to this rank's
+        experts): one zero row runs instead, so the tensors still get their (zero) gradients."""
+        lora = lora or {}
+        empty = rows.shape[0] == 0
+        if empty:
+            rows = rows.new_zeros(1, rows.shape[1])
+            counts = counts.clone()
+            counts[-1] = 1
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = _grouped_proj(rows, self.gate_up_proj, offsets, lora.get("gate_up_proj"))
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = _grouped_proj(swiglu(gate, up), self.down_proj, offsets, lora.get("down_proj"))
+        return y[:0] if empty else y
 
     def loop(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
              lora: Mapping[str, LowRank] | None = None) -> torch.Tensor:

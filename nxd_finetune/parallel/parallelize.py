@@ -4,6 +4,8 @@
 rank's share, in this order:
 
 1. the tensor-parallel plan (``tp > 1``): modules swapped for column / row / vocab-parallel ones;
+   then expert parallel (``ep > 1``): each experts module keeps this rank's experts
+   (:func:`~.experts.apply_expert_parallel`);
 2. ``hooks.inject(model)``: where LoRA goes in (after the TP plan, so the sharded LoRA layers
    follow their sharded bases; before the stage cut, so every stage keeps its adapters);
 3. the pipeline stage cut (``pp > 1``): this rank's stage shells; the layers it does not hold are
@@ -33,6 +35,7 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.models.loading import materialize
+from nxd_finetune.parallel.experts import apply_expert_parallel
 from nxd_finetune.parallel.pipeline import LossFn, PipelineRunner, build_stages
 from nxd_finetune.parallel.plan import apply_tp_plan, make_slice_reader, tp_plan_for
 from nxd_finetune.parallel.recompute import checkpointed
@@ -205,6 +208,7 @@ def parallelize_model(
     if state.size("tp") > 1:
         plan = spec.tp_plan or tp_plan_for(getattr(model, "config", None))
         apply_tp_plan(model, plan, state, sequence_parallel=spec.sequence_parallel)
+    apply_expert_parallel(model, state)
     if hooks.inject is not None:
         hooks.inject(model)
     if state.size("pp") > 1:

@@ -59,6 +59,9 @@ class Layout:
 
     axes: tuple[tuple[str, int], ...]
     extra: tuple[tuple[str, AxisKind], ...] = ()
+    unions: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Named groups of axes asked about as one axis (``(("dp", ("edp", "ep")),)`` under expert
+    parallel: ``degree`` / ``coords`` / ``groups`` of ``dp`` are those of the axes together)."""
 
     def __post_init__(self) -> None:
         kinds = self._kinds()
@@ -70,17 +73,32 @@ class Layout:
 
     @classmethod
     def of(cls, **degrees: int) -> Layout:
-        """The layout with these degrees (``Layout.of(tp=2, dp=2)``); axes not named have degree 1."""
+        """The layout with these degrees (``Layout.of(tp=2, dp=2)``); axes not named have degree 1.
+
+        ``ep`` (expert parallel, > 1) is carved out of ``dp``, as torchtitan and Megatron-LM do: the
+        axes are then ``pp, edp, ep, tp`` (``edp = dp / ep``, both data axes) and ``dp`` is their
+        union, so a dense weight is summed over the whole ``dp`` and an expert sharded over ``ep``
+        over ``edp`` (the ranks holding the same experts). NxdError when ``ep`` does not divide ``dp``."""
+        ep = degrees.pop("ep", 1)
         unknown = sorted(set(degrees) - set(AXES))
         if unknown:
-            raise NxdError(f"unknown parallel axis {unknown[0]!r} (known: {', '.join(AXES)})")
-        return cls(tuple((name, degrees.get(name, 1)) for name in AXES))
+            raise NxdError(f"unknown parallel axis {unknown[0]!r} (known: {', '.join(AXES)}, ep)")
+        plain = cls(tuple((name, degrees.get(name, 1)) for name in AXES))
+        cls((("ep", ep),), extra=(("ep", "data"),))  # validates ep
+        if ep == 1:
+            return plain
+        dp = plain.degree("dp")
+        if dp % ep:
+            raise NxdError(f"parallel.ep={ep} does not divide the data-parallel degree dp={dp} "
+                           "(expert-parallel ranks are carved out of dp)")
+        axes = (("pp", plain.degree("pp")), ("edp", dp // ep), ("ep", ep), ("tp", plain.degree("tp")))
+        return cls(axes, extra=(("edp", "data"), ("ep", "data")), unions=(("dp", ("edp", "ep")),))
 
     @classmethod
     def for_world(cls, world_size: int, **degrees: int) -> Layout:
         """The layout with these degrees and ``dp`` taking the rest of ``world_size``; NxdError when
         the product of the given degrees does not divide it."""
-        fixed = cls.of(**degrees)  # validates the degrees
+        fixed = cls.of(**{k: v for k, v in degrees.items() if k != "ep"})  # validates the degrees
         others = math.prod(d for name, d in fixed.axes if name != "dp")
         if world_size % others:
             raise NxdError(f"world size {world_size} is not divisible by {fixed.product(skip='dp')} = {others}")
@@ -89,8 +107,14 @@ class Layout:
     def product(self, skip: str | None = None) -> str:
         """``tp*pp*dp = 2*1*2`` for messages: the axes in the recipe's order (``parallel.tp``, ``pp``,
         ``dp``, then the others), ``skip`` left out."""
-        order = sorted((n for n in self.names if n != skip), key=lambda n: (SHOWN + AXES).index(n))
+        shown = SHOWN + AXES
+        order = sorted((n for n in self.names if n != skip),
+                       key=lambda n: shown.index(n) if n in shown else len(shown))
         return "*".join(order) + " = " + "*".join(str(self.degree(n)) for n in order)
+
+    def parts(self, axis: str) -> tuple[str, ...]:
+        """The axes ``axis`` stands for: a union's, else ``(axis,)``."""
+        return dict(self.unions).get(axis, (axis,))
 
     def _kinds(self) -> dict[str, AxisKind]:
         return {**KINDS, **dict(self.extra)}
@@ -121,16 +145,23 @@ class Layout:
         return math.prod(self.shape)
 
     def degree(self, axis: str) -> int:
-        """The degree of ``axis`` (KeyError for an axis this layout does not have)."""
-        return dict(self.axes)[axis]
+        """The degree of ``axis`` (a union's: the product of its axes'; KeyError for an axis this
+        layout does not have)."""
+        degrees = dict(self.axes)
+        return math.prod(degrees[a] for a in self.parts(axis))
 
     def _stride(self, axis: str) -> int:
         names = self.names
         return math.prod(self.shape[names.index(axis) + 1:])
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The coordinate of global ``rank`` on every axis."""
-        return {name: (rank // self._stride(name)) % degree for name, degree in self.axes}
+        """The coordinate of global ``rank`` on every axis (a union's: row-major over its axes)."""
+        out = {name: (rank // self._stride(name)) % degree for name, degree in self.axes}
+        for name, parts in self.unions:
+            out[name] = 0
+            for part in parts:
+                out[name] = out[name] * self.degree(part) + out[part]
+        return out
 
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """The global rank at ``coords`` (missing axes: 0); inverse of :meth:`coords`."""
@@ -139,6 +170,8 @@ class Layout:
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks of ``rank``'s group along ``axis`` (same coordinates on every other
         axis), in group-rank order."""
+        if axis in dict(self.unions):
+            return next(g for g in self.groups(axis) if rank in g)
         base = rank - self.coords(rank)[axis] * self._stride(axis)
         return [base + i * self._stride(axis) for i in range(self.degree(axis))]
 
@@ -149,10 +182,11 @@ class Layout:
     def groups_over(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Every group spanning ``axes`` together (the ranks that differ only on those axes), each
         in increasing rank order, in increasing order of their first rank."""
+        spanned = {part for axis in axes for part in self.parts(axis)}
         out: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
             coords = self.coords(rank)
-            out.setdefault(tuple(c for name, c in coords.items() if name not in axes), []).append(rank)
+            out.setdefault(tuple(coords[name] for name in self.names if name not in spanned), []).append(rank)
         return list(out.values())
 
     def blocks(self, axis: str, size: int) -> list[list[int]]:
@@ -206,8 +240,9 @@ class ParallelState:
         self.rank = dist.get_rank() if initialised else 0
         self._coords = layout.coords(self.rank)
         self._initialised = initialised
-        self._groups: dict[str, ProcessGroup | None] = dict.fromkeys(layout.names)
-        self._host: dict[str | None, ProcessGroup | None] = dict.fromkeys((None, *layout.names))
+        unions = dict(layout.unions)
+        self._groups: dict[str, ProcessGroup | None] = dict.fromkeys((*layout.names, *unions))
+        self._host: dict[str | None, ProcessGroup | None] = dict.fromkeys((None, *layout.names, *unions))
         self._subgroups: dict[tuple[str, int], ProcessGroup | None] = {}
         self._over: dict[tuple[str, ...], ProcessGroup | None] = {}
         if not initialised:
@@ -228,6 +263,12 @@ class ParallelState:
         for n in range(2, len(layout.data_axes) + 1):  # the data-parallel groups of several data axes
             for axes in itertools.combinations(layout.data_axes, n):
                 self._over[axes] = _make_groups(layout.groups_over(axes), self.rank)
+        for name, parts in layout.unions:  # dp under expert parallel: the group over edp and ep
+            self._groups[name] = self._over[parts]
+            self._subgroups[(name, layout.degree(name))] = self._over[parts]
+            separate = self._host[parts[0]] is not self._groups[parts[0]]
+            self._host[name] = (_make_groups(layout.groups(name), self.rank, backend="gloo") if separate
+                                else self._over[parts])
 
     def group(self, axis: str) -> ProcessGroup | None:
         """This rank's device group along ``axis`` (None without a default group)."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from nxd_finetune.loss import TARGET_ROWS_MULTIPLE, chunk_rows
 from nxd_finetune.parallel.launch import resolve_device_name
+from nxd_finetune.preflight.model import expert_parameters
 
 if TYPE_CHECKING:
     from nxd_finetune.models import DecoderConfig
@@ -61,6 +62,8 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
       ``pp > 1`` a stage holds its share of the layers and a whole vocabulary matrix (the first
       the embedding, the last the output layer, a copy of the embedding when they are tied).
     - ``gradients``: one per trainable parameter in its dtype, ``/ (tp * pp)``.
+      A mixture-of-experts model's expert tensors are whole on every tp rank and split over
+      ``ep``: their weights, gradients and states count ``/ (pp * ep)`` (ZeRO-1: ``/ (dp / ep)``).
     - ``optimizer``: AdamW's two fp32 states per trainable parameter (plus an fp32 master copy of
       bf16 ones), ``/ (tp * pp)``, and ``/ dp`` under ZeRO-1.
     - ``activations``: what a micro-batch keeps for backward, per token and decoder layer, with
@@ -127,6 +130,15 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
         weights += trainable * 2 / shard  # autocast's cached bf16 copies
     grads = trainable * train_bytes / shard
     optimizer = trainable * (8 + (4 if train_bytes == 2 else 0)) / shard / (par.dp if par.zero1 else 1)
+    experts = expert_parameters(config)[0] if getattr(config, "num_experts", 0) else 0
+    if experts:  # whole on every tp rank, split over ep (ZeRO-1: over the dp / ep ranks holding the same ones)
+        moved = experts / (pp * par.ep) - experts / shard
+        weights += moved * (m if recipe.lora is not None else train_bytes)
+        if recipe.lora is None:
+            grads += moved * train_bytes
+            k = 8 + (4 if train_bytes == 2 else 0)
+            optimizer += experts * k * (1 / (pp * par.ep * (par.dp // par.ep if par.zero1 else 1))
+                                        - 1 / (shard * (par.dp if par.zero1 else 1)))
 
     per_token, recompute = activation_bytes_per_token(recipe, config)
     layers = config.num_hidden_layers

@@ -67,7 +67,8 @@ def layout(recipe: Recipe) -> JsonObject:
     """The resolved process layout and batch sizes of ``recipe``."""
     par, tr = recipe.parallel, recipe.training
     return {
-        "nproc": par.nproc, "tp": par.tp, "pp": par.pp, "dp": par.dp, "virtual_stages": par.virtual_stages,
+        "nproc": par.nproc, "tp": par.tp, "pp": par.pp, "dp": par.dp, "ep": par.ep,
+        "virtual_stages": par.virtual_stages,
         "pp_schedule": par.pp_schedule, "sequence_parallel": par.sequence_parallel, "zero1": par.zero1,
         "activation_checkpointing": par.activation_checkpointing, "micro_batch_size": tr.micro_batch_size,
         "grad_accum": recipe.grad_accum_steps, "global_batch_size": tr.global_batch(par.dp),

@@ -34,15 +34,21 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
     - a multimodal checkpoint (``config.multimodal``: its language model is trained, text only)
       takes LoRA with an ``adapter`` or ``base_and_adapter`` artefact: full SFT and ``merged`` would
       write a checkpoint without its vision tower;
-    - a mixture-of-experts model (``config.num_experts``) trains in one process for now: tp, pp and
-      dp do not place its experts yet, and its base is not quantized (``model.quantization``).
+    - ``parallel.ep`` > 1 needs a mixture-of-experts model (``config.num_experts``) whose expert
+      count it divides; such a model trains on every layout but sequence parallel (its router and
+      experts see whole rows), and its base is not quantized (``model.quantization``).
     Raises RecipeError with the numbers.
     """
     experts = getattr(config, "num_experts", 0)
-    if experts and recipe.parallel.nproc > 1:
-        par = recipe.parallel
-        raise RecipeError(f"parallel.nproc={par.nproc} (tp={par.tp}, pp={par.pp}, dp={par.dp}): a mixture-of-experts "
-                          f"model ({experts} experts) trains in one process for now; set parallel.nproc=1")
+    ep = recipe.parallel.ep
+    if ep > 1 and not experts:
+        raise RecipeError(f"parallel.ep={ep} splits the experts of a mixture-of-experts model; this model has none "
+                          "(set parallel.ep=1)")
+    if experts and experts % ep:
+        raise RecipeError(f"parallel.ep={ep} does not divide the model's {experts} experts")
+    if experts and recipe.parallel.sequence_parallel:
+        raise RecipeError(f"parallel.sequence_parallel on a mixture-of-experts model ({experts} experts) is not "
+                          "supported: its router and experts run on whole rows; set it false")
     if experts and recipe.model.quantization is not None:
         raise RecipeError(f"model.quantization on a mixture-of-experts model ({experts} experts) is not supported: "
                           "bitsandbytes quantizes linear layers, not the fused expert tensors; remove it")

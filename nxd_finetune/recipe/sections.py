@@ -153,12 +153,15 @@ class LoraSection(_Section):
 class ParallelSection(_Section):
     """Process layout: ``nproc = tp * pp * dp``. ``pp_cuts``: the first layer index of every
     pipeline stage after the first (``pp * virtual_stages - 1`` numbers); None splits evenly.
+    ``ep``: expert parallel (mixture-of-experts models), carved out of dp: each group of ``ep`` dp
+    ranks splits the experts between them (``ep`` divides dp and the expert count).
     ``max_restarts``: how often ``nxd-finetune run`` restarts its workers after one failed (torch
     elastic; the run resumes from the newest complete checkpoint)."""
 
     nproc: PosInt = 1
     tp: PosInt = 1
     pp: PosInt = 1
+    ep: PosInt = 1
     virtual_stages: PosInt = 1
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
     pp_cuts: list[PosInt] | None = None
@@ -184,6 +187,9 @@ class ParallelSection(_Section):
             raise ValueError(f"parallel.nproc={self.nproc} is not divisible by tp*pp={tp}*{pp}={tp * pp}")
         if vs > 1 and pp == 1:
             raise ValueError(f"parallel.virtual_stages={vs} needs parallel.pp > 1 (pp=1)")
+        if self.dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} does not divide the data-parallel degree dp={self.dp} "
+                             f"(nproc/(tp*pp) = {self.nproc}/({tp}*{pp})): expert-parallel ranks are carved out of dp")
         if vs > 1 and self.pp_schedule != "interleaved_1f1b":
             raise ValueError(f"parallel.virtual_stages={vs} needs parallel.pp_schedule=interleaved_1f1b "
                              f"(got {self.pp_schedule})")

@@ -360,7 +360,7 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     par, tcfg = recipe.parallel, recipe.training
     if state is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        state = ParallelState(Layout.for_world(world, tp=par.tp, pp=par.pp))
+        state = ParallelState(Layout.for_world(world, tp=par.tp, pp=par.pp, ep=par.ep))
     config = DecoderConfig.from_hf(model_dir)
     precision = tcfg.precision
     dtype = torch.bfloat16 if precision == "bf16" else resolve_dtype(recipe.model.dtype)

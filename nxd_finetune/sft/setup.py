@@ -130,7 +130,7 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
         device = pick_device(recipe.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     if layout is None:
         backend = init_distributed(dist_backend_for(device.type))
-        layout = ParallelState(Layout.for_world(backend.world_size, tp=par.tp, pp=par.pp))
+        layout = ParallelState(Layout.for_world(backend.world_size, tp=par.tp, pp=par.pp, ep=par.ep))
     runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.runtime)
     if write_recipe and layout.rank == 0:
         out_dir = Path(recipe.output.dir)

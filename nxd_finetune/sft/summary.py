@@ -27,6 +27,7 @@ class LayoutSummary(TypedDict):
     tp: int
     pp: int
     dp: int
+    ep: int
     zero1: bool
     sequence_parallel: bool
 

@@ -354,7 +354,7 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary 
         "data": data.stats, "output": str(final_dir), "save_mode": recipe.checkpoint.save_mode,
         "lora_targets": engine.lora_targets, "objective": recipe.objective,
         "reference": str(reference["reference"]) if reference is not None else None,
-        "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp,
+        "parallel": {"nproc": engine.state.world_size, "tp": par.tp, "pp": par.pp, "dp": par.dp, "ep": par.ep,
                      "zero1": par.zero1, "sequence_parallel": par.sequence_parallel},
         "history": [h for h in history if "train_loss" in h],
         "memory": memory,
