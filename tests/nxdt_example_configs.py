@@ -11,6 +11,7 @@ values, comments left out. Every one names the HF model by ``model.model_config:
 from __future__ import annotations
 
 import copy
+import re
 
 import yaml
 
@@ -196,3 +197,14 @@ def example_config(name: str) -> str:
         else:
             node[last] = copy.deepcopy(value)
     return yaml.safe_dump(tree, sort_keys=False)
+
+
+def reported(err: str) -> dict[str, str]:
+    """NxDT key -> its report line, asserting each key is reported once."""
+    keys: dict[str, str] = {}
+    for line in err.splitlines():
+        m = re.match(r"^(mapped|not carried over): ([^ :]+)(?: -> |: )", line)
+        if m:
+            assert m.group(2) not in keys, f"{m.group(2)} reported twice"
+            keys[m.group(2)] = line
+    return keys

@@ -13,11 +13,27 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 Tensors = dict[str, torch.Tensor]
+
+
+def read_hf(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the HF checkpoint at ``out`` (its safetensors files)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
 def partitions(pp: int, layers: int) -> list[int]:
@@ -157,18 +173,23 @@ def shard_lora(peft: Tensors, cfg: dict, tp: int, pp: int, *, m: int = 1, hw: st
     return out
 
 
-def write_checkpoint(root: Path, tag: str, shards: dict[tuple[int, int], Tensors], *, extra: dict | None = None,
+def write_checkpoint(root: Path, tag: str, shards: dict[tuple[int, ...], Tensors], *, extra: dict | None = None,
                      xser: bool = False, done: bool = True) -> Path:
-    """``root/tag`` as ``nxd.save_checkpoint`` leaves it (model files, optimizer stand-ins, markers)."""
+    """``root/tag`` as ``nxd.save_checkpoint`` leaves it (model files, optimizer stand-ins, markers).
+    ``shards`` by (tp, pp), or by (ep, tp, pp) under expert parallel: ``dp_rank_00_ep_rank_XX_...``
+    names, and with ``save_xser`` an ep rank > 0 writes its experts' tensor files only
+    (``_xser_save_data``: ``is_expert_parallel or emp_rank == 0``)."""
     d = root / tag
     (d / "model").mkdir(parents=True)
     (d / "optim").mkdir()
     (d / "checkpoint").write_text("1")
-    for (t, p), state in shards.items():
-        name = d / "model" / f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
+    for rank, state in shards.items():
+        e, t, p = rank if len(rank) == 3 else (None, *rank)
+        ep_part = "" if e is None else f"_ep_rank_{e:02d}"
+        name = d / "model" / f"dp_rank_00{ep_part}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt"
         obj: dict = {**state, **(extra or {})}
         if xser:
-            _xser_save(obj, name)
+            _xser_save(obj, name, lambda k, e=e: not e or ".expert_mlps." in k)
         else:
             torch.save(obj, name)
         torch.save({"state": {}, "param_groups": []}, d / "optim" / name.name)
@@ -178,9 +199,10 @@ def write_checkpoint(root: Path, tag: str, shards: dict[tuple[int, int], Tensors
     return d
 
 
-def _xser_save(obj: dict, path: Path) -> None:
+def _xser_save(obj: dict, path: Path, written: Callable[[str], bool] = lambda k: True) -> None:
     """``torch_xla.utils.serialization.save``: each tensor to ``<path>.tensors/tensor_<i>.pt``, the
-    state dict with ``TensorReference(i)`` in its place (the class under torch_xla's name)."""
+    state dict with ``TensorReference(i)`` in its place (the class under torch_xla's name);
+    ``written(key)`` false: the reference only, its file left to another rank."""
     mod = types.ModuleType("torch_xla.utils.serialization")
 
     class TensorReference:
@@ -195,7 +217,8 @@ def _xser_save(obj: dict, path: Path) -> None:
     refs: dict = {}
     for i, (k, v) in enumerate(obj.items()):
         if isinstance(v, torch.Tensor):
-            torch.save(v, folder / f"tensor_{i}.pt")
+            if written(k):
+                torch.save(v, folder / f"tensor_{i}.pt")
             refs[k] = TensorReference(i)
         else:
             refs[k] = v

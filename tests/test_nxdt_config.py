@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from nxdt_example_configs import EDITS, example_config
+from nxdt_example_configs import EDITS, example_config, reported
 from nxdt_helpers import shard_model, write_checkpoint
 from safetensors.torch import load_file
 
@@ -196,17 +196,6 @@ def workdir(tmp_path, monkeypatch, quickstart_cache):
         (tmp_path / name).write_text(text.replace("MODEL_DIR", str(model_dir)))
     monkeypatch.chdir(tmp_path)
     return tmp_path, model_dir
-
-
-def reported(err: str) -> dict[str, str]:
-    """NxDT key -> its report line, asserting each key is reported once."""
-    keys: dict[str, str] = {}
-    for line in err.splitlines():
-        m = re.match(r"^(mapped|not carried over): ([^ :]+)(?: -> |: )", line)
-        if m:
-            assert m.group(2) not in keys, f"{m.group(2)} reported twice"
-            keys[m.group(2)] = line
-    return keys
 
 
 def test_sft_lora_config_to_valid_recipe(capsys, workdir):

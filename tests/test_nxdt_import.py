@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nxdt_helpers import shard_lora, shard_model, write_checkpoint
+from nxdt_helpers import assert_bit_equal, read_hf, shard_lora, shard_model, write_checkpoint
 from safetensors.torch import load_file
 
 from nxd_finetune.cli import main
@@ -35,19 +35,6 @@ def run_ok(capsys, *args: object) -> str:
 
 def hf_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def read_hf(out: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
-
-def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
 @pytest.fixture

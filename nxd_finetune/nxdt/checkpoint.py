@@ -5,13 +5,17 @@ writes them::
     <dir>/<tag>/done                                marker: the save completed
     <dir>/<tag>/model/dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt        one per tp x pp rank
     <dir>/<tag>/model/dp_rank_00_tp_rank_YY_pp_rank_ZZ.pt.tensors/tensor_N.pt   (save_xser only)
+    <dir>/<tag>/model/dp_rank_00_ep_rank_XX_tp_rank_YY_pp_rank_ZZ.pt  expert parallel: one per ep x tp x pp
     <dir>/<tag>/optim/..., scheduler.pt, user_content.pt         (not read)
 
 A ``.pt`` file is read with ``torch.load(weights_only=True)`` only. With ``save_xser`` the model
 file holds ``torch_xla``'s ``TensorReference(tid)`` objects in place of tensors, each tensor in
 ``<file>.tensors/tensor_<tid>.pt``: the one class allowed beyond tensors and containers is a
 stand-in with that class's name, which holds the id and nothing else. Anything else that needs
-a full unpickler is refused with one line.
+a full unpickler is refused with one line. Under expert parallel (``expert_model_parallel_size``
+> 1) every ep rank's model file names every tensor, but with ``save_xser`` only ep rank 0 writes
+the tensors that are not its experts' (``_xser_save_data``); NxD's ``_xser_load_data`` reads
+those from ep rank 0's ``.tensors`` folder, and so does :func:`read_shard`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ from nxd_finetune.errors import ModelLoadError
 # the ``lora_config`` dict NxD's LoRA pickles beside an adapter (NxD's keys and values, unchecked)
 SavedLoraConfig = dict[str, Any]
 
-SHARD = re.compile(r"^dp_rank_(\d+)(_ep_rank_\d+)?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+SHARD = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 DONE, MARKER = "done", "checkpoint"
 
 
@@ -65,32 +69,37 @@ def find_tag(path: str | Path) -> Path:
     return p
 
 
-def shard_files(tag: Path) -> dict[tuple[int, int], Path]:
-    """(tp_rank, pp_rank) -> model file of ``tag``; every rank of the tp x pp grid must be there,
-    and none may be a symlink leading out of ``tag``."""
-    found: dict[tuple[int, int], Path] = {}
+def shard_files(tag: Path) -> dict[tuple[int, int], tuple[Path, ...]]:
+    """(tp_rank, pp_rank) -> the model files of ``tag`` for that rank, one per expert-parallel rank
+    in ep order (one file where the checkpoint has no ep ranks); every rank of the ep x tp x pp
+    grid must be there, and no file may be a symlink leading out of ``tag``."""
+    found: dict[tuple[int, int, int], Path] = {}
+    plain = expert = False
     for f in sorted((tag / "model").iterdir()):
         m = SHARD.match(f.name)
-        if not m:
-            continue
-        if m.group(2):
-            raise ModelLoadError(f"{f.name}: expert-parallel (MoE) checkpoints are not supported")
-        if int(m.group(1)) != 0:
+        if not m or int(m.group(1)) != 0:
             continue  # model files are written by dp rank 0
-        found[(int(m.group(3)), int(m.group(4)))] = inside(f, tag)
+        expert = expert or m.group(2) is not None
+        plain = plain or m.group(2) is None
+        found[(int(m.group(2) or 0), int(m.group(3)), int(m.group(4)))] = inside(f, tag)
     if not found:
         raise ModelLoadError(f"{tag / 'model'} holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt file")
-    tp = 1 + max(t for t, _ in found)
-    pp = 1 + max(p for _, p in found)
-    missing = [f"tp_rank_{t:02d}_pp_rank_{p:02d}" for t in range(tp) for p in range(pp) if (t, p) not in found]
+    if plain and expert:
+        raise ModelLoadError(f"{tag / 'model'} holds files with and without ep_rank in their names: two "
+                             "checkpoints in one directory")
+    ep, tp, pp = (1 + max(r[i] for r in found) for i in range(3))
+    missing = [(e, t, p) for e in range(ep) for t in range(tp) for p in range(pp) if (e, t, p) not in found]
     if missing:
-        raise ModelLoadError(f"{tag / 'model'} misses {len(missing)} of its {tp}x{pp} shards, first {missing[0]}")
-    return found
+        e, t, p = missing[0]
+        first = f"ep_rank_{e:02d}_" * expert + f"tp_rank_{t:02d}_pp_rank_{p:02d}"
+        grid_ = f"{ep}x{tp}x{pp}" if expert else f"{tp}x{pp}"
+        raise ModelLoadError(f"{tag / 'model'} misses {len(missing)} of its {grid_} shards, first {first}")
+    return {(t, p): tuple(found[(e, t, p)] for e in range(ep)) for t in range(tp) for p in range(pp)}
 
 
-def grid(files: Mapping[tuple[int, int], Path]) -> tuple[int, int]:
-    """(tp, pp) sizes of a complete shard grid."""
-    return 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
+def grid(files: Mapping[tuple[int, int], Sequence[Path]]) -> tuple[int, int, int]:
+    """(ep, tp, pp) sizes of a complete shard grid."""
+    return len(next(iter(files.values()))), 1 + max(t for t, _ in files), 1 + max(p for _, p in files)
 
 
 def _load(file: Path) -> Any:
@@ -123,28 +132,34 @@ def inside(file: Path, root: Path) -> Path:
     return file
 
 
-def _resolve_refs(obj: Any, folder: Path, root: Path) -> Any:
+def _resolve_refs(obj: Any, folders: Sequence[Path], root: Path) -> Any:
     if isinstance(obj, TensorReference):
-        t = _load(inside(folder / f"tensor_{obj.tid}.pt", root))
+        file = next((f / f"tensor_{obj.tid}.pt" for f in folders if (f / f"tensor_{obj.tid}.pt").exists()),
+                    folders[0] / f"tensor_{obj.tid}.pt")
+        t = _load(inside(file, root))
         if not isinstance(t, torch.Tensor):
-            raise ModelLoadError(f"{folder}/tensor_{obj.tid}.pt does not hold a tensor")
+            raise ModelLoadError(f"{file} does not hold a tensor")
         return t
     if isinstance(obj, dict):
-        return {k: _resolve_refs(v, folder, root) for k, v in obj.items()}
+        return {k: _resolve_refs(v, folders, root) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_resolve_refs(v, folder, root) for v in obj)
+        return type(obj)(_resolve_refs(v, folders, root) for v in obj)
     return obj
 
 
-def read_shard(file: Path) -> tuple[dict[str, torch.Tensor], SavedLoraConfig | None]:
+def read_shard(file: Path, shared: Path | None = None) -> tuple[dict[str, torch.Tensor], SavedLoraConfig | None]:
     """One rank's model file: (tensors by NxD name, the ``lora_config`` dict NxD's LoRA saves
     beside an adapter, or None). A file written with ``save_xser`` has its tensors read from the
-    ``.tensors`` folder beside it. A state dict nested under ``model`` (the converter's
-    ``--model_key``) is unwrapped."""
+    ``.tensors`` folder beside it; ``shared``: ep rank 0's file of the same tp / pp rank, whose
+    folder holds the tensors an ep rank > 0 did not write. A state dict nested under ``model``
+    (the converter's ``--model_key``) is unwrapped."""
     obj = _load(file)
     folder = file.with_name(file.name + ".tensors")
     if folder.is_dir():
-        obj = _resolve_refs(obj, folder, file.parent)
+        folders = [folder]
+        if shared is not None and shared != file:
+            folders.append(shared.with_name(shared.name + ".tensors"))
+        obj = _resolve_refs(obj, folders, file.parent)
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict) and not any(
             isinstance(v, torch.Tensor) for v in obj.values()):
         obj = obj["model"]

@@ -9,6 +9,9 @@ What the checkpoint holds decides what is written:
   that directory holds the weights (what ``lora.init_from`` and ``merge`` check);
 - both (``save_lora_base``): ``out/base`` (HF) and ``out/adapter`` (PEFT, on ``out/base``), as
   the ``base_and_adapter`` save mode lays them out.
+
+Under expert parallel each tp / pp rank's files of every ep rank are first made one
+(:func:`nxd_finetune.nxdt.experts.unite_ep`), then united over tp and pp as without it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from nxd_finetune.lora.identity import base_identity
 from nxd_finetune.models import DecoderConfig, checkpoint_index, copy_generation_config, save_pretrained
 from nxd_finetune.nxdt.checkpoint import find_tag, grid, read_shard, shard_files
 from nxd_finetune.nxdt.config import flatten, resolve_config
+from nxd_finetune.nxdt.experts import unite_ep
 from nxd_finetune.nxdt.layout import KvLayout, Tensors, unite_model
 from nxd_finetune.nxdt.lora import lora_config_from, o_proj_order, split_base, unite_adapter
 from nxd_finetune.nxdt.walk import KeyWalk
@@ -83,20 +87,21 @@ def import_checkpoint(directory: str | Path, out: str | Path, source: ModelSourc
         raise NxdError(f"--out {out} exists and is not empty")
     tag = find_tag(directory)
     files = shard_files(tag)
-    tp, pp = grid(files)
+    ep, tp, pp = grid(files)
+    where = f"{tag.name} ({f'ep={ep}, ' if ep > 1 else ''}tp={tp}, pp={pp})"
     base_shards: dict[tuple[int, int], Tensors] = {}
     lora_shards: dict[tuple[int, int], Tensors] = {}
     lora_saved = None
-    for rank, file in files.items():
-        tensors, saved = read_shard(file)
+    for rank, by_ep in files.items():
+        read = [read_shard(file, shared=by_ep[0]) for file in by_ep]
+        tensors = read[0][0] if ep == 1 else unite_ep([t for t, _ in read], f"tp rank {rank[0]}, pp rank {rank[1]}")
         base_shards[rank], lora_shards[rank] = split_base(tensors)
-        lora_saved = lora_saved or saved
+        lora_saved = lora_saved or read[0][1]
     has_base = any(base_shards.values())
     has_lora = any(lora_shards.values())
     if not has_base and not has_lora:
         raise ModelLoadError(f"{tag}: the model files hold no tensors")
     tokenizer = tokenizer or source.tokenizer
-    where = f"{tag.name} (tp={tp}, pp={pp})"
     try:
         with publish_dir(out) as tmp:
             base_dir = out / "base" if has_lora else out

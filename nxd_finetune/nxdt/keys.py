@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nxd_finetune.errors import RecipeError
+from nxd_finetune.nxdt.moe_keys import translate_moe
 from nxd_finetune.nxdt.walk import KeyWalk, shown
 
 # NxD's fused LoRA targets -> HF's module names
@@ -264,6 +265,7 @@ def _model(walk: KeyWalk, model_path: str | None) -> None:
             walk.drop(key, "nxd-finetune never decays norm weights or biases (1-d parameters)")
         else:
             walk.keep(key, "no weight decay on norm weights, as nxd-finetune")
+    translate_moe(walk, hf, config_file.name)
     _optim(walk)
     for key in sorted(k for k in walk.flat if k.startswith(p) and k not in walk.used):
         walk.drop(key, "Megatron/NeMo model setting; the HF config.json defines the model")

@@ -17,7 +17,8 @@ and ``repeat_interleave`` on Trn2 (``K0,K0,..,K1,..``: blocked) (``modules/qkv_l
 ``h = j // m, c = j % m``) and is given ``q / (kv*m)`` consecutive query heads of ``h``'s group,
 ``h*g + c*q/(kv*m) + i`` (g = q/kv). The converter's query-head shuffle is this order; ``o_proj``'s
 input columns follow the query heads. Pipeline stages hold disjoint names (layers keep their global
-index), so stages are united by name.
+index), so stages are united by name. A mixture-of-experts layer's router and fused experts are
+:mod:`nxd_finetune.nxdt.experts`'.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.models import DecoderConfig, build_model
+from nxd_finetune.nxdt.experts import is_router, moe_name, unite_experts
 
 KvLayout = Literal["auto", "interleaved", "blocked"]
 Tensors = dict[str, torch.Tensor]
@@ -164,6 +166,8 @@ def unite_stage(parts: Sequence[Tensors], config: DecoderConfig, want: KvLayout,
             continue
         if m:
             gqa.setdefault(m.group(1), {})[m.group(2)] = shards
+        elif (hf := moe_name(name)) is not None:  # before _ROW: the experts' down_proj.weight ends alike
+            out[hf] = _equal_replicas(name, shards) if is_router(name) else unite_experts(name, shards)
         elif name.endswith("self_attn.qkv_proj.weight"):  # MHA: cat(q_r, k_r, v_r) on every rank
             prefix = name[: -len("qkv_proj.weight")]
             for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):

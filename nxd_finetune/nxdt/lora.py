@@ -153,6 +153,9 @@ def unite_adapter(shards: dict[tuple[int, int], Tensors], config: DecoderConfig,
         for prefix in sorted(modules, key=lambda x: not x.endswith("qkv_proj")):  # qkv first: o_proj's order
             parts = modules[prefix]
             kind = prefix.rsplit(".", 1)[-1]
+            if ".expert_mlps." in prefix:
+                raise AdapterError(f"{prefix}: LoRA on NxD's fused expert layers is not imported (NxD's LoRA wraps "
+                                   "them as 2-d linear layers; PEFT's LoRA on experts is a different layout)")
             if kind not in sizes:
                 raise AdapterError(f"{prefix}: LoRA on {kind!r} is not a layer nxd-finetune's models have")
             if len(parts.get("lora_A", [])) != tp:
