@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 from nxdt_example_configs import reported
-from nxdt_helpers import assert_bit_equal, read_hf, write_checkpoint
+from nxdt_helpers import assert_bit_equal, read_hf, shard_lora, write_checkpoint
 from nxdt_moe_helpers import shard_moe
+from safetensors.torch import load_file
 
 from tests.cli_run import run_cli
 from tests.moe_helpers import build_tiny_moe, tiny_moe_config
@@ -95,6 +96,38 @@ def test_imported_mixtral_logits_and_our_loader(capsys, tmp_path, mixtral):
         assert torch.equal(loaded(ids).logits, want)
         ours = load_pretrained(tmp_path / "hf").eval()(ids)
     assert (ours - want).abs().max() <= 1e-5
+
+
+def test_mixtral_attention_lora_under_ep(capsys, tmp_path, mixtral):
+    """An NxD LoRA adapter on a Mixtral's attention (qkv_proj, o_proj) saved by ep2 x tp2 ranks (each ep
+    rank's file holds the same adapter) imports into a PEFT adapter with the reference's logits."""
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+    model, path, _, cfg = mixtral
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    ref = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=16, target_modules=targets))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in sorted(ref.named_parameters()):
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+        for layer in ref.base_model.model.model.layers:  # NxD's qkv_proj trains one A for q, k and v
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.lora_A.default.weight.copy_(layer.self_attn.q_proj.lora_A.default.weight)
+    files = {"base_model.model." + k.removeprefix("base_model.model."): v.clone()
+             for k, v in get_peft_model_state_dict(ref).items()}
+    lora = shard_lora(files, cfg, 2, 1)
+    tag = write_checkpoint(tmp_path / "ckpt", "t", {(e, t, p): s for e in range(2) for (t, p), s in lora.items()},
+                           extra={"lora_config": {"lora_alpha": 16, "r": 4}})
+    said = run_ok(capsys, "import", "nxdt-checkpoint", tag, "--out", tmp_path / "adapter", "--config", path)
+    assert "ep=2, tp=2, pp=1" in said and "8 modules" in said
+    assert_bit_equal(load_file(tmp_path / "adapter" / "adapter_model.safetensors"), files)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter").eval()(ids).logits
+        assert torch.equal(got, ref.eval()(ids).logits)
 
 
 def test_bad_moe_checkpoints_are_one_line(capsys, tmp_path, mixtral):
