@@ -67,6 +67,7 @@ from torch.optim.optimizer import ParamsT
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, inject_lora
+from nxd_finetune.lora.dora import init_dora_magnitudes
 from nxd_finetune.parallel.optimizer import GradReduction, ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
     CheckpointSpec,
@@ -258,7 +259,7 @@ def initialize_parallel_model(config: NxDConfig, model_fn: Callable[..., nn.Modu
         model = model_fn(*args, **kwargs)
     lora = config.lora_config
     hooks = ModelHooks(inject=(lambda m: inject_lora(m, lora)) if lora is not None else None,
-                       checkpoint_key=base_param_name)
+                       checkpoint_key=base_param_name, loaded=lambda _, modules: init_dora_magnitudes(*modules))
     spec = ParallelizeSpec(tp_plan=init["tp_plan"], sequence_parallel=config.sequence_parallel,
                            virtual_stages=pc["virtual_stages"], pp_cuts=pc["cuts"], pp_schedule=pc["schedule"],
                            n_microbatches=pc["num_microbatches"],

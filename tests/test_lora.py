@@ -451,8 +451,8 @@ def test_invalid_config(bad, match):
 def test_unsupported_peft_configs_are_refused():
     good = LoraConfig(target_modules=["q_proj"]).to_peft_dict("base")
     assert LoraConfig.from_peft_dict(json.loads(json.dumps(good))) == LoraConfig(target_modules=["q_proj"])
+    assert LoraConfig.from_peft_dict({**good, "use_dora": True}).use_dora  # DoRA: tests/test_dora.py
     for bad, match in [
-        ({"use_dora": True}, "use_dora"),
         ({"peft_type": "IA3"}, "LORA"),
         ({"bias": "x"}, "bias"),
         ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),

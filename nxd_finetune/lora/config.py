@@ -43,7 +43,6 @@ PEFT_DEFAULTS: JsonObject = {
 # PEFT keys whose non-default values change the maths of the adapter; we refuse such adapters
 # rather than load them wrongly. Value: the default (anything "falsy" counts as default).
 _UNSUPPORTED_KEYS = (
-    "use_dora",
     "lora_bias",
     "fan_in_fan_out",
     "rank_pattern",
@@ -84,6 +83,9 @@ class LoraConfig:
       (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``; suffix match on the parameter's
       name), LoRA'd per expert as PEFT's ``target_parameters`` (:mod:`nxd_finetune.lora.experts`);
       ``target_modules`` may then be empty. No dropout with it (PEFT refuses it too).
+    - ``use_dora``: DoRA (:mod:`nxd_finetune.lora.dora`): a trained magnitude per output feature
+      of every LoRA'd linear, PEFT's ``lora_magnitude_vector``. Not with ``target_parameters``
+      (PEFT refuses it too).
     """
 
     r: int = 8
@@ -97,6 +99,7 @@ class LoraConfig:
     init_lora_weights: str = "default"
     modules_to_save: list[str] = dataclasses.field(default_factory=list)
     target_parameters: list[str] = dataclasses.field(default_factory=list)
+    use_dora: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -122,6 +125,10 @@ class LoraConfig:
         if self.target_parameters and self.lora_dropout:
             raise AdapterError(f"lora_dropout must be 0 with target_parameters, got {self.lora_dropout!r} "
                                "(PEFT's LoRA on expert tensors has no dropout)")
+        if not isinstance(self.use_dora, bool):
+            raise AdapterError(f"use_dora must be true or false, got {self.use_dora!r}")
+        if self.use_dora and self.target_parameters:
+            raise AdapterError("use_dora does not work with target_parameters (PEFT has no DoRA for expert tensors)")
         if isinstance(self.modules_to_save, str):
             self.modules_to_save = [self.modules_to_save]
         if not isinstance(self.modules_to_save, (list, tuple, type(None))):
@@ -141,14 +148,15 @@ class LoraConfig:
         return cls(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias=lora.bias,
                    target_modules=lora.target_modules, use_rslora=lora.use_rslora,
                    init_lora_weights=lora.init_lora_weights, modules_to_save=list(lora.modules_to_save),
-                   target_parameters=list(lora.target_parameters))
+                   target_parameters=list(lora.target_parameters), use_dora=lora.use_dora)
 
     def to_section(self, **extra: JsonValue) -> JsonObject:
         """This config as a recipe ``lora`` section (a dict; ``extra``: e.g. ``init_from``)."""
         return {"rank": self.r, "alpha": self.lora_alpha, "dropout": self.lora_dropout, "bias": self.bias,
                 "target_modules": self._targets(), "use_rslora": self.use_rslora,
                 "init_lora_weights": self.init_lora_weights, "modules_to_save": list(self.modules_to_save),
-                **({"target_parameters": list(self.target_parameters)} if self.target_parameters else {}), **extra}
+                **({"target_parameters": list(self.target_parameters)} if self.target_parameters else {}),
+                **({"use_dora": True} if self.use_dora else {}), **extra}
 
     def to_peft_dict(self, base_model_name_or_path: str | None, revision: str | None = None) -> JsonObject:
         """The ``adapter_config.json`` dict that PEFT writes for this config, and nothing else (PEFT
@@ -173,6 +181,7 @@ class LoraConfig:
             use_rslora=self.use_rslora,
             init_lora_weights=True if self.init_lora_weights == "default" else self.init_lora_weights,
             modules_to_save=list(self.modules_to_save) or None,
+            use_dora=self.use_dora,
         )
         if self.target_parameters:  # PEFT >= 0.17's key; left out otherwise, as older PEFT rejects it
             d["target_parameters"] = list(self.target_parameters)
@@ -187,7 +196,7 @@ class LoraConfig:
         """Read an ``adapter_config.json`` dict written by PEFT or by us.
 
         Raises AdapterError for a non-LoRA adapter, a task other than causal LM, or a PEFT feature
-        that changes the adapter's maths and that we do not implement (DoRA, rank patterns, ...).
+        that changes the adapter's maths and that we do not implement (rank patterns, ...).
         """
         if not isinstance(d, dict):
             raise AdapterError("adapter_config.json does not hold a JSON object")
@@ -219,6 +228,7 @@ class LoraConfig:
             init_lora_weights=init,
             modules_to_save=d.get("modules_to_save") or [],
             target_parameters=parameters,
+            use_dora=bool(d.get("use_dora") or False),
         )
 
 

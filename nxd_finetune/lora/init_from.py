@@ -2,7 +2,7 @@
 
 The source is a local adapter directory (ours or HF PEFT's), a registry REF or a plain ``s3://``
 adapter prefix (:func:`nxd_finetune.registry.fetch.fetch_adapter`). The adapter must describe the
-same LoRA as the recipe: rank, alpha, rsLoRA, bias mode, ``modules_to_save``, the set of modules
+same LoRA as the recipe: rank, alpha, rsLoRA, DoRA, bias mode, ``modules_to_save``, the set of modules
 ``target_modules`` selects in this model (compared after matching, so ``all-linear`` and the explicit
 list of the same layers agree) and the expert tensors ``target_parameters`` selects. Any difference
 is one AdapterError line naming the recipe field and both values. A base model that differs from
@@ -36,6 +36,7 @@ def check_same_lora(recipe_cfg: LoraConfig, adapter_cfg: LoraConfig, config: Dec
         ("lora.rank", recipe_cfg.r, adapter_cfg.r),
         ("lora.alpha", float(recipe_cfg.lora_alpha), float(adapter_cfg.lora_alpha)),
         ("lora.use_rslora", recipe_cfg.use_rslora, adapter_cfg.use_rslora),
+        ("lora.use_dora", recipe_cfg.use_dora, adapter_cfg.use_dora),
         ("lora.bias", recipe_cfg.bias, adapter_cfg.bias),
         ("lora.modules_to_save", sorted(recipe_cfg.modules_to_save), sorted(adapter_cfg.modules_to_save)),
     )

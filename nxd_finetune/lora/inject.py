@@ -19,6 +19,7 @@ from torch import nn
 
 from nxd_finetune.errors import AdapterError, NxdWarning
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
+from nxd_finetune.lora.dora import MAGNITUDE, dora_layer_for
 from nxd_finetune.lora.experts import ExpertLora, expert_parameters, find_expert_targets, wrap_experts
 from nxd_finetune.lora.layers import LoraLinear, ModulesToSaveWrapper, lora_layer_for
 from nxd_finetune.models.config import DecoderConfig
@@ -61,6 +62,9 @@ def cast_adapter_params(model: nn.Module, dtype: torch.dtype = torch.float32) ->
         for _, m in lora_modules(model):
             m.lora_A.to(dtype)
             m.lora_B.to(dtype)
+            magnitude = m._parameters.get(MAGNITUDE)
+            if magnitude is not None:  # DoRA's
+                magnitude.data = magnitude.data.to(dtype)
         for _, w in saved_modules(model):
             w.modules_to_save.to(dtype)
 
@@ -153,7 +157,8 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     Afterwards only LoRA factors, ``modules_to_save`` copies and (per ``cfg.bias``) biases have
     ``requires_grad``; every other parameter is frozen. Module names do not change, so a target's
     parameters become ``<name>.base_layer.weight``, ``<name>.lora_A.weight``,
-    ``<name>.lora_B.weight`` (PEFT's names); ``target_parameters`` wrap the experts modules
+    ``<name>.lora_B.weight`` (PEFT's names; with ``use_dora`` also ``<name>.lora_magnitude_vector``,
+    :mod:`nxd_finetune.lora.dora`); ``target_parameters`` wrap the experts modules
     (:class:`~nxd_finetune.lora.experts.ExpertLora`, PEFT's nesting and names). Returns the wrapped
     linear module names in module order (the expert wrappers are not among them).
 
@@ -171,6 +176,8 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
         base = model.get_submodule(name)
         layer_cls = lora_layer_for(base)
         assert layer_cls is not None  # find_targets keeps modules with a registered LoRA layer only
+        if cfg.use_dora:
+            layer_cls = dora_layer_for(layer_cls, name)
         wrapped = layer_cls(
             base,
             r=cfg.r,

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from torch import nn
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.jsontypes import JsonObject, JsonValue
 from nxd_finetune.lora.config import ALL_LINEAR, LoraConfig
+from nxd_finetune.lora.dora import MAGNITUDE, DoraLinear
 from nxd_finetune.lora.identity import CONFIG_HASH_KEY, base_identity
 from nxd_finetune.lora.inject import (
     OUTPUT_LAYER,
@@ -88,6 +89,9 @@ def lora_state_dict(model: nn.Module, bias: str = "none") -> dict[str, torch.Ten
     for name, m in lora_modules(model):
         out[f"{name}.lora_A.weight"] = m.lora_A.weight
         out[f"{name}.lora_B.weight"] = m.lora_B.weight
+        magnitude = m._parameters.get(MAGNITUDE)
+        if magnitude is not None:  # DoRA's, under PEFT's file key
+            out[f"{name}.{MAGNITUDE}"] = magnitude
         if bias == "lora_only" and m.bias is not None:
             out[f"{name}.base_layer.bias"] = m.bias
     wrappers = dict(saved_modules(model))
@@ -305,9 +309,12 @@ def _is_writer(state: ParallelState | None) -> bool:
 def read_adapter(adapter_dir: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """Read an adapter directory (ours or PEFT's): its config and its tensors, keyed by module
     path with the ``base_model.model.`` prefix removed. Raises AdapterError for a missing or
-    unreadable file, a pickle-only adapter or an unsupported config."""
+    unreadable file, a pickle-only adapter, an unsupported config or DoRA magnitudes present
+    where the config has no ``use_dora`` (or the reverse)."""
     cfg, weights = _adapter_files(adapter_dir)
-    return cfg, _read_tensors(weights)
+    tensors = _read_tensors(weights)
+    _check_dora(cfg, tensors, weights)
+    return cfg, tensors
 
 
 def _adapter_files(adapter_dir: str | Path) -> tuple[LoraConfig, Path]:
@@ -338,13 +345,22 @@ def check_adapter_files(adapter_dir: str | Path) -> LoraConfig:
     tensor data: ``adapter_config.json`` is a JSON object that :meth:`LoraConfig.from_peft_dict`
     accepts (types, values, no unsupported PEFT feature), and ``adapter_model.safetensors`` has a
     header that ``safetensors`` accepts (tensors inside the file, contiguous, not overlapping,
-    sizes that fit their shapes). Returns the config; raises AdapterError with one line.
+    sizes that fit their shapes) and holds DoRA magnitudes exactly when the config says ``use_dora``.
+    Returns the config; raises AdapterError with one line.
     ``merge`` and ``lora.init_from`` make them through :func:`read_adapter` / :func:`load_adapter`,
     ``generate`` / ``chat`` call this before handing the directory to PEFT."""
     cfg, weights = _adapter_files(adapter_dir)
-    with _open_weights(weights):
-        pass
+    with _open_weights(weights) as f:
+        _check_dora(cfg, f.keys(), weights)
     return cfg
+
+
+def _check_dora(cfg: LoraConfig, keys: Iterable[str], weights: Path) -> None:
+    """AdapterError unless the file holds DoRA magnitudes exactly when the config says ``use_dora``."""
+    dora = any(k.endswith("." + MAGNITUDE) for k in keys)
+    if dora != cfg.use_dora:
+        raise AdapterError(f"{weights}: adapter_config.json has use_dora={cfg.use_dora} but the file holds "
+                           f"{'' if dora else 'no '}{MAGNITUDE} tensors")
 
 
 @contextlib.contextmanager
@@ -400,6 +416,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
         for name, m in modules:
             if abs(m.scaling - cfg.scaling) > 1e-9 * max(1.0, abs(cfg.scaling)):
                 raise AdapterError(f"adapter scaling {cfg.scaling:g} differs from {name}'s {m.scaling:g}")
+            if isinstance(m, DoraLinear) != cfg.use_dora:
+                raise AdapterError(f"adapter has use_dora={cfg.use_dora} but {name} is "
+                                   f"{'a DoRA' if isinstance(m, DoraLinear) else 'a plain LoRA'} layer")
     params = dict(model.named_parameters(remove_duplicate=False))
     wrappers = dict(saved_modules(model))
     # any bias may come along (PEFT loads them whatever the bias mode); base weights may not
@@ -432,6 +451,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, inject: bool = True)
         for name, (_, tensor) in targets.items():
             p = params[name]
             p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+    for _, m in lora_modules(model):
+        if isinstance(m, DoraLinear):
+            m.magnitude_pending = False  # loaded
     for m in merged:
         m.merge()
     return cfg

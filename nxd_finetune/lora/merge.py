@@ -7,7 +7,8 @@ memory is therefore one output shard, plus a few copies of the largest tensor, p
 
 What changes (PEFT's ``merge_and_unload`` semantics):
 
-- a LoRA target ``<m>.weight`` becomes ``W + scaling * B @ A``, computed in fp32;
+- a LoRA target ``<m>.weight`` becomes ``W + scaling * B @ A``, computed in fp32; with DoRA
+  (``use_dora``) ``(m / n) * (W + scaling * B @ A)``, ``n`` that sum's row norms (PEFT's merge);
 - a fused expert tensor under ``target_parameters`` becomes ``W_e + scaling * B_e @ A_e`` per expert
   (:mod:`nxd_finetune.lora.experts`), in the checkpoint's layout: the fused tensor, or transformers'
   one tensor per expert (and per gate / up half);
@@ -31,6 +32,7 @@ import torch
 
 from nxd_finetune.errors import AdapterError, ModelLoadError, NxdError
 from nxd_finetune.lora.config import LoraConfig
+from nxd_finetune.lora.dora import MAGNITUDE, dora_fold
 from nxd_finetune.lora.experts import ExpertLora
 from nxd_finetune.lora.identity import check_base
 from nxd_finetune.lora.inject import base_param_name, inject_lora, lora_modules, untied_config
@@ -70,6 +72,7 @@ class MergePlan:
     replace: dict[str, torch.Tensor]
     sources: dict[str, str]
     config: DecoderConfig
+    magnitude: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # DoRA's, by base key
 
 
 def _base_shapes(index: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -125,6 +128,7 @@ def plan_merge(
         sources.setdefault("lm_head.weight", "model.embed_tokens.weight")
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     replace: dict[str, torch.Tensor] = {}
+    magnitude = {f"{k.removesuffix(MAGNITUDE)}weight": t for k, t in tensors.items() if k.endswith("." + MAGNITUDE)}
     for key, t in tensors.items():
         wrapper = experts.get(key.removesuffix(".lora_A.weight"))
         if key.endswith(".lora_A.weight") and wrapper is not None:
@@ -136,7 +140,7 @@ def plan_merge(
             target = f"{module}.weight"
             lora[target] = (t, tensors[f"{module}.lora_B.weight"])
             want: tuple[int, ...] = (lora[target][1].shape[0], t.shape[1])
-        elif key.endswith(".lora_B.weight"):
+        elif key.endswith((".lora_B.weight", "." + MAGNITUDE)):
             continue
         else:
             target = checkpoint_key(config, base_param_name(key), sources)
@@ -147,7 +151,7 @@ def plan_merge(
         shape = base_shapes[sources[target]][0]
         if tuple(shape) != tuple(want):
             raise ModelLoadError(f"base tensor {target!r} has shape {tuple(shape)}, its config implies {tuple(want)}")
-    return MergePlan(cfg.scaling, lora, replace, sources, config)
+    return MergePlan(cfg.scaling, lora, replace, sources, config, magnitude)
 
 
 def _plan_experts(wrapper: ExpertLora, module: str, a: torch.Tensor, b: torch.Tensor, config: DecoderConfig,
@@ -196,7 +200,10 @@ def _merged_tensors(
                 w = f.get_tensor(plan.sources[key])
                 if key in plan.lora:
                     a, b = plan.lora[key]
-                    w = (w.float() + (b.float() @ a.float()) * plan.scaling).to(out_dtype or w.dtype)
+                    merged = w.float() + (b.float() @ a.float()) * plan.scaling
+                    if key in plan.magnitude:
+                        merged = dora_fold(merged, plan.magnitude[key])
+                    w = merged.to(out_dtype or w.dtype)
                 elif out_dtype is not None:
                     w = w.to(out_dtype)
                 yield key, w

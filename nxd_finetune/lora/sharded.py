@@ -168,7 +168,11 @@ class ColumnParallelLoraLinear(_ShardedLoraLinear):
         x_in = base.parallel_input(x)
         y = base.local_output(x_in)
         lora_x = x_in if self._autocast_keeps(x_in) else x_in.to(self.lora_A.weight.dtype)
-        return base.finish((y + self._lora(self.lora_dropout(lora_x))).to(y.dtype))
+        return base.finish((y + self._added(y, lora_x)).to(y.dtype))
+
+    def _added(self, y: torch.Tensor, lora_x: torch.Tensor) -> torch.Tensor:
+        """What the adapter adds to the local output ``y``; ``lora_x``: the input in the factors' dtype."""
+        return self._lora(self.lora_dropout(lora_x))
 
 
 class RowParallelLoraLinear(_ShardedLoraLinear):

@@ -124,7 +124,8 @@ class LoraSection(_Section):
     ``"all-linear"``. ``target_parameters``: a mixture-of-experts model's fused expert tensors
     (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``), PEFT's name; ``target_modules`` may
     then be ``[]``. ``init_from``: an adapter to start from (directory, registry REF or
-    ``s3://`` prefix); it must have been trained on this base unless ``allow_other_base``."""
+    ``s3://`` prefix); it must have been trained on this base unless ``allow_other_base``.
+    ``use_dora``: DoRA (PEFT's ``use_dora``: a trained magnitude per output feature)."""
 
     rank: PosInt = 8
     alpha: float = Field(default=16.0, gt=0)
@@ -135,6 +136,7 @@ class LoraSection(_Section):
     init_lora_weights: Literal["default", "gaussian"] = "default"
     modules_to_save: StrList = []
     target_parameters: StrList = []
+    use_dora: bool = False
     init_from: str | None = None
     allow_other_base: bool = False
 
@@ -145,6 +147,9 @@ class LoraSection(_Section):
         if self.target_parameters and self.dropout:
             raise ValueError("lora.dropout must be 0 with lora.target_parameters (PEFT's LoRA on expert tensors "
                              "has no dropout)")
+        if self.use_dora and self.target_parameters:
+            raise ValueError("lora.use_dora does not work with lora.target_parameters (PEFT has no DoRA for "
+                             "expert tensors)")
         if self.allow_other_base and not self.init_from:
             raise ValueError("lora.allow_other_base is set but lora.init_from is not (it only concerns init_from)")
         return self
@@ -386,6 +391,8 @@ class Recipe(_Section):
         if self.model.quantization is not None and self.lora is None:
             raise ValueError(f"model.quantization={self.model.quantization.method} needs a lora section: a quantized "
                              "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
+        if self.model.quantization is not None and self.lora is not None and self.lora.use_dora:
+            raise ValueError("lora.use_dora with model.quantization (DoRA on a quantized base) is not supported yet")
         wrong = check_objective(self.objective, {"preference": self.preference}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:

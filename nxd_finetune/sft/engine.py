@@ -39,6 +39,7 @@ from torch import nn
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
+from nxd_finetune.lora.dora import init_dora_magnitudes
 from nxd_finetune.lora.quantized import QuantSpec, quantize_base, require_bitsandbytes
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
@@ -305,6 +306,7 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
     def loaded(model: nn.Module, modules: list[nn.Module]) -> None:
         for m in modules:
             cast_adapter_params(m, torch.bfloat16 if recipe.training.precision == "bf16" else torch.float32)
+            init_dora_magnitudes(m)  # lora.use_dora: m = ||W|| now that W is read
         assert recipe.lora is not None
         if recipe.lora.init_from:
             # the whole (partly unmaterialised) model: the adapter file names every layer; this
