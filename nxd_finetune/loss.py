@@ -325,11 +325,12 @@ class Scores(Protocol):
 
     def ce_sum(self) -> torch.Tensor: ...
 
-    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_nll(self, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nll [N], position [N])``: each target's negative log-prob (fp32, 0 for ignored
         targets) and its flat position ``row * T + t`` in the micro-batch's ``[B, T]`` labels (the
         position that predicts it; ignored padding targets may sit anywhere).
-        ``-zeros(B).index_add(0, position // T, nll)`` gives the rows' summed log-probs."""
+        ``-zeros(B).index_add(0, position // T, nll)`` gives the rows' summed log-probs.
+        ``temperature``: of the logits divided by it (GRPO scores its samples as they were drawn)."""
         ...
 
     def eval_stats(self) -> torch.Tensor: ...
@@ -349,8 +350,9 @@ class LogitScores:
     def ce_sum(self) -> torch.Tensor:
         return ce_sum(self.logits, self.targets, self.tp_group)
 
-    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
-        nll = token_nll(self.logits, self.targets, self.tp_group).reshape(-1)
+    def token_nll(self, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits if temperature == 1.0 else self.logits / temperature
+        nll = token_nll(logits, self.targets, self.tp_group).reshape(-1)
         return nll, _positions_of(self.targets, self.index)
 
     def eval_stats(self) -> torch.Tensor:
@@ -373,8 +375,9 @@ class ChunkedScores:
     def ce_sum(self) -> torch.Tensor:
         return chunked_ce_sum(self.hidden, self.head, self.targets, self.rows, self.tp_group)
 
-    def token_nll(self) -> tuple[torch.Tensor, torch.Tensor]:
-        nll = chunked_token_nll(self.hidden, self.head, self.targets, self.rows, self.tp_group)
+    def token_nll(self, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        head = self.head if temperature == 1.0 else lambda h: self.head(h) / temperature
+        nll = chunked_token_nll(self.hidden, head, self.targets, self.rows, self.tp_group)
         return nll, _positions_of(self.targets, self.index)
 
     def eval_stats(self) -> torch.Tensor:

@@ -171,7 +171,9 @@ class ObjectiveRecord:
     line, else None); ``metadata(section)``: what an adapter records of it besides its name and
     reference (None: nothing is recorded, SFT); ``pair_tokenization(section)``: whose TRL
     trainer its pairs are tokenized as (``dpo``, ``orpo``); ``diverged(section)``: the setting a
-    user lowers when training diverges (None: only the learning rate)."""
+    user lowers when training diverges (None: only the learning rate); ``source``: the
+    ``module:function`` making a rank's batch source from its ``RankRun`` (GRPO's generates; None:
+    the train loader's)."""
 
     name: str
     build: Callable[[Section], Objective]
@@ -182,6 +184,7 @@ class ObjectiveRecord:
     metadata: Callable[[Section], dict[str, str]] | None = None
     pair_tokenization: Callable[[Section], str] = dpo_pairs
     diverged: Callable[[Section], str | None] = no_setting
+    source: str | None = None
 
 
 SFT_RECORD = ObjectiveRecord("sft", build=lambda section: SFT)

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 
 from nxd_finetune.objective import SFT_RECORD, Objective, ObjectiveRecord, Section
 from nxd_finetune.preference import DPO, ORPO
+from nxd_finetune.rl.objective import GRPO
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
 
-OBJECTIVES: dict[str, ObjectiveRecord] = {r.name: r for r in (SFT_RECORD, DPO, ORPO)}
+OBJECTIVES: dict[str, ObjectiveRecord] = {r.name: r for r in (SFT_RECORD, DPO, ORPO, GRPO)}
 
 
 def objective_record(name: str) -> ObjectiveRecord:

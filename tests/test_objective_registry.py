@@ -87,7 +87,7 @@ def _run_layouts(recipe_dicts: list[dict]) -> list[dict | None]:
 
 
 def test_a_registered_objective_trains_on_pp2_as_in_one_process(tmp_path, monkeypatch):
-    with pytest.raises(RecipeError, match="objective: expected one of sft, dpo, orpo, got 'weighted'"):
+    with pytest.raises(RecipeError, match="objective: expected one of sft, dpo, orpo, grpo, got 'weighted'"):
         load_recipe(QUICKSTART, [*BASE, f"output.dir={tmp_path / 'refused'}"])
     monkeypatch.setitem(OBJECTIVES, "weighted", RECORD)
     single = load_recipe(QUICKSTART, [*BASE, f"output.dir={tmp_path / 'single'}"])

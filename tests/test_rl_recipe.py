@@ -1,4 +1,4 @@
-"""The ``rl:`` recipe section (``recipe/rl.py``) against TRL 1.x's ``GRPOConfig`` names and
+"""The ``rl:`` recipe section (``rl/section.py``) against TRL 1.x's ``GRPOConfig`` names and
 defaults, its one-line errors, the rewards it builds, and the ``prompt`` data format
 (``data/prompts.py``) against TRL's own prompt tokenization."""
 
@@ -11,14 +11,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from nxd_finetune.errors import DataError, RecipeError
-from nxd_finetune.recipe.rl import RLSection, rl_section
+from nxd_finetune.recipe import recipe_from_dict
+from nxd_finetune.rl.objective import GroupRelative
 from nxd_finetune.rl.rewards import TrainerState, build_rewards, score
+from nxd_finetune.rl.section import RLSection, rl_section
 from tests.rl_helpers import grpo_trainer
 
 GRPOTrainer = grpo_trainer()
 TRL_NAMED = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon",
              "epsilon_high", "loss_type", "scale_rewards", "num_iterations", "mask_truncated_completions",
-             "reward_weights", "multi_objective_aggregation")
+             "reward_weights", "multi_objective_aggregation", "use_bias_correction_kl")
 
 
 def test_defaults_are_trls():
@@ -115,3 +117,33 @@ def test_bad_prompt_rows_are_one_line(tokenizer, rows, message):
     with pytest.raises(DataError) as err:
         prompt_rows(rows, tokenizer)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+GRPO_RECIPE = {"model": {"path": "m"}, "data": {"train": "p.jsonl", "format": "prompt"}, "objective": "grpo",
+               "lora": {},
+               "rl": {"reward_funcs": ["exact_match"], "loss_type": "dr_grpo", "beta": 0.04, "epsilon_high": 0.3}}
+
+
+def test_objective_grpo_takes_the_rl_section():
+    from nxd_finetune.objectives import objective_of
+
+    recipe = recipe_from_dict(GRPO_RECIPE)
+    objective = objective_of(recipe)
+    assert isinstance(objective, GroupRelative)
+    assert (objective.loss_type, objective.beta, objective.epsilon, objective.epsilon_high) == ("dr_grpo", 0.04, 0.2,
+                                                                                                0.3)
+    assert recipe_from_dict(recipe.to_dict()) == recipe  # written back out, read the same
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rl": None}, "objective=grpo needs an rl section (at least rl.reward_funcs)"),
+    ({"objective": "sft", "data": {"train": "p.jsonl"}}, "rl is set but objective=sft (set objective: grpo)"),
+    ({"data": {"train": "p.jsonl"}}, "objective=grpo needs data.format=prompt (got messages)"),
+    ({"objective": "sft", "rl": None}, "data.format=prompt needs objective: grpo (objective=sft)"),
+    ({"lora": None}, "rl.beta=0.04 needs a lora section"),
+    ({"rl": {"reward_funcs": ["exact_match"], "loss_type": "cispo"}}, "rl.loss_type='cispo' is not supported"),
+])
+def test_grpo_recipe_errors_are_one_line(change, message):
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({**GRPO_RECIPE, **change})
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -67,13 +67,14 @@ from nxd_finetune.assets import QWEN3_CHAT_TEMPLATE, QWEN3_TRAINING_CHAT_TEMPLAT
 from nxd_finetune.errors import DataError
 from nxd_finetune.loss import IGNORE_INDEX
 
-FORMATS = ("messages", "alpaca", "prompt_completion", "text", "preference")
+FORMATS = ("messages", "alpaca", "prompt_completion", "text", "preference", "prompt")
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
     "preference": ("chosen", "rejected"),
+    "prompt": ("prompt",),  # GRPO's prompts (data/prompts.py), read by its batch source, not the loaders
 }
 OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
     "alpaca": ("input",), "messages": ("role", "content"), "preference": ("prompt", "role", "content"),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, prepare_datasets
+from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, load_rows, prepare_datasets
 from nxd_finetune.data.packing import collate, make_rows, packing_stats
 from nxd_finetune.data.pairs import PairBatches, PreferencePairs
 from nxd_finetune.data.ref_store import load_ref_logps, save_ref_logps
@@ -168,6 +168,8 @@ def build_dataloaders(
     data gives micro-batches of ``micro_batch_size`` pairs (pairs.py), never packed.
     """
     spec = DataSpec.of(data)
+    if spec.format == "prompt":
+        return _prompt_loaders(spec, dp_rank, dp_world, seed, base_dir)
     train_ds, eval_ds = prepare_datasets(spec, tokenizer, base_dir=base_dir, use_cache=use_cache)
     pad_id = pad_token_id(tokenizer)
     if spec.format == "preference":
@@ -194,6 +196,18 @@ def build_dataloaders(
         evaluator = EvalLoader(one_pass(len(eval_rows), micro_batch_size, dp_rank, dp_world, fixed_shape),
                                RowBatches(eval_ds, eval_rows, pad_id, seq_len))
     return DataLoaders(train, evaluator, stats)
+
+
+def _prompt_loaders(spec: DataSpec, dp_rank: int, dp_world: int, seed: int,
+                    base_dir: str | Path | None) -> DataLoaders:
+    """The ``prompt`` format (GRPO): its batch source (``rl/source.py``) reads, orders and samples
+    the prompts itself; the train loader here only counts them (one prompt per item)."""
+    if spec.train is None:
+        raise DataError("data.train is not set")
+    n = len(load_rows(spec.train, base_dir))
+    sampler = ResumableSampler(n, 1, seed=seed, shuffle=spec.shuffle, dp_rank=dp_rank, dp_world=dp_world)
+    return DataLoaders(TrainLoader(sampler, lambda items: {"prompt_index": torch.tensor(list(items))}), None,
+                       {"train": {"samples": n}})
 
 
 @dataclasses.dataclass(frozen=True)

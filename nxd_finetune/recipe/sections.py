@@ -16,6 +16,7 @@ from nxd_finetune.errors import NxdError, NxdWarning, RecipeError
 from nxd_finetune.neuron_presets import resolve_preset
 from nxd_finetune.recipe.messages import suggest
 from nxd_finetune.recipe.preference import PreferenceSection, check_objective, known_objective
+from nxd_finetune.rl.section import RLSection
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -81,7 +82,7 @@ class DataSection(_Section):
     train: str | StrList
     eval: str | StrList | None = None
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
-    format: Literal["messages", "alpaca", "prompt_completion", "text", "preference"] = "messages"
+    format: Literal["messages", "alpaca", "prompt_completion", "text", "preference", "prompt"] = "messages"
     fields: dict[str, str] = {}
     chat_template: str | None = None
     chat_template_kwargs: dict[str, TemplateValue] | None = None
@@ -350,13 +351,14 @@ class NeuronSection(_Section):
 
 class Recipe(_Section):
     """A validated recipe. ``lora`` None means full fine-tuning. ``objective``: ``sft`` (default),
-    or preference tuning (``dpo``, ``orpo``) with its ``preference`` section: a name in the
-    objective registry (:mod:`nxd_finetune.objectives`)."""
+    preference tuning (``dpo``, ``orpo``) with its ``preference`` section, or online RL (``grpo``)
+    with its ``rl`` section: a name in the objective registry (:mod:`nxd_finetune.objectives`)."""
 
     model: ModelSection
     data: DataSection
     objective: str = "sft"
     preference: PreferenceSection | None = None
+    rl: RLSection | None = None
     lora: LoraSection | None = None
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
@@ -393,7 +395,7 @@ class Recipe(_Section):
                              "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
         if self.model.quantization is not None and self.lora is not None and self.lora.use_dora:
             raise ValueError("lora.use_dora with model.quantization (DoRA on a quantized base) is not supported yet")
-        wrong = check_objective(self.objective, {"preference": self.preference}, self.data.format,
+        wrong = check_objective(self.objective, {"preference": self.preference, "rl": self.rl}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:
             raise ValueError(wrong)

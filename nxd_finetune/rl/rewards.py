@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.recipe.rl import ExactMatchReward, RegexReward, RLSection
+from nxd_finetune.rl.section import ExactMatchReward, RegexReward, RLSection
 
 Message = Mapping[str, str]
 Text = str | Sequence[Message]

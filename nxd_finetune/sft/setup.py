@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
 from nxd_finetune.neuron import apply_neuron_env
 from nxd_finetune.objective import SFT, Objective
-from nxd_finetune.objectives import objective_of
+from nxd_finetune.objectives import objective_of, objective_record
 from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.runtime import StepRuntime, make_runtime
@@ -77,6 +78,16 @@ def loader_source(rr: RankRun) -> LoaderSource:
     """The default :class:`~nxd_finetune.sft.source.LoaderSource` of a rank: its train loader,
     ``grad_accum`` micro-batches per step, through its runtime."""
     return LoaderSource(rr.data.train, rr.grad_accum, rr.recipe.data.packing, rr.runtime)
+
+
+def objective_source(recipe: Recipe) -> SourceFactory | None:
+    """The batch source factory the recipe's objective names (its record's ``source``; GRPO's), or None."""
+    path = objective_record(recipe.objective).source
+    if path is None:
+        return None
+    module, _, name = path.partition(":")
+    factory: SourceFactory = getattr(importlib.import_module(module), name)
+    return factory
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -154,7 +165,7 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
     rr = RankRun(recipe, device, layout, runtime, model_dir, tokenizer, data, recipe.grad_accum_steps,
                    total_steps, engine, objective if objective is not None else objective_of(recipe))
     if checkpoints or source is not None:
-        rr.source = (source or loader_source)(rr)
+        rr.source = (source or objective_source(recipe) or loader_source)(rr)
     if checkpoints:
         assert rr.source is not None
         # checkpoints record the source's state as of the steps handed out (not of those prefetched)

@@ -51,6 +51,13 @@ class BatchSource(Protocol):
         ...
 
 
+def source_metrics(source: BatchSource) -> dict[str, float]:
+    """A source's own metrics since the last call, logged with the step's record (a ``metrics()``
+    method: GRPO's generation metrics, ``rl/source.py``); {} for a source without one."""
+    take = getattr(source, "metrics", None)
+    return dict(take()) if callable(take) else {}
+
+
 class LoaderSource:
     """The default source: ``loader``'s micro-batches, ``grad_accum`` per step, through
     ``runtime.batches`` (on the device; prefetched on XLA). Its state is the loader's position as

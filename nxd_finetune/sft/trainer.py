@@ -49,7 +49,7 @@ from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
 from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
 from nxd_finetune.sft.setup import SourceFactory, setup_rank
-from nxd_finetune.sft.source import BatchSource
+from nxd_finetune.sft.source import BatchSource, source_metrics
 from nxd_finetune.sft.step import StepLog, divergence_hint, stop_if_diverged, train_step
 from nxd_finetune.sft.summary import RunSummary, print_summary, save_summary
 from nxd_finetune.trackers import check_trackers, open_trackers
@@ -112,9 +112,9 @@ def train(
     log = StepLog(state, history)  # the counters, the records and their throughput window
     hint = divergence_hint(recipe)
 
-    def on_values(step: int, lr: float, logging: bool, v: HostValues) -> None:
+    def on_values(step: int, lr: float, logging: bool, sourced: dict[str, float], v: HostValues) -> None:
         """Token accounting, the finiteness check and, on logging steps, the record; ``v`` holds
-        host values."""
+        host values, ``sourced`` the source's own metrics (GRPO: rewards, completion lengths)."""
         counts, loss, grad_norm, extra = v["counts"], v.get("loss"), v.get("grad_norm"), v.get("objective")
         assert isinstance(counts, list)  # [targets, inputs]
         log.count(counts)
@@ -127,7 +127,7 @@ def train(
         own = None if extra is None else objective.train_record([extra] if isinstance(extra, float) else extra)
         aux = v.get("aux_loss")  # the router auxiliary loss (output_router_logits), mean over the window's steps
         aux_rec = {} if not isinstance(aux, float) else {"aux_loss": aux}
-        rec = log.record(step, loss, lr, grad_norm, own, peak_host_mb=host_peak_mb(), **aux_rec)
+        rec = log.record(step, loss, lr, grad_norm, {**(own or {}), **sourced}, peak_host_mb=host_peak_mb(), **aux_rec)
         metrics.log(step, rec)
         shown = objective.progress_metric  # the objective's own metric, e.g. rewards/accuracies
         more = f"  {shown} {rec[shown]:.2f}" if shown is not None and shown in rec else ""
@@ -157,7 +157,8 @@ def train(
                     values["aux_loss"] = engine.dp_sum(aux) / (state.step - logged_at)
                 logged_at = state.step
             lr = float(engine.scheduler.get_last_lr()[0])
-            runtime.on_host(functools.partial(on_values, state.step, lr, logging), values)
+            sourced = source_metrics(source) if logging else {}
+            runtime.on_host(functools.partial(on_values, state.step, lr, logging, sourced), values)
             runtime.end_step()
             if eval_fn is not None and recipe.eval.every_n_steps and state.step % recipe.eval.every_n_steps == 0:
                 rec = eval_fn()

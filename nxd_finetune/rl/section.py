@@ -1,4 +1,5 @@
-"""The recipe's ``rl:`` section (GRPO), in TRL 1.x's ``GRPOConfig`` names and defaults, and the
+"""The recipe's ``rl:`` section (GRPO; the ``Recipe``'s ``rl`` field, living with the RL code as the
+``preference`` section lives with its objectives), in TRL 1.x's ``GRPOConfig`` names and defaults, and the
 built-in reward functions' entries. :func:`rl_section` validates a mapping as that section alone,
 every failure one line (:class:`~nxd_finetune.errors.RecipeError`) naming the ``rl.`` key, as the
 recipe's own sections do.
@@ -17,7 +18,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nxd_finetune.errors import RecipeError
-from nxd_finetune.recipe.messages import describe_errors
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -70,6 +70,8 @@ BUILTINS: dict[str, type[ExactMatchReward | RegexReward | LengthReward]] = {
 def _builtin(index: int, entry: object) -> ExactMatchReward | RegexReward | LengthReward:
     """A built-in reward entry (a mapping with ``type``, or the bare name) as its model."""
     data = {"type": entry} if isinstance(entry, str) else dict(entry)  # type: ignore[call-overload]
+    from nxd_finetune.recipe.messages import describe_errors  # the recipe package imports this module
+
     where = f"rl.reward_funcs[{index}]"
     model = BUILTINS.get(str(data.get("type")))
     if model is None:
@@ -91,6 +93,8 @@ class RLSection(_Strict):
     ``loss_type``: :data:`LOSS_TYPES`. ``scale_rewards``: ``group``, ``batch`` or ``none`` (true /
     false: group / none). ``num_iterations``: optimizer steps per generated batch.
     ``mask_truncated_completions``: completions with no stop token leave the loss.
+    ``use_bias_correction_kl``: the KL term times the importance ratio (TRL 1.x's default: its
+    gradient then differs from the plain estimator's even where the ratio is 1).
     ``multi_objective_aggregation``: ``sum_then_normalize`` or ``normalize_then_sum``."""
 
     reward_funcs: list[RewardEntry] = Field(min_length=1)
@@ -108,6 +112,7 @@ class RLSection(_Strict):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(default=1, ge=1)
     mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
 
     @field_validator("reward_funcs", mode="before")
@@ -167,6 +172,8 @@ class _Root(BaseModel):
 
 def rl_section(data: object, source: str = "recipe") -> RLSection:
     """``data`` validated as the ``rl:`` section; RecipeError (one line, ``source: ...``) otherwise."""
+    from nxd_finetune.recipe.messages import describe_errors
+
     try:
         return _Root.model_validate({"rl": data}).rl
     except ValidationError as e:
