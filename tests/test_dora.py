@@ -249,10 +249,11 @@ def test_tp2_dora_matches_unsharded_and_peft(make_tiny_hf, tmp_path):
     assert (tp2 / WEIGHTS).read_bytes() == (tp1 / WEIGHTS).read_bytes()
 
 
-# the quickstart, 4 steps of 4 rows of 64 tokens (micro 2 x accum x dp), AdamW eps 1e-6 (test_parallel_run)
+# the quickstart, 4 steps of 4 rows of 64 tokens (micro 2 x accum x dp), AdamW eps 1e-6 (test_parallel_run),
+# a checkpoint every 2 steps
 RUN = ["data.max_seq_len=64", "training.max_steps=4", "training.micro_batch_size=2", "training.warmup_steps=1",
        "training.eps=1e-6", "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null",
-       "checkpoint.every_n_steps=null", "lora.use_dora=true"]
+       "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "lora.use_dora=true"]
 LAYOUTS = {"tp2": ["parallel.tp=2", "training.grad_accum=2"], "pp2": ["parallel.pp=2", "training.grad_accum=2"],
            "dp2-zero1": ["parallel.zero1=true", "training.grad_accum=1"]}
 
@@ -268,22 +269,32 @@ def layout_recipe(out: Path, nproc: int, *overrides: str):
                        [*RUN, f"parallel.nproc={nproc}", f"output.dir={out}", *overrides])
 
 
+def _assert_same_run(name: str, got: dict, ref: dict) -> None:
+    """Loss curve (1e-5) and gradient norms (1e-4) relative, eval loss, the exported adapter (1e-5)."""
+    for key, rtol in (("train_loss", 1e-5), ("grad_norm", 1e-4)):
+        curves = [torch.tensor([h[key] for h in s["history"]], dtype=torch.float64) for s in (got, ref)]
+        torch.testing.assert_close(*curves, rtol=rtol, atol=0, msg=f"{name} {key}")
+    assert got["eval_after"]["eval_loss"] == pytest.approx(ref["eval_after"]["eval_loss"], rel=1e-5), name
+    files, ref_files = (load_file(Path(s["output"]) / WEIGHTS) for s in (got, ref))
+    assert files.keys() == ref_files.keys(), name
+    for key, t in files.items():
+        torch.testing.assert_close(t, ref_files[key], atol=1e-5, rtol=0, msg=f"{name} {key}")
+
+
 def test_trainer_layouts_match_one_process(quickstart_cache, tmp_path):
     """The trainer with ``lora.use_dora``: tp2, pp2 and dp2 + ZeRO-1 (real gloo) equal the one-process
-    run (loss curve, gradient norms, eval, the exported adapter), which PEFT loads as DoRA."""
+    run (loss curve, gradient norms, eval, the exported adapter, which PEFT reads as DoRA); tp2's
+    step-2 checkpoint (column-parallel magnitudes split) resumed in one process ends there too."""
     ref = trainer.run(layout_recipe(tmp_path / "ref", 1, "training.grad_accum=2"))
     dicts = [layout_recipe(tmp_path / name, 2, *layout).to_dict() for name, layout in LAYOUTS.items()]
     results = launch(_train, 2, dicts, start_method="fork")
-    ref_files = load_file(Path(ref["output"]) / WEIGHTS)
     for name, got in zip(LAYOUTS, results[0], strict=True):
-        for key, rtol in (("train_loss", 1e-5), ("grad_norm", 1e-4)):
-            curves = [torch.tensor([h[key] for h in s["history"]], dtype=torch.float64) for s in (got, ref)]
-            torch.testing.assert_close(*curves, rtol=rtol, atol=0, msg=f"{name} {key}")
-        assert got["eval_after"]["eval_loss"] == pytest.approx(ref["eval_after"]["eval_loss"], rel=1e-5), name
-        files = load_file(Path(got["output"]) / WEIGHTS)
-        assert files.keys() == ref_files.keys(), name
-        for key, t in files.items():
-            torch.testing.assert_close(t, ref_files[key], atol=1e-5, rtol=0, msg=f"{name} {key}")
+        _assert_same_run(name, got, ref)
+    step2 = tmp_path / "tp2" / "checkpoints" / "step-00000002"
+    resumed = trainer.run(layout_recipe(tmp_path / "resumed", 1, "training.grad_accum=2",
+                                        f"checkpoint.resume={step2}"))
+    assert str(resumed["resumed_from"]).endswith("step-00000002")
+    _assert_same_run("tp2 resumed at tp1", resumed, ref)
     final = Path(ref["output"])
     assert peft.LoraConfig.from_pretrained(final).use_dora
     assert sum(k.endswith(".lora_magnitude_vector") for k in load_file(final / WEIGHTS)) == 4 * 7
