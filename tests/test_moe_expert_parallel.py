@@ -6,20 +6,23 @@ tokenizer, 4 optimizer steps of 4 packed 64-token rows, fp32, LoRA on the expert
 Every layout equals the single-process run (loss curve 1e-5 relative, gradient norms 1e-4, final
 adapter / full weights 2e-5 as the dense layouts' tests): ep2 (world 2); ep2 x tp2 (world 4: the
 dense parts under tp, the router and the experts whole on each tp rank); dp4 with ep2 and ZeRO-1
-(world 4: two ranks hold each expert); pp2 with ep2 (world 4: the dense second layer alone on the
-last stage). ep2's step-2 checkpoints (each rank's experts gathered into the full fused tensors)
-resume in one process and finish as the single-process run does. The experts' gradients reach their ranks through the
-all-to-all's backward, so a wrong dispatch, combine or reduction shows in the first step's norm.
+(world 4: two ranks hold each expert; every layer recomputed in backward, its all-to-alls again);
+pp2 with ep2 (world 4: the dense second layer alone on the last stage); a tiny Mixtral at ep2 with
+the router auxiliary loss. ep2's step-2 checkpoints (each rank's experts gathered into the full
+fused tensors) resume in one process and finish as the single-process run does. The experts'
+gradients reach their ranks through the all-to-all's backward, so a wrong dispatch, combine or
+reduction shows in the first step's norm.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from layout_helpers import assert_same_curves, assert_same_files, assert_same_finish, run_layouts
-from moe_helpers import moe_with_tokenizer  # noqa: F401
+from moe_helpers import build_tiny_moe, moe_with_tokenizer, tiny_moe_config  # noqa: F401
 from safetensors import safe_open
 
 from nxd_finetune.errors import NxdError
@@ -44,7 +47,7 @@ LAYOUTS = {  # world size -> layouts; every one sees 4 rows per optimizer step (
                 "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]},
     4: {"ep2-tp2": ["parallel.tp=2", "parallel.ep=2", "training.micro_batch_size=2", "training.grad_accum=1"],
         "dp4-ep2-zero1": ["parallel.ep=2", "parallel.zero1=true", "training.micro_batch_size=1",
-                          "training.grad_accum=1"],
+                          "training.grad_accum=1", "parallel.activation_checkpointing=full"],
         "pp2-ep2": ["parallel.pp=2", "parallel.ep=2", "training.micro_batch_size=1", "training.grad_accum=2"]},
 }
 
@@ -86,6 +89,57 @@ def test_expert_parallel_layouts_reproduce_one_process(quickstart_cache, moe_wit
                                       f"checkpoint.resume={step2}"))
         assert str(resumed["resumed_from"]).endswith("step-00000002"), mode
         assert_same_finish(f"{mode}/ep2 resumed at ep1", resumed, refs[mode])
+
+
+@pytest.fixture
+def mixtral_with_aux(quickstart_cache: object, tmp_path: Path) -> Path:
+    """A tiny Mixtral (4 experts, every layer MoE) with the quickstart's tokenizer, trained with its
+    router auxiliary loss (``output_router_logits``)."""
+    from transformers import AutoTokenizer
+
+    from nxd_finetune.quickstart import ensure_tiny_model
+
+    tok_dir = ensure_tiny_model()
+    path = tmp_path / "mixtral"
+    config = tiny_moe_config("mixtral", vocab_size=len(AutoTokenizer.from_pretrained(tok_dir)),
+                             output_router_logits=True, router_aux_loss_coef=0.1)
+    build_tiny_moe(config, path)
+    for f in Path(tok_dir).iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.mark.slow  # a world of 2 gloo processes
+def test_expert_parallel_mixtral_with_aux_loss(mixtral_with_aux, tmp_path):
+    """Mixtral's block (fp32 router weights) at ep2 with the router auxiliary loss in the objective.
+    The auxiliary loss is a micro-batch's (not a sum over its tokens), so micro-batches are single
+    rows here: each is the same micro-batch on every layout, weighted by its share of the step."""
+    model = mixtral_with_aux
+    single = ["training.micro_batch_size=1"]
+    refs = {mode: trainer.run(_recipe(model, tmp_path / "ref" / mode, 1, *single, "training.grad_accum=4", *extra))
+            for mode, extra in MODES.items()}
+    ep2 = ["parallel.ep=2", *single, "training.grad_accum=2"]
+    names = [f"mixtral/{mode}/ep2" for mode in MODES]
+    dicts = [_recipe(model, tmp_path / mode / "ep2", 2, *ep2, *extra).to_dict() for mode, extra in MODES.items()]
+    results = launch(run_layouts, 2, dicts, start_method="fork")
+    for name, got in zip(names, results[0], strict=True):
+        ref = refs[name.split("/")[1]]
+        assert got is not None and all("aux_loss" in h for h in got["history"]), name
+        aux = [torch.tensor([h["aux_loss"] for h in s["history"]]) for s in (got, ref)]
+        assert torch.allclose(aux[0], aux[1], rtol=1e-5, atol=0), (name, aux)
+        assert_same_curves(name, got, ref, STEPS)
+        assert_same_files(name, got, ref)
+
+
+def test_aux_loss_reaches_the_router_through_recomputed_layers(mixtral_with_aux, tmp_path):
+    """One process: with every layer recomputed in backward the router auxiliary loss trains as
+    without (the checkpointed layers record the graph its router logits need)."""
+    runs = [trainer.run(_recipe(mixtral_with_aux, tmp_path / rc, 1, "training.micro_batch_size=1",
+                                "training.grad_accum=4", *MODES["lora"], f"parallel.activation_checkpointing={rc}"))
+            for rc in ("none", "full")]
+    assert_same_curves("recomputed", runs[1], runs[0], STEPS)
+    assert_same_files("recomputed", runs[1], runs[0])
 
 
 def test_ep_is_carved_out_of_dp():
