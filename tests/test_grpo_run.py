@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import peft
 import pytest
@@ -18,31 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from nxd_finetune.recipe import recipe_from_dict
 from nxd_finetune.sft.trainer import run
-from tests.preference_helpers import LORA, WORDS, word_tokenizer
+from tests.rl_helpers import grpo_recipe
 
 pytestmark = pytest.mark.slow  # end-to-end runs
 
 STEPS = 5
-
-
-def grpo_recipe(root: Path, model_dir: Path, out: Path, steps: int, **rl: Any) -> dict[str, Any]:
-    prompts = root / "prompts.jsonl"
-    if not prompts.exists():
-        rows = [{"prompt": " ".join(WORDS[i:i + 3]), "answer": WORDS[i + 3]} for i in range(0, 40, 4)]
-        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        word_tokenizer().save_pretrained(root / "tok")
-    return {
-        "model": {"path": str(model_dir), "tokenizer": str(root / "tok")},
-        "data": {"train": str(prompts), "format": "prompt", "shuffle": False},
-        "objective": "grpo",
-        "rl": {"reward_funcs": [{"type": "exact_match", "column": "answer"}, {"type": "regex", "pattern": "w1"}],
-               "reward_weights": [1.0, 0.5], "num_generations": 4, "max_completion_length": 4, "beta": 0.04,
-               "num_iterations": 2, "loss_type": "grpo", **rl},
-        "lora": {"rank": LORA["r"], "alpha": LORA["lora_alpha"], "target_modules": LORA["target_modules"]},
-        "training": {"micro_batch_size": 8, "max_steps": steps, "lr": 2e-2, "scheduler": "constant",
-                     "warmup_steps": 0, "device": "cpu"},
-        "output": {"dir": str(out)}, "logging": {"progress": False}, "eval": {"before": False},
-    }
 
 
 def records(out: Path) -> list[dict[str, float]]:

@@ -97,6 +97,25 @@ def test_seeded_sampling_repeats_and_resumes_from_a_saved_state(make_tiny_hf):
     assert len({tuple(r) for r in a.completions()[:4]}) > 1
 
 
+
+def test_per_row_generators_draw_the_same_however_the_rows_are_split(make_tiny_hf):
+    """One generator per row (the GRPO source's, seeded by the row's place in the generation
+    batch): a row's completion is the same sampled with every row or with only some (its rank's
+    share under dp), and its first token is the one-row draw of that seed."""
+    _, model = _model(make_tiny_hf, "llama")
+    settings = SamplingSettings(max_completion_length=6, temperature=1.0, top_p=0.9)
+    rows = [p for p in PROMPTS for _ in range(2)]
+
+    def gens(seeds: range) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + s) for s in seeds]
+
+    whole = sample(model, rows, settings, [1], 0, gens(range(6))).completions()
+    halves = (sample(model, rows[:3], settings, [1], 0, gens(range(3))).completions()
+              + sample(model, rows[3:], settings, [1], 0, gens(range(3, 6))).completions())
+    assert whole == halves and len({tuple(c) for c in whole}) > 3
+    alone = sample(model, rows[4:5], settings, [1], 0, torch.Generator().manual_seed(104)).completions()
+    assert alone[0][0] == whole[4][0]
+
 def test_longrope_past_its_original_length_is_refused(make_tiny_hf):
     _, model = _model(make_tiny_hf, "phi3-longrope")
     with pytest.raises(NxdError, match="original_max_position_embeddings \\(16\\)") as err:

@@ -18,10 +18,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.models.decode import decode, new_cache
 from nxd_finetune.models.llama import DecoderForCausalLM
+from nxd_finetune.parallel.mappings import all_gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +83,21 @@ def warp(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     return scores
 
 
-def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+Generators = torch.Generator | Sequence[torch.Generator]
+"""One generator for the batch, or one per row (each row's draws then depend on its own seed only,
+not on the rows beside it: the same completions however the rows are split over ranks)."""
+
+
+def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: Generators) -> torch.Tensor:
     """One token per row of ``logits [N, V]``: the argmax when greedy, else a draw from the warped
-    distribution with ``generator``."""
+    distribution with ``generator`` (or each row's own)."""
     if settings.temperature == 0:
         return logits.argmax(dim=-1)
     probs = warp(logits.float(), settings).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.cat([torch.multinomial(p[None], 1, generator=g).squeeze(1)
+                      for p, g in zip(probs, generator, strict=True)])
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +115,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 @torch.no_grad()
 def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings: SamplingSettings,
-           stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
-           num_generations: int = 1) -> Completions:
+           stop_ids: Sequence[int], pad_id: int, generator: Generators,
+           num_generations: int = 1, vocab_group: dist.ProcessGroup | None = None) -> Completions:
     """Completions of ``prompts`` (token ids), ``num_generations`` per prompt (see the module
     docstring). The model runs in eval mode (no dropout) and is put back in its mode after.
-    ``generator`` lives on the model's device."""
+    ``generator`` (one, or one per row after the repeat) lives on the model's device.
+    ``vocab_group``: the tensor-parallel group the model's output layer shards the vocabulary over
+    (its ranks gather the logits and, with the same generator states, draw the same tokens)."""
     if num_generations < 1:
         raise NxdError(f"num_generations must be at least 1, got {num_generations}")
     rows = [p for p in prompts for _ in range(num_generations)]
@@ -127,7 +139,7 @@ def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings
     training = model.training
     model.eval()
     try:
-        logits = decode(model, ids, mask, cache)[:, -1]
+        logits = _whole(decode(model, ids, mask, cache)[:, -1], vocab_group)
         for step in range(limit):
             token = next_tokens(logits, settings, generator)
             token = torch.where(done, torch.full_like(token, pad_id), token)
@@ -137,11 +149,16 @@ def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings
             done = done | stopped
             if bool(done.all()) or step == limit - 1:
                 break
-            logits = decode(model, token[:, None], ~done[:, None], cache)[:, -1]
+            logits = _whole(decode(model, token[:, None], ~done[:, None], cache)[:, -1], vocab_group)
     finally:
         model.train(training)
     completion_mask = (torch.arange(limit, device=device)[None] < lengths[:, None]).long()
     return Completions(prompt_ids, prompt_mask, out.cpu(), completion_mask.cpu(), (~done).cpu())
+
+
+def _whole(logits: torch.Tensor, vocab_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The logits over the whole vocabulary (gathered over ``vocab_group``; None: not sharded)."""
+    return logits if vocab_group is None else all_gather(logits, -1, vocab_group)
 
 
 def _check_rope(model: DecoderForCausalLM, total: int) -> None:

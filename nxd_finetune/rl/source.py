@@ -9,8 +9,9 @@ rank ``r`` samples the ``r``-th slice. Every ``num_iterations``-th step generate
 the steps between reuse the same micro-batches. Generating:
 
 1. sample the completions on the engine's own model (:func:`nxd_finetune.rl.sampler.sample`, KV
-   cache), seeded by the run's seed, the step and the dp rank, so a resumed run samples the same;
-   pipeline parallel is refused (one line);
+   cache; under tp the vocabulary shards gathered), each row seeded by the run's seed, the step and
+   its place in the generation batch, so every layout and a resumed run sample the same; pipeline
+   parallel and sequence parallel are refused (one line);
 2. score them with the reward functions (:func:`nxd_finetune.rl.rewards.score`), gather the scores
    over dp and compute the advantages over the whole generation batch as TRL does;
 3. with ``num_iterations`` > 1 the old log-probs, with ``beta`` > 0 the reference's (the adapter
@@ -55,9 +56,10 @@ Generate = Callable[["Engine", Sequence[PromptRow], int], Completions]
 prompt's group consecutive), one completion per row. Default: :func:`sample_completions`."""
 
 
-def step_seed(seed: int, step: int, dp_rank: int) -> int:
-    """The sampling seed of ``step`` on dp rank ``dp_rank`` (tp / pp ranks of it draw the same)."""
-    return (seed * 1_000_003 + step * 7919 + dp_rank * 104_729) % (2**63 - 1)
+def step_seed(seed: int, step: int, row: int) -> int:
+    """The sampling seed of row ``row`` of ``step``'s generation batch (every rank that holds the
+    row, on any layout, draws it the same)."""
+    return (seed * 1_000_003 + step * 7919 + row * 104_729) % (2**63 - 1)
 
 
 def completions_of(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -191,7 +193,7 @@ class GRPOSource:
         local = len(prompts) // self.dp_world
         mine = prompts[self.dp_rank * local:(self.dp_rank + 1) * local]
         generate = self.generate or sample_completions(self.rl, self.stop_ids, self.pad_id, self.seed,
-                                                       self.dp_rank)
+                                                       self.dp_rank * local)
         done = generate(engine, mine, step)
         ids = done.completions()
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -263,18 +265,23 @@ def adapter_off(engine: Engine) -> Iterator[None]:
         yield
 
 
-def sample_completions(rl: RLSection, stop_ids: Sequence[int], pad_id: int, seed: int, dp_rank: int) -> Generate:
+def sample_completions(rl: RLSection, stop_ids: Sequence[int], pad_id: int, seed: int, first_row: int) -> Generate:
     """The default :data:`Generate`: :func:`~nxd_finetune.rl.sampler.sample` on the engine's
-    model (pipeline parallel refused), seeded by :func:`step_seed`."""
+    model (pipeline parallel refused), each row with its own generator seeded by :func:`step_seed`
+    (``first_row``: the generation batch's index of the rank's first row)."""
     settings = SamplingSettings(rl.max_completion_length, rl.temperature, rl.top_p, rl.top_k or None)
 
     def generate(engine: Engine, rows: Sequence[PromptRow], step: int) -> Completions:
         if engine.runner is not None:
             raise NxdError("objective=grpo samples on the training model, which pipeline parallel splits into "
                            "stages: not supported yet (use parallel.pp: 1)")
-        generator = torch.Generator(device=engine.device).manual_seed(step_seed(seed, step, dp_rank))
+        if engine.sequence_parallel:
+            raise NxdError("objective=grpo samples on the training model: not supported with "
+                           "parallel.sequence_parallel yet (set it false)")
+        generators = [torch.Generator(device=engine.device).manual_seed(step_seed(seed, step, first_row + i))
+                      for i in range(len(rows))]
         return sample(engine.model, [r.ids for r in rows], settings, stop_ids, pad_id,  # type: ignore[arg-type]
-                      generator)
+                      generators, vocab_group=engine.tp_group)
     return generate
 
 
