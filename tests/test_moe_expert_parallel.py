@@ -21,14 +21,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_world import run_world
 from layout_helpers import assert_same_curves, assert_same_files, assert_same_finish, run_layouts
 from moe_helpers import build_tiny_moe, moe_with_tokenizer, tiny_moe_config  # noqa: F401
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from nxd_finetune.errors import NxdError
-from nxd_finetune.parallel import Layout
-from nxd_finetune.parallel.experts import regroup_by_expert
+from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.models import DecoderConfig, build_model, materialize
+from nxd_finetune.parallel import Layout, ParallelState
+from nxd_finetune.parallel.experts import apply_expert_parallel, regroup_by_expert
 from nxd_finetune.parallel.launch import launch
+from nxd_finetune.parallel.plan import make_slice_reader
 from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
 
@@ -140,6 +144,35 @@ def test_aux_loss_reaches_the_router_through_recomputed_layers(mixtral_with_aux,
             for rc in ("none", "full")]
     assert_same_curves("recomputed", runs[1], runs[0], STEPS)
     assert_same_files("recomputed", runs[1], runs[0])
+
+
+def _load_held_experts(rank: int, world: int, model_dir: str) -> dict:
+    """Worker: this ep rank's model read from ``model_dir`` (tiny Qwen3-MoE whose experts 3-5 are
+    damaged in the file): rank 0 holds experts 0-2 and never reads the others; rank 1 does."""
+    state = ParallelState(Layout.for_world(world, ep=2))
+    model = build_model(DecoderConfig.from_hf(model_dir))
+    apply_expert_parallel(model, state)
+    try:
+        materialize(model, model_dir, reader=make_slice_reader(model))
+    except ModelLoadError as e:
+        return {"error": str(e)}
+    experts = model.model.layers["0"].mlp.experts
+    return {"held": list(experts.held), "shape": tuple(experts.gate_up_proj.shape)}
+
+
+def test_each_ep_rank_reads_only_its_experts(tmp_path):
+    model = tmp_path / "moe"
+    build_tiny_moe(tiny_moe_config("qwen3_moe"), model)
+    tensors = load_file(model / "model.safetensors")
+    for e in (3, 4, 5):  # a shape no expert has: whoever reads them fails
+        key = f"model.layers.0.mlp.experts.{e}.gate_proj.weight"
+        tensors[key] = tensors[key][:-1]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="differ in shape"):
+        materialize(build_model(DecoderConfig.from_hf(model)), model)  # one process reads every expert
+    results = run_world(_load_held_experts, 2, tmp_path, str(model))
+    assert results[0] == {"held": [0, 1, 2], "shape": (3, 64, 64)}
+    assert "differ in shape" in results[1]["error"]
 
 
 def test_ep_is_carved_out_of_dp():
