@@ -30,16 +30,19 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from nxd_finetune.errors import RecipeError
-from nxd_finetune.lora import inject_lora, load_adapter, lora_modules, read_adapter
+from nxd_finetune.lora import LoraConfig, base_param_name, inject_lora, load_adapter, lora_modules, read_adapter
 from nxd_finetune.lora.quantized import (
     DTYPES,
     QuantSpec,
+    dequantized_weight,
     is_quantized,
     quantizable,
     quantize_base,
+    quantize_on_load,
     trained_quantization,
 )
-from nxd_finetune.models import load_pretrained
+from nxd_finetune.models import DecoderConfig, build_model, load_pretrained, materialize
+from nxd_finetune.preflight.report import run_checks
 from nxd_finetune.quickstart import resolve_model_path
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
 from nxd_finetune.sft import trainer
@@ -249,3 +252,69 @@ def test_merge_folds_into_the_full_precision_base_and_metadata_records_the_quant
             "true, compute_dtype \"bfloat16\", block_size 64; bitsandbytes ") in out
     for key, t in load_file(tmp_path / "cli-merged" / "model.safetensors").items():
         assert torch.equal(t, got[key]), key
+
+
+@pytest.mark.parametrize("method", ["nf4-double", "fp4", "int8"])
+def test_validate_estimates_the_quantized_base_as_held(quickstart_cache, method):
+    """``validate``'s weights part with ``model.quantization`` against the bytes our quantized model
+    holds (packed weights, block scales, everything left in fp32, the fp32 adapter)."""
+    spec = SPECS[method]
+    overrides = [f"model.quantization.method={spec.method}"] + (
+        ["model.quantization.double_quant=true"] if spec.double_quant else [])
+    recipe = load_recipe(QUICKSTART, overrides)
+    estimate = run_checks(recipe).memory["weights"]
+    plain = run_checks(load_recipe(QUICKSTART)).memory["weights"]
+    model = load_pretrained(Path(resolve_model_path("builtin:tiny-llama")))
+    inject_lora(model, LoraConfig.from_section(recipe.lora))
+    quantize_base(model, spec, torch.device("cpu"))
+    held = 0
+    for p in model.parameters():
+        held += p.data.nbytes
+        state = getattr(p, "quant_state", None)
+        for t in (state.absmax, getattr(state.state2, "absmax", None)) if state is not None else ():
+            held += t.nbytes if t is not None else 0
+        scales = getattr(p, "SCB", None)
+        held += scales.nbytes if scales is not None else 0
+    assert estimate == pytest.approx(held, rel=0.01), (estimate, held)
+    assert estimate < 0.6 * plain
+
+
+def test_loading_quantizes_each_linear_as_soon_as_its_weight_is_read(tiny):
+    """``quantize_on_load`` as the engine hands it to the checkpoint reader: no weight read in the
+    file's dtype waits for the rest of the model before it is quantized, and nothing keeps the
+    checkpoint's memory map."""
+    model = build_model(DecoderConfig.from_hf(tiny))  # on the meta device
+    inject_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    linears = [m for _, m in quantizable(model)]
+    quantize = quantize_on_load(model, SPECS["nf4-double"], torch.device("cpu"))
+    waiting = []
+
+    def on_loaded(module: torch.nn.Module, attr: str) -> None:
+        quantize(module, attr)
+        waiting.append(sum(not is_quantized(m) and m.weight.device.type != "meta" for m in linears))
+
+    materialize(model, tiny, name_map=base_param_name, on_loaded=on_loaded)
+    assert len(linears) == 14 and all(is_quantized(m) for m in linears) and max(waiting) == 0
+    # every other tensor read has memory of its own, not a view of the checkpoint's memory map
+    # (which would keep the pages the quantization read resident); a plain load keeps views
+    kept = [n for n, p in model.named_parameters() if not p.requires_grad and p.dtype.is_floating_point]
+    assert kept and all(model.get_parameter(n).untyped_storage().resizable() for n in kept)
+    plain = load_pretrained(tiny)
+    assert not any(plain.get_parameter(n.replace(".base_layer", "")).untyped_storage().resizable() for n in kept)
+    reference = load_pretrained(tiny).requires_grad_(False)
+    quantize_base(reference, SPECS["nf4-double"], torch.device("cpu"))
+    torch.testing.assert_close(model.train()(IDS), reference.train()(IDS), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["nf4-double", "int8"])
+def test_dequantized_weight_is_what_the_matmul_multiplies(tiny, name):
+    model = load_pretrained(tiny).requires_grad_(False)
+    quantize_base(model, SPECS[name], torch.device("cpu"))
+    layer = model.get_submodule("model.layers.0.mlp.down_proj")
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    w = dequantized_weight(layer)
+    assert w.shape == (layer.out_features, layer.in_features) and w.dtype == torch.float32
+    tol = 1e-5 if SPECS[name].four_bit else 0.05  # int8 in eval: LLM.int8()'s integer matmul of the input too
+    torch.testing.assert_close(layer.train()(x), x @ w.T, atol=tol, rtol=tol)
+    assert dequantized_weight(model.lm_head) is model.lm_head.weight.detach() or torch.equal(
+        dequantized_weight(model.lm_head), model.lm_head.weight)

@@ -1,7 +1,7 @@
 """A quantized frozen base under LoRA (QLoRA): bitsandbytes' 4-bit (NF4 / FP4) and 8-bit (LLM.int8())
 weights and matmuls, the kernels transformers' ``BitsAndBytesConfig`` and peft train QLoRA with.
 
-Nothing here quantizes or multiplies by itself: :func:`quantize_base` hands each frozen linear's
+Nothing here quantizes or multiplies by itself: :func:`quantize_module` hands each frozen linear's
 loaded weight (this rank's shard under tensor parallel) to bitsandbytes' own parameter types
 (``Params4bit`` / ``Int8Params``, quantized where they are moved to, as ``Linear4bit`` and
 ``Linear8bitLt`` are), and the forward is ``bitsandbytes.matmul_4bit`` / ``bitsandbytes.matmul`` with
@@ -13,16 +13,18 @@ Which linears: every frozen ``nn.Linear`` / :class:`ColumnParallelLinear` / :cla
 (a LoRA layer's ``base_layer`` or an untargeted one) but the output layer (``lm_head``) and what
 ``modules_to_save`` trains, as transformers' integration keeps ``lm_head`` in full precision. The
 module keeps its class's steps and names (its class becomes the quantized subclass), so the sharded
-LoRA layers run on it unchanged; its ``weight`` is then bitsandbytes' packed parameter.
+LoRA layers run on it unchanged; its ``weight`` is then bitsandbytes' packed parameter. A run
+quantizes each one as its weight is read (:func:`quantize_on_load`); :func:`quantize_base` does a
+loaded model at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal, cast
@@ -112,10 +114,6 @@ def describe(recorded: JsonObject) -> str:
     return f"{recorded.get('method')} ({settings + '; ' if settings else ''}{library})"
 
 
-def bitsandbytes_available() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
 def require_bitsandbytes() -> ModuleType:
     """The ``bitsandbytes`` module; NxdError (one line: what to install) when it is missing."""
     try:
@@ -190,6 +188,20 @@ _QUANTIZED: dict[type[nn.Module], type[_Quantized]] = {
 }
 
 
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """``module.weight`` as the matmul sees it (detached): bitsandbytes' dequantization of a quantized
+    base (``dequantize_4bit`` / ``int8_vectorwise_dequant``), this rank's shard; any other weight as is.
+    For what needs the base's values (DoRA's weight norm)."""
+    weight = module.get_parameter("weight")
+    if not is_quantized(module):
+        return weight.detach()
+    functional = require_bitsandbytes().functional
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        return cast(torch.Tensor, functional.dequantize_4bit(weight.data, state))
+    return cast(torch.Tensor, functional.int8_vectorwise_dequant(weight.data, weight.SCB))  # type: ignore[attr-defined]
+
+
 def parameter_elements(p: torch.Tensor) -> int:
     """Elements of the (local) weight ``p`` stands for: a packed 4-bit weight counts its original
     shape (``quant_state.shape``), as peft counts it; any other tensor its ``numel``."""
@@ -203,38 +215,67 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` of the frozen linears :func:`quantize_base` quantizes (see the module doc)."""
+    """``(name, module)`` of the linears with a frozen weight :func:`quantize_base` quantizes (see the
+    module doc; a bias trained in place, ``lora.bias``, stays a plain tensor beside it)."""
     found = []
     for name, module in model.named_modules():
         parts = name.split(".")
+        weight = getattr(module, "weight", None)
         if (type(module) in _QUANTIZED and parts[-1] not in KEPT_IN_FULL_PRECISION
                 and not {"modules_to_save", "original_module"} & set(parts)
-                and not any(p.requires_grad for p in module.parameters())):
+                and isinstance(weight, torch.Tensor) and not weight.requires_grad):
             found.append((name, module))
     return found
 
 
-def quantize_base(model: nn.Module, spec: QuantSpec, device: torch.device) -> list[str]:
-    """Quantize ``model``'s frozen linears in place on ``device``, one at a time (each module's loaded
-    weight, this rank's shard, is freed once its quantized form exists); returns their names.
-    NxdError when bitsandbytes is missing or a weight is still on the meta device."""
+def quantize_module(module: nn.Module, spec: QuantSpec, device: torch.device) -> None:
+    """Quantize one linear of :func:`quantizable` in place on ``device`` (its loaded weight, this
+    rank's shard, is freed once the quantized form exists). NxdError when bitsandbytes is missing or
+    the weight is not loaded yet."""
     bnb = require_bitsandbytes()
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    if weight.device.type == "meta":
+        raise NxdError(f"cannot quantize a {type(module).__name__}: its weight is not loaded (on the meta device)")
+    quantized = _quantized_weight(weight, spec, device)
+    module.__class__ = _QUANTIZED[type(module)]
+    assert isinstance(module, _Quantized)
+    module.weight = quantized  # type: ignore[assignment]  # bitsandbytes' Parameter subclass
+    module.quant_spec = spec
+    module.int8_state = None
+    if not spec.four_bit:
+        state = bnb.MatmulLtState()
+        state.threshold, state.has_fp16_weights, state.use_pool = INT8_THRESHOLD, False, True
+        state.SCB = quantized.SCB  # type: ignore[attr-defined]
+        module.int8_state = state
+
+
+def quantize_base(model: nn.Module, spec: QuantSpec, device: torch.device) -> list[str]:
+    """Quantize ``model``'s frozen linears (:func:`quantizable`; those not quantized yet) in place on
+    ``device``, one at a time; returns their names."""
     names = []
     for name, module in quantizable(model):
-        weight = module.weight
-        assert isinstance(weight, torch.Tensor)
-        if weight.device.type == "meta":
-            raise NxdError(f"cannot quantize {name}: its weight is not loaded (still on the meta device)")
-        quantized = _quantized_weight(weight, spec, device)
-        module.__class__ = _QUANTIZED[type(module)]
-        assert isinstance(module, _Quantized)
-        module.weight = quantized  # type: ignore[assignment]  # bitsandbytes' Parameter subclass
-        module.quant_spec = spec
-        module.int8_state = None
-        if not spec.four_bit:
-            state = bnb.MatmulLtState()
-            state.threshold, state.has_fp16_weights, state.use_pool = INT8_THRESHOLD, False, True
-            state.SCB = quantized.SCB  # type: ignore[attr-defined]
-            module.int8_state = state
+        quantize_module(module, spec, device)
         names.append(name)
     return names
+
+
+def quantize_on_load(model: nn.Module, spec: QuantSpec, device: torch.device) -> Callable[[nn.Module, str], None]:
+    """For a model on the meta device (LoRA injected): the ``tensor_loaded`` hook that quantizes each
+    of its :func:`quantizable` linears as soon as its weight is read, so loading holds one weight in
+    the file's dtype at a time rather than the whole (stage of the) model. Every other tensor read
+    is copied into memory of its own: read in the file's dtype it is a view of the checkpoint's
+    memory map, which would keep every page the quantization read resident (and counted in the
+    process's memory) for the whole run; with no view left, the map goes when the file is closed."""
+    pending = {id(m) for _, m in quantizable(model)}
+
+    def loaded(module: nn.Module, attr: str) -> None:
+        if attr == "weight" and id(module) in pending:
+            pending.discard(id(module))
+            quantize_module(module, spec, device)
+        else:
+            tensor = getattr(module, attr)
+            with torch.no_grad():
+                tensor.data = tensor.data.clone()
+
+    return loaded

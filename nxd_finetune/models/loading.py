@@ -117,8 +117,11 @@ def materialize(
     device: str | torch.device = "cpu",
     reader: Reader = _read_full,
     name_map: Callable[[str], str] | None = None,
+    on_loaded: Callable[[nn.Module, str], None] | None = None,
 ) -> nn.Module:
     """Replace every meta parameter of ``model`` with its tensor from the checkpoint.
+    ``on_loaded(module, attr)``: called right after each tensor is set (a quantized base quantizes
+    a linear there, so the file's dtype is held one tensor at a time).
 
     ``name_map`` turns a module parameter name into a checkpoint key (LoRA-wrapped models map
     ``...q_proj.base_layer.weight`` to ``...q_proj.weight``), which :func:`checkpoint_key` turns
@@ -165,6 +168,8 @@ def materialize(
                     )
                 setattr(module, attr, nn.Parameter(tensor.to(device=device, dtype=dtype),
                                                   requires_grad=target.requires_grad))
+                if on_loaded is not None:
+                    on_loaded(module, attr)
     for module, attr, parts in experts:
         target = getattr(module, attr)
         tensor = _read_experts(index, parts, model_dir)

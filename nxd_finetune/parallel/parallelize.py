@@ -56,11 +56,14 @@ class ModelHooks:
     ``inject(model)``: after the TP plan, before the stage cut. ``checkpoint_key(name)``: a
     parameter name -> its key in the HF checkpoint (LoRA's ``base_layer`` dropped).
     ``loaded(model, modules)``: after the weights are read (``model``: the whole, partly
-    unmaterialised model; ``modules``: this rank's modules, sharing submodules with it)."""
+    unmaterialised model; ``modules``: this rank's modules, sharing submodules with it).
+    ``tensor_loaded(module, attr)``: right after each checkpoint tensor is read into ``module``
+    (a quantized base quantizes the linear there)."""
 
     inject: Callable[[nn.Module], object] | None = None
     checkpoint_key: Callable[[str], str] = _same
     loaded: Callable[[nn.Module, list[nn.Module]], None] | None = None
+    tensor_loaded: Callable[[nn.Module, str], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +163,16 @@ def _on_meta(model: nn.Module) -> list[str]:
     return [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
 
 
-def materialize_module(module: nn.Module, weights: WeightSource, checkpoint_key: Callable[[str], str] = _same) -> None:
-    """Give real (CPU) storage to ``module``'s meta tensors: its slices of ``weights.checkpoint``, or
-    ``weights.param_init_fn`` on freshly allocated submodules. NxdError when neither is given or a
-    tensor stays on the meta device."""
+def materialize_module(module: nn.Module, weights: WeightSource, checkpoint_key: Callable[[str], str] = _same,
+                       on_loaded: Callable[[nn.Module, str], None] | None = None) -> None:
+    """Give real (CPU) storage to ``module``'s meta tensors: its slices of ``weights.checkpoint``
+    (``on_loaded(module, attr)`` after each), or ``weights.param_init_fn`` on freshly allocated
+    submodules. NxdError when neither is given or a tensor stays on the meta device."""
     if not _on_meta(module):
         return
     if weights.checkpoint is not None:
         materialize(module, weights.checkpoint, dtype=weights.dtype, device="cpu", reader=make_slice_reader(module),
-                    name_map=checkpoint_name_map(module, checkpoint_key))
+                    name_map=checkpoint_name_map(module, checkpoint_key), on_loaded=on_loaded)
     elif weights.param_init_fn is not None:
         for sub in module.modules():
             own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
@@ -218,7 +222,7 @@ def parallelize_model(
     else:
         modules = [model]
     for m in modules:
-        materialize_module(m, weights, hooks.checkpoint_key)
+        materialize_module(m, weights, hooks.checkpoint_key, hooks.tensor_loaded)
     if hooks.loaded is not None:
         hooks.loaded(model, modules)
     for m in modules:

@@ -61,6 +61,9 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
       autocast, plus the 16-bit copies of fp32 trainable weights autocast keeps for the step. With
       ``pp > 1`` a stage holds its share of the layers and a whole vocabulary matrix (the first
       the embedding, the last the output layer, a copy of the embedding when they are tied).
+      With ``model.quantization`` the decoder layers' linear weights count at bitsandbytes'
+      storage instead (:func:`quantized_bytes_per_element`); embeddings, norms, biases and
+      ``lm_head`` stay in the load dtype.
     - ``gradients``: one per trainable parameter in its dtype, ``/ (tp * pp)``.
       A mixture-of-experts model's expert tensors are whole on every tp rank and split over
       ``ep``: their weights, gradients and states count ``/ (pp * ep)`` (ZeRO-1: ``/ (dp / ep)``).
@@ -121,7 +124,9 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
     train_bytes = 2 if pure_bf16 else 4
     shard = t * pp
     frozen = total - trainable
-    weights = (frozen * m + trainable * train_bytes) / shard
+    quantized = quantized_elements(config) if recipe.model.quantization is not None else 0
+    frozen_bytes = (frozen - quantized) * m + quantized * quantized_bytes_per_element(recipe)
+    weights = (frozen_bytes + trainable * train_bytes) / shard
     if pp > 1:  # the embedding (first stage) and the output layer (last stage; a copy when tied)
         vocab_params = config.vocab_size * config.hidden_size
         n_vocab = vocab_params * (1 if getattr(config, "tie_word_embeddings", False) else 2)
@@ -179,6 +184,27 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
     parts["optimizer step"] = max(0.0, step_temp - during) if step_temp >= save else 0.0
     parts["checkpoint save"] = max(0.0, save - during) if save > step_temp else 0.0
     return parts
+
+
+def quantized_elements(config: DecoderConfig) -> int:
+    """Weight elements ``model.quantization`` quantizes: the decoder layers' linear weights (q, k,
+    v, o and the gated MLP's three; ``lm_head`` is kept in full precision)."""
+    h, f, hd = config.hidden_size, config.intermediate_size, _head_dim(config)
+    q, kv = config.num_attention_heads * hd, (config.num_key_value_heads or config.num_attention_heads) * hd
+    return config.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * f)
+
+
+def quantized_bytes_per_element(recipe: Recipe) -> float:
+    """Bytes per quantized weight element as bitsandbytes stores it: 4-bit, half a byte plus an fp32
+    absmax per ``block_size`` elements, or with ``double_quant`` one byte per block plus an fp32
+    scale per 256 blocks; int8, one byte (its fp32 scale per row not counted). 0 without quantization."""
+    quant = recipe.model.quantization
+    if quant is None:
+        return 0.0
+    if quant.method == "int8":
+        return 1.0
+    block = quant.block_size
+    return 0.5 + (1 / block + 4 / (256 * block) if quant.double_quant else 4 / block)
 
 
 def _widths(recipe: Recipe) -> tuple[int, int]:

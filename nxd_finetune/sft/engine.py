@@ -40,7 +40,12 @@ from torch import nn
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
 from nxd_finetune.lora.dora import init_dora_magnitudes
-from nxd_finetune.lora.quantized import QuantSpec, quantize_base, require_bitsandbytes
+from nxd_finetune.lora.quantized import (
+    QuantSpec,
+    quantize_base,
+    quantize_on_load,
+    require_bitsandbytes,
+)
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
@@ -56,7 +61,6 @@ from nxd_finetune.parallel.parallelize import (
     parallelize_model,
 )
 from nxd_finetune.parallel.pipeline import PipelineRunner
-from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.sft.init_from import StartAdapter, init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
@@ -234,9 +238,7 @@ class Engine:
         (packed rows' padding) are left out, as transformers' attention mask leaves padding out;
         unpacked rows carry no segment ids, and their right padding counts."""
         model = self.model
-        # checkpointed layers record their graph here (non-reentrant recompute), so the router
-        # logits they record carry it and the auxiliary loss reaches the router
-        with record_router_logits(model) as logits, recording_graph():
+        with record_router_logits(model) as logits:
             side = objective.side(batch)
             scores = self.scores(batch, objective.labels(side), every_position=True)
         loss_sum, stats = objective.loss(scores, side)
@@ -298,13 +300,22 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
                 started: list[StartAdapter | None], model_dir: Path, warn: bool, device: torch.device) -> ModelHooks:
     """Freeze the base and inject LoRA (its names -> ``targets``); after the weights: the adapter's
     master dtype (fp32 unless pure bf16), ``lora.init_from`` (what it resolved to -> ``started[0]``)
-    and, with ``model.quantization``, the frozen linears quantized on ``device`` (this rank's shards)."""
+    and, with ``model.quantization``, the frozen linears quantized on ``device`` (this rank's shards),
+    each as soon as its weight is read."""
     quant = recipe.model.quantization
     spec = None if quant is None else QuantSpec.from_section(quant)
+    on_load: list[Callable[[nn.Module, str], None]] = []
+
     def inject(model: nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
         targets.extend(inject_lora(model, lora_cfg))
+        if spec is not None:
+            on_load.append(quantize_on_load(model, spec, device))
+
+    def tensor_loaded(module: nn.Module, attr: str) -> None:
+        for hook in on_load:
+            hook(module, attr)
 
     def loaded(model: nn.Module, modules: list[nn.Module]) -> None:
         for m in modules:
@@ -317,11 +328,11 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
             started[0] = init_lora_from(model, lora_cfg, recipe.lora.init_from, config=config,
                                         model_dir=model_dir, revision=recipe.model.revision,
                                         allow_other_base=recipe.lora.allow_other_base, warn=warn)
-        if spec is not None:
+        if spec is not None:  # what was not read from a checkpoint tensor by tensor
             for m in modules:
                 quantize_base(m, spec, device)
 
-    return ModelHooks(inject=inject, checkpoint_key=base_param_name, loaded=loaded)
+    return ModelHooks(inject=inject, checkpoint_key=base_param_name, loaded=loaded, tensor_loaded=tensor_loaded)
 
 
 def _param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
