@@ -61,6 +61,7 @@ from nxd_finetune.parallel.parallelize import (
     parallelize_model,
 )
 from nxd_finetune.parallel.pipeline import PipelineRunner
+from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.sft.init_from import StartAdapter, init_lora_from
 from nxd_finetune.sft.schedule import lr_factor
@@ -238,7 +239,9 @@ class Engine:
         (packed rows' padding) are left out, as transformers' attention mask leaves padding out;
         unpacked rows carry no segment ids, and their right padding counts."""
         model = self.model
-        with record_router_logits(model) as logits:
+        # checkpointed layers record their graph here (non-reentrant recompute), so the router
+        # logits they record carry it and the auxiliary loss reaches the router
+        with record_router_logits(model) as logits, recording_graph():
             side = objective.side(batch)
             scores = self.scores(batch, objective.labels(side), every_position=True)
         loss_sum, stats = objective.loss(scores, side)
