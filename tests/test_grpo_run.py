@@ -7,11 +7,15 @@ peft with its objective recorded; stopped between the two steps of one generatio
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import peft
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -39,7 +43,8 @@ def test_grpo_run_logs_trls_metrics_and_resumes_the_same(make_tiny_hf, tmp_path)
         assert {"train_loss", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "grad_norm"} <= set(r)
         generated = r["step"] % 2 == 1  # every num_iterations-th step samples; the next reuses it
         for key in ("reward", "reward_std", "rewards/exact_match/mean", "rewards/regex/std",
-                    "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std"):
+                    "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",
+                    "time/generation_s", "time/generation_tokens_per_s"):
             assert (key in r) == generated, (r["step"], key)
     assert 1 <= logged[0]["completions/mean_length"] <= 4
     # the adapter loads in peft, with its objective recorded
@@ -65,3 +70,27 @@ def test_grpo_run_logs_trls_metrics_and_resumes_the_same(make_tiny_hf, tmp_path)
             assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)
     assert (parts / "final" / "adapter_model.safetensors").read_bytes() == \
         (final / "adapter_model.safetensors").read_bytes()
+
+
+def test_grpo_recipe_validates_and_runs_through_the_cli(make_tiny_hf, tmp_path):
+    """``nxd-finetune validate`` and ``nxd-finetune run`` on a GRPO recipe file; a broken reward
+    function is one line."""
+    _, model_dir = make_tiny_hf("llama")
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(grpo_recipe(tmp_path, model_dir, tmp_path / "out", 2)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "nxd_finetune", *args], env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    checked = cli("validate", str(path))
+    assert checked.returncode == 0 and "recipe is valid" in checked.stdout, checked.stdout + checked.stderr
+    ran = cli("run", str(path))
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert [r["step"] for r in records(tmp_path / "out")] == [1, 2] and "reward" in records(tmp_path / "out")[0]
+    broken = cli("run", str(path), "rl.reward_funcs=[tests.rl_helpers:no_such_reward]", "rl.reward_weights=null",
+                 f"output.dir={tmp_path / 'b'}")
+    lines = [line for line in broken.stderr.splitlines() if line.strip()]
+    assert broken.returncode != 0 and "Traceback" not in broken.stderr
+    assert "reward function 'tests.rl_helpers:no_such_reward': 'tests.rl_helpers' has no callable" in lines[-1]

@@ -138,6 +138,10 @@ def check_data(recipe: Recipe, key: str, spec: str | list[str], n_rows: int = 5)
 def _row_problem(row: dict, fmt: str, columns: dict[str, str]) -> str | None:
     if fmt == "preference":
         return pair_problem(row, columns)
+    if fmt == "prompt":  # GRPO: the run's prompt reader (data/prompts.py) checks messages in full
+        value = row[columns["prompt"]]
+        return None if isinstance(value, str | list) and value else \
+            f"column {columns['prompt']!r} (prompt) must be a non-empty string or list of messages"
     if fmt != "messages":
         for name, column in columns.items():
             if not isinstance(row[column], str):
@@ -158,7 +162,11 @@ def micro_batch_targets(recipe: Recipe, model_dir: Path) -> int | None:
     training data (tokenized here into the cache ``run`` reads, or read from it). None when a
     source is on the Hub (not read by ``validate``; ``s3://`` ones are fetched). The loss's logits
     are that many rows, not one per position: in SFT, prompts and padding are not targets. A
-    preference micro-batch holds ``micro_batch_size`` pairs: twice as many unpacked sequences."""
+    preference micro-batch holds ``micro_batch_size`` pairs: twice as many unpacked sequences. A
+    GRPO micro-batch (``prompt`` data) holds ``micro_batch_size`` completions of at most
+    ``rl.max_completion_length`` targets."""
+    if recipe.rl is not None:
+        return recipe.training.micro_batch_size * recipe.rl.max_completion_length
     spec = recipe.data.train
     sources = [spec] if isinstance(spec, str) else spec or []
     if spec is None or any("://" in s and data_scheme(s) is None for s in sources):

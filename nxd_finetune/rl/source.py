@@ -20,13 +20,16 @@ the steps between reuse the same micro-batches. Generating:
 The generation metrics (TRL's names: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and
 ``/std``, ``frac_reward_zero_std``, ``completions/mean_length``, ``min_length``, ``max_length``,
 ``clipped_ratio``, ``mean_terminated_length`` ...) are over the whole generation batch, kept until
-:meth:`GRPOSource.metrics` takes them (averaged per key, as TRL's logging window).
+:meth:`GRPOSource.metrics` takes them (averaged per key, as TRL's logging window), with this
+rank's sampling time apart from training: ``time/generation_s`` (seconds sampling a step's
+completions) and ``time/generation_tokens_per_s`` (completion tokens sampled per second).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -194,7 +197,9 @@ class GRPOSource:
         mine = prompts[self.dp_rank * local:(self.dp_rank + 1) * local]
         generate = self.generate or sample_completions(self.rl, self.stop_ids, self.pad_id, self.seed,
                                                        self.dp_rank * local)
+        started = time.perf_counter()
         done = generate(engine, mine, step)
+        sampled = time.perf_counter() - started
         ids = done.completions()
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p.prompt, list) else t
@@ -207,8 +212,10 @@ class GRPOSource:
         all_scores = everything[:, :-2]
         weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
         adv = advantages(all_scores, weights, g, self.rl.scale_rewards, self.rl.multi_objective_aggregation)
-        for k, v in generation_metrics(self.rewards, all_scores, adv, everything[:, -2],
-                                       everything[:, -1].bool()).items():
+        timing = {"time/generation_s": sampled,
+                  "time/generation_tokens_per_s": float(lengths.sum()) / max(sampled, 1e-9)}
+        for k, v in {**generation_metrics(self.rewards, all_scores, adv, everything[:, -2],
+                                          everything[:, -1].bool()), **timing}.items():
             self._metrics.setdefault(k, []).append(v)
         my_adv = adv.advantages[self.dp_rank * local:(self.dp_rank + 1) * local]
         batches = self._micro_batches(mine, done, my_adv)
