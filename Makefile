@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ENSURE_TORCH = @$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 
-.PHONY: setup setup-core quickstart test test-fast test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm
+.PHONY: setup setup-core quickstart test test-fast test-soak lint typecheck setup-xla test-xla setup-vllm test-vllm \
+	testnpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +30,14 @@ setup: $(PY)
 quickstart: setup-core
 	HF_HUB_OFFLINE=1 $(VENV)/bin/nxd-finetune run recipes/quickstart.yaml
 
-test: setup
+test: setup testnpu
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# the suite's test device `testnpu` (tests/device: a PrivateUse1 backend on CPU kernels): its C++
+# extension built once with torch.utils.cpp_extension (needs g++ and Python's headers), cached under
+# ~/.cache/nxd-finetune-tests/testnpu (or $$TESTNPU_BUILD); tests/test_device_testnpu.py runs on it
+testnpu: setup
+	$(PY) tests/device/testnpu_device.py
 
 # unit and single-process tests only (a few minutes on 2 cores); `make test` runs the whole suite
 test-fast: setup

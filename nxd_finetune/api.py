@@ -12,7 +12,7 @@ changes. Example (one script, run by ``torchrun --nproc-per-node 4`` or through
         initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config)
     from nxd_finetune.parallel.launch import init_distributed
 
-    init_distributed()                       # gloo on CPU, nccl on CUDA; no-op in one process
+    init_distributed()                       # the accelerator's backend (nccl on CUDA), else gloo; no-op in one process
     config = neuronx_distributed_config(
         tensor_parallel_size=2,
         optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0},
@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import ParamsT
 
+from nxd_finetune.device import accelerator_type, device_of_backend
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, inject_lora
 from nxd_finetune.lora.dora import init_dora_magnitudes
@@ -203,8 +204,11 @@ def neuronx_distributed_config(
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else 1
     state = ParallelState(Layout.for_world(world, tp=tensor_parallel_size, pp=pipeline_parallel_size))
-    on_cuda = initialised and dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    # the device of the world's backend (gloo: cpu; nccl: cuda; a registered backend: its device)
+    name = device_of_backend(dist.get_backend()) if initialised else None
+    device = torch.device("cpu")
+    if name is not None and name == accelerator_type():
+        device = torch.device(name, torch.accelerator.current_device_index())
     return NxDConfig(tensor_parallel_size, pipeline_parallel_size, pipeline, opt, activation_checkpoint_config,
                      sequence_parallel, init, lora_config, state, device)
 

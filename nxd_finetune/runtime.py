@@ -1,10 +1,11 @@
-"""The training loop's device runtime (:class:`StepRuntime`): eager devices (CPU, CUDA) and XLA
+"""The training loop's device runtime (:class:`StepRuntime`): eager devices (cpu, cuda, a
+PrivateUse1 backend such as TorchNeuron's ``neuron``: :mod:`nxd_finetune.device`) and XLA
 devices, i.e. Trainium through torch-neuronx or any torch_xla device (``PJRT_DEVICE=CPU`` gives a
 real XLA device on CPU, used by ``make test-xla``).
 
 ``torch_xla`` is imported only when a run is on xla. Model code never imports this module; the
 trainer calls the small hooks of :class:`StepRuntime`, so one loop serves eager and lazy devices:
-:class:`StepRuntime` (cpu, cuda: batches moved as they are used, values read at once) and
+:class:`StepRuntime` (eager devices: batches moved as they are used, values read at once) and
 :class:`XlaRuntime` (lazy tensors: one ``torch_xla.sync()`` -- ``xm.mark_step`` -- per optimizer
 step, host-to-device copies prefetched on a thread, values read in step closures after the step's
 graph ran, state moved to CPU in one batched transfer before a checkpoint is written,
@@ -22,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 
 import torch
 
+from nxd_finetune.device import require_torch_xla, synchronize
 from nxd_finetune.errors import NxdError
-from nxd_finetune.neuron import torch_xla_available
 
 if TYPE_CHECKING:
     from nxd_finetune.sft.engine import Engine
@@ -38,23 +39,6 @@ HostValues = dict[str, float | list[float] | None]
 
 
 # ---------------------------------------------------------------- device
-
-
-def require_torch_xla() -> None:
-    """Raise NxdError (one line) when ``torch_xla`` does not import."""
-    if not torch_xla_available():
-        raise NxdError(
-            f"device xla (Trainium) is not available here: torch_xla does not import with torch {torch.__version__}; "
-            "on Trainium use the Neuron DLAMI or container (torch-neuronx); to test on CPU see `make test-xla`"
-        )
-
-
-def xla_device() -> torch.device:
-    """This process's XLA device (on Neuron: the NeuronCore the runtime gave the process)."""
-    require_torch_xla()
-    import torch_xla
-
-    return torch_xla.device()
 
 
 def refuse_unformable_world(world_size: int) -> None:
@@ -215,7 +199,7 @@ class RuntimeReport(TypedDict, total=False):
 
 
 class StepRuntime:
-    """Device hooks of the training loop for eager devices (cpu, cuda).
+    """Device hooks of the training loop for eager devices (every device but xla).
 
     - :meth:`batches`: the step iterator with its tensors moved to the device as they are used;
     - :meth:`end_step`: called once after every optimizer step (nothing to do eagerly);
@@ -233,8 +217,6 @@ class StepRuntime:
     def batches(self, source: Iterable[ItemT], snapshot: Callable[[], StateT] | None = None,
                 restore: Callable[[StateT], None] | None = None) -> DeviceLoader[ItemT, StateT]:
         """``source``'s items on the device (see :class:`DeviceLoader` for ``snapshot``/``restore``)."""
-        if self.device.type == "cpu":
-            return DeviceLoader(source, lambda x: x, 0, snapshot, restore)
         return DeviceLoader(source, lambda x: _move(x, lambda t: t.to(self.device, non_blocking=True)), 0,
                             snapshot, restore)
 
@@ -251,14 +233,11 @@ class StepRuntime:
         fn(_floats(values))
 
     def to_cpu(self, obj: TreeT) -> TreeT:
-        if self.device.type == "cpu":
-            return obj
-        return _move(obj, lambda t: t.detach().cpu())
+        return _move(obj, lambda t: t if t.is_cpu else t.detach().cpu())
 
     def wait(self) -> None:
         """Block until the device has finished the queued work (for timings)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def report(self) -> RuntimeReport:
         return {}

@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SLOW_MODULES = frozenset({
     "test_checkpoint_reshard", "test_checkpoint_resume", "test_compile", "test_console", "test_dpo_cli_run",
     "test_docs_commands", "test_dpo_reference_store", "test_elastic",
-    "test_families_parallel", "test_flex_attention", "test_full_disk",
+    "test_device_testnpu", "test_families_parallel", "test_flex_attention", "test_full_disk",
     "test_gemma3_multimodal",
     "test_kill_soak", "test_lightning", "test_parallel_api", "test_parallel_dp", "test_parallel_lora",
     "test_parallel_run", "test_pipeline", "test_preference", "test_preference_layouts", "test_qlora_layouts",

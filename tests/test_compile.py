@@ -174,8 +174,14 @@ def test_compiled_layouts_reproduce_the_eager_single_process(references, tmp_pat
 
 
 def test_compile_is_refused_where_it_cannot_run(monkeypatch):
-    with pytest.raises(NxdError, match="model.compile=true is for CPU and CUDA"):
+    with pytest.raises(NxdError, match="model.compile=inductor does not apply to device xla \\(torch_xla compiles"):
         engine._check_compile(torch.device("xla"))
+    with pytest.raises(NxdError, match="model.compile=sometimes: torch.compile has no backend 'sometimes' here"):
+        engine._check_compile(torch.device("cpu"), "sometimes")
+    with pytest.raises(NxdError, match="model.compile=inductor: inductor generates no code for device meta; name "
+                                       "the device's own torch.compile backend"):
+        engine._check_compile(torch.device("meta"))
+    engine._check_compile(torch.device("meta"), "aot_eager")  # a backend that runs the device's own kernels
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(NxdError, match="needs a C\\+\\+ compiler"):
@@ -183,7 +189,8 @@ def test_compile_is_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_compile_key_in_recipe_and_validate(capsys, quickstart_cache):
-    """The key is read (bool only) and the recipe with it validates."""
+    """The key is read (a bool or a backend's name) and the recipe with it validates; a backend
+    torch does not have fails validate in one line."""
     assert load_recipe(QUICKSTART, ["model.compile=true"]).model.compile is True
     for value, code in (("true", 0), ("sometimes", 2)):
         with pytest.raises(SystemExit) as info:

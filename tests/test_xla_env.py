@@ -131,7 +131,7 @@ def test_neuron_env_is_pure():
     (["neuron.precision=bf16"], "neuron.precision: expected one of auto, fp32, bf16-sr, bf16-master, autocast"),
     (["neuron.compile_cach=/c"], "unknown key 'neuron.compile_cach' (did you mean 'neuron.compile_cache'?)"),
     (["neuron.model_type=''"], "neuron.model_type"),
-    (["training.device=tpu"], "training.device: expected one of auto, cpu, cuda, xla"),
+    (["training.device=TPU"], "training.device='TPU' is not a device name: use auto, cpu, cuda, xla or a device"),
 ])
 def test_recipe_rejects_bad_neuron_settings(overrides, message):
     with pytest.raises(RecipeError) as info:

@@ -24,13 +24,14 @@ class PythonRng(TypedDict):
 
 
 class _DeviceRng(TypedDict, total=False):
-    torch_cuda: torch.Tensor
-    xla: torch.Tensor
+    devices: dict[str, torch.Tensor]  # device type -> its generator's states (nxd_finetune.device)
+    torch_cuda: torch.Tensor  # read from checkpoints written before ``devices``
+    xla: torch.Tensor  # idem
 
 
 class RngState(_DeviceRng):
     """Every rank's RNG states (``checkpoint.training.rng_state``): generator states stacked
-    ``[world, n]`` (CUDA and the XLA seed only where the run has them) and Python's ``random``."""
+    ``[world, n]`` (the device's generator in ``devices`` where it has one) and Python's ``random``."""
 
     torch_cpu: torch.Tensor
     python: PythonRng

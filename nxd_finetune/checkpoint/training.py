@@ -44,6 +44,7 @@ from nxd_finetune.checkpoint.manager import CheckpointManager
 from nxd_finetune.checkpoint.run_state import RngState, RunState, TrainState
 from nxd_finetune.checkpoint.stored import CheckpointRef, delete_checkpoint, list_checkpoints
 from nxd_finetune.checkpoint.writer import failpoint
+from nxd_finetune.device import device_rng_state, set_device_rng_state
 from nxd_finetune.metrics import METRICS_FILE, purge_tensorboard, truncate_metrics
 from nxd_finetune.recipe.resume import (
     OPTIMIZER_KEYS,
@@ -155,22 +156,22 @@ class StopSignals:
 
 def rng_state(state: ParallelState | None = None, group: ProcessGroup | None = None,
               device: torch.device | None = None) -> RngState:
-    """RNG states to resume exactly: torch CPU (and CUDA) generators of every rank, stacked
-    ``[world, n]`` (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the
-    default group; collective in multi-process worlds), the XLA device's seed when ``device`` is an
-    XLA device (dropout masks there come from it, not from the CPU generator), and Python's
-    ``random``."""
+    """RNG states to resume exactly: torch's CPU generator and ``device``'s own
+    (:func:`nxd_finetune.device.device_rng_state`: the device module's, XLA's seed; dropout masks
+    there come from it, not from the CPU generator) of every rank, stacked ``[world, n]``
+    (all-gathered over ``group``, the whole world on CPU tensors: gloo; None: the default group;
+    collective in multi-process worlds), and Python's ``random``."""
     cpu = torch.get_rng_state()
     version, internal, gauss = random.getstate()
     out: RngState = {"torch_cpu": _gather_rows(cpu, state, group),
                      "python": {"version": version, "state": list(internal), "gauss": gauss}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = _gather_rows(torch.cuda.get_rng_state(), state, group)
-    if device is not None and device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        seed = xm.get_rng_state(str(device))  # an unsigned 64-bit int, stored as int64
-        out["xla"] = _gather_rows(torch.tensor([seed - (1 << 64) if seed >= 1 << 63 else seed]), state, group)
+    dev = None if device is None else device_rng_state(device)  # the device module's generator
+    if dev is not None and device is not None:
+        rows = _gather_rows(dev, state, group)
+        if device.type == "xla":
+            out["xla"] = rows  # the key XLA checkpoints have always had
+        else:
+            out["devices"] = {device.type: rows}
     return out
 
 
@@ -191,12 +192,13 @@ def set_rng_state(saved: RngState, state: ParallelState | None = None, device: t
         return t[rank] if t.shape[0] > rank and (state is None or t.shape[0] == state.world_size) else t[0]
 
     torch.set_rng_state(row(saved["torch_cpu"]).clone())
-    if "torch_cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state(row(saved["torch_cuda"]).clone())
-    if "xla" in saved and device is not None and device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(int(row(saved["xla"])[0]) % (1 << 64), str(device))
+    devices = dict(saved.get("devices") or {})
+    if "torch_cuda" in saved:  # written before the device layer (a CUDA run's generator)
+        devices.setdefault("cuda", saved["torch_cuda"])
+    if "xla" in saved:
+        devices.setdefault("xla", saved["xla"])
+    if device is not None and device.type in devices:
+        set_device_rng_state(device, row(devices[device.type]))
     py = saved["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
 

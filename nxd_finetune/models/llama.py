@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
-        self.compiled = False  # model.compile (DecoderForCausalLM.set_compile)
+        self.compiled: str | None = None  # model.compile's torch.compile backend (DecoderForCausalLM.set_compile)
 
     def forward(
         self,
@@ -108,7 +108,8 @@ class DecoderLayer(nn.Module):
         With :attr:`compiled` the parts before and after the attention kernel run through
         ``torch.compile`` (:func:`compiled_regions`); the kernel itself, whose mask may be a host-side
         run list or a block mask, runs as it is."""
-        before, after, after_kept = compiled_regions() if self.compiled else (_layer_before, _layer_after, _layer_after)
+        before, after, after_kept = (compiled_regions(self.compiled) if self.compiled is not None
+                                     else (_layer_before, _layer_after, _layer_after))
         q, k, v = before(self, x, cos, sin)
         return (after if keep_index is None else after_kept)(self, x, self.self_attn.core(q, k, v, mask), keep_index)
 
@@ -138,18 +139,28 @@ def _layer_after_kept(layer: DecoderLayer, x: torch.Tensor, attention: torch.Ten
 
 
 @functools.cache
-def compiled_regions() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                                Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+def compiled_regions(backend: str = "inductor") -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                                         Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """``torch.compile`` of :func:`_layer_before` and of :func:`_layer_after` twice (without and
     with ``keep_index``, the last layer's), made once per process and shared by every layer: the
     layer is an argument, so its parameters are graph inputs and layers alike reuse one graph
     (torch's ``inline_inbuilt_nn_modules``). Sizes that change from batch to batch (rows per
     micro-batch, unpacked rows' length, ``keep_index``'s) become dynamic after their first change.
     inductor draws dropout's random numbers as eager does (``fallback_random``), so a compiled run
-    repeats an eager one's LoRA dropout."""
-    options: dict[str, str | int | bool | Callable[..., object]] = {"fallback_random": True}
-    return (torch.compile(_layer_before, options=options), torch.compile(_layer_after, options=options),
-            torch.compile(_layer_after_kept, options=options))
+    repeats an eager one's LoRA dropout. ``backend``: torch.compile's backend (``inductor``; a
+    device's own, e.g. TorchNeuron's ``neuron``), made once per backend."""
+    options: dict[str, str | int | bool | Callable[..., object]] | None = (
+        {"fallback_random": True} if backend == "inductor" else None)
+    return (torch.compile(_layer_before, backend=backend, options=options),
+            torch.compile(_layer_after, backend=backend, options=options),
+            torch.compile(_layer_after_kept, backend=backend, options=options))
+
+
+def compile_backend(compiled: bool | str) -> str | None:
+    """``model.compile``'s torch.compile backend: True -> inductor, False -> None (eager), a name as is."""
+    if isinstance(compiled, str):
+        return compiled
+    return "inductor" if compiled else None
 
 
 class DecoderModel(nn.Module):
@@ -248,11 +259,13 @@ class DecoderForCausalLM(nn.Module):
             raise NxdError(f"model.attention={attention!r} is not one of {', '.join(ATTENTIONS)}")
         self.model.attention = attention
 
-    def set_compile(self, compiled: bool) -> None:
+    def set_compile(self, compiled: bool | str) -> None:
         """``model.compile``: run each decoder layer's work around the attention kernel through
-        ``torch.compile`` (:meth:`DecoderLayer.forward`). The same numbers within float rounding."""
+        ``torch.compile`` (:meth:`DecoderLayer.forward`) with backend ``compiled`` (True: inductor;
+        False: eager). The same numbers within float rounding."""
+        backend = compile_backend(compiled)
         for layer in self.model.layers.values():
-            cast(DecoderLayer, layer).compiled = compiled
+            cast(DecoderLayer, layer).compiled = backend
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``model.embed_tokens.weight`` (tied-embedding configs)."""

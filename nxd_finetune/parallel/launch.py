@@ -40,19 +40,23 @@ from typing import Any, Generic, TypedDict, TypeVar
 import torch
 import torch.distributed as dist
 
-from nxd_finetune import neuron  # neuron.neuron_available looked up at call time (tests patch it)
+from nxd_finetune import device
 from nxd_finetune.errors import NxdError
-from nxd_finetune.runtime import refuse_unformable_world, xla_device
+from nxd_finetune.runtime import refuse_unformable_world
 
 R = TypeVar("R")
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+# torch's backends that bind the default group to its device (``device_id``); a backend registered
+# from Python (torch.distributed.Backend.register_backend) may not implement the split that implies
+BOUND_BACKENDS = ("nccl", "xccl")
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBackend:
-    """Where a worker computes and how it communicates: ``name`` (cpu | cuda | xla),
-    ``dist_backend`` (gloo | nccl | xla), ``device``; ``rank`` / ``world_size`` / ``local_rank``."""
+    """Where a worker computes and how it communicates: ``name`` (the device type: cpu, cuda, xla,
+    neuron, ...), ``dist_backend`` (the process-group backend torch maps to it: gloo, nccl, xla,
+    a registered backend's name), ``device``; ``rank`` / ``world_size`` / ``local_rank``."""
 
     name: str
     dist_backend: str
@@ -62,44 +66,39 @@ class DeviceBackend:
     local_rank: int = 0
 
 
-DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
-
-
 def resolve_device_name(name: str = "auto") -> str:
-    """``auto`` -> ``xla`` where ``torch_neuronx`` imports (Trainium), else ``cuda`` when a GPU is
-    visible, else ``cpu``; other names unchanged. A plain torch_xla install does not make ``auto``
-    pick xla: ask for ``xla`` explicitly there."""
-    if name != "auto":
-        return name
-    if neuron.neuron_available():
-        return "xla"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """:func:`nxd_finetune.device.resolve_device_name` (``auto``: the current accelerator, else
+    xla where ``torch_neuronx`` imports, else cpu)."""
+    return device.resolve_device_name(name)
 
 
-def dist_backend_for(device: str = "auto") -> str:
-    """The process-group backend for ``training.device``: gloo (cpu), nccl (cuda), xla (xla)."""
-    name = resolve_device_name(device)
-    if name not in DIST_BACKENDS:
-        raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or xla")
-    return DIST_BACKENDS[name]
+def dist_backend_for(name: str = "auto") -> str:
+    """The process-group backend for ``training.device`` (:func:`nxd_finetune.device.dist_backend_for`)."""
+    return device.dist_backend_for(name)
 
 
-def device_backend(name: str = "auto", local_rank: int = 0) -> DeviceBackend:
-    """The backend for device ``name`` (``auto``: see :func:`resolve_device_name`).
-
-    Raises NxdError for ``cuda`` without a visible GPU, ``xla`` without an importable torch_xla,
-    and unknown names.
-    """
+def device_backend(name: str = "auto", local_rank: int = 0, processes: int = 1) -> DeviceBackend:
+    """The backend for device ``name`` (``auto``: see :func:`resolve_device_name`). Raises NxdError
+    for a device that is unknown or not available here, and (``processes > 1``) one without a
+    process-group backend."""
     name = resolve_device_name(name)
-    if name == "cpu":
-        return DeviceBackend("cpu", "gloo", torch.device("cpu"), local_rank=local_rank)
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise NxdError("device cuda was asked for but no CUDA device is visible")
-        return DeviceBackend("cuda", "nccl", torch.device("cuda", local_rank), local_rank=local_rank)
-    if name == "xla":
-        return DeviceBackend("xla", "xla", xla_device(), local_rank=local_rank)
-    raise NxdError(f"unknown device {name!r}; use auto, cpu, cuda or xla")
+    dev = device.device_for(name, local_rank)
+    return DeviceBackend(name, group_backend(name, processes), dev, local_rank=local_rank)
+
+
+def group_backend(name: str, processes: int) -> str:
+    """The process-group backend of a world of ``processes`` on device ``name``: the one torch maps
+    to the device (NxdError when it has none and ``processes > 1``); gloo for one process on a
+    device without one."""
+    return device.dist_backend_for(name) if processes > 1 else _backend_or_gloo(name)
+
+
+def _backend_or_gloo(name: str) -> str:
+    """The device's process-group backend, gloo where it has none (a world of one process)."""
+    try:
+        return device.dist_backend_for(name)
+    except NxdError:
+        return "gloo"
 
 
 def in_launched_env() -> bool:
@@ -110,28 +109,33 @@ def in_launched_env() -> bool:
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DeviceBackend:
     """Join the default process group described by the environment; returns this worker's backend.
 
-    ``backend``: ``gloo``, ``nccl`` or ``xla``; None picks nccl when CUDA is visible, else gloo
-    (``dist_backend_for(training.device)`` gives the one for a recipe). With nccl the CUDA device
-    is set from ``LOCAL_RANK``; with xla the group is joined through torch_xla's ``xla://`` init
-    method, which reads the same torchrun variables. Already initialised: returns the current
-    backend. Not launched (no ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR``): world size 1, no
-    process group. Raises NxdError for an unknown backend, nccl without CUDA, xla without torch_xla,
-    and a group smaller than ``WORLD_SIZE`` (each process alone in a world of its own).
+    ``backend``: a process-group backend torch maps to a device (gloo -> cpu, nccl -> cuda, xla,
+    a registered backend -> its device: :func:`nxd_finetune.device.device_of_backend`); None picks
+    the current accelerator's (``torch.accelerator``), else gloo (``dist_backend_for(training.device)``
+    gives the one for a recipe). The device ``<type>:LOCAL_RANK`` becomes the current device (and
+    the group's bound device under :data:`BOUND_BACKENDS`); with xla the group is joined through
+    torch_xla's ``xla://`` init method, which reads the same torchrun variables. Already
+    initialised: returns the current backend. Not launched (no ``RANK`` / ``WORLD_SIZE`` /
+    ``MASTER_ADDR``): world size 1, no process group. Raises NxdError for an unknown backend, a
+    device that is not available (nccl without CUDA, xla without torch_xla), and a group smaller
+    than ``WORLD_SIZE`` (each process alone in a world of its own).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device_of = {b: d for d, b in DIST_BACKENDS.items()}
-    if backend not in device_of:
-        raise NxdError(f"unknown process-group backend {backend!r}; use gloo, nccl or xla")
-    dev = device_backend(device_of[backend], local_rank)
+        backend = _backend_or_gloo(device.accelerator_type() or "cpu")
+    name = device.device_of_backend(backend)
+    if name is None:
+        raise NxdError(f"unknown process-group backend {backend!r}; use gloo, nccl or xla, or a backend "
+                       "registered for a device (torch.distributed.Backend.register_backend)")
+    dev = DeviceBackend(name, backend, device.device_for(name, local_rank), local_rank=local_rank)
     if dist.is_available() and dist.is_initialized():
         return dataclasses.replace(dev, rank=dist.get_rank(), world_size=dist.get_world_size())
     if not in_launched_env():
         return dev
-    if dev.name == "cuda":
-        torch.cuda.set_device(dev.device)
-    extra: dict[str, Any] = {"device_id": dev.device} if dev.name == "cuda" else {}
+    device.set_current(dev.device)
+    extra: dict[str, Any] = {}
+    if backend in BOUND_BACKENDS:
+        extra["device_id"] = dev.device  # the group's device: eager init, new groups split from it
     if dev.name == "xla":
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 

@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from nxd_finetune.device import mesh_device_type
 from nxd_finetune.errors import NxdError
 
 ProcessGroup = dist.ProcessGroup
@@ -217,9 +218,9 @@ class ParallelState:
     coordinate, the axis degree and the global ranks of this rank's group in group-rank order
     (pipeline send/recv needs them).
 
-    Under gloo the host groups are the device groups. The ``xla`` backend takes XLA tensors only (a
-    CPU tensor raises ``Expected XLA tensor``) and its barrier returns at once, nccl takes CUDA
-    tensors only: under those backends gloo groups over the same ranks are made beside the device
+    Under gloo the host groups are the device groups. Other backends take their device's tensors
+    only (``xla``: a CPU tensor raises ``Expected XLA tensor``, and its barrier returns at once; nccl
+    takes CUDA tensors): under those backends gloo groups over the same ranks are made beside the device
     ones (as Megatron-LM's ``*_GLOO`` groups). ``separate_host``: make them (True), never (False),
     or unless the default backend is gloo (None).
 
@@ -250,7 +251,7 @@ class ParallelState:
         from torch.distributed.device_mesh import init_device_mesh
 
         backend = dist.get_backend()
-        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", layout.shape, mesh_dim_names=layout.names)
+        mesh = init_device_mesh(mesh_device_type(backend), layout.shape, mesh_dim_names=layout.names)
         self._groups = {name: mesh.get_group(name) for name in layout.names}
         self._host = {None: None}
         self._host.update(self._groups)

@@ -11,7 +11,7 @@ larger), because its per-step temporaries are the size of a parameter (``torch.o
 CPU: two, ``sqrt`` and the division) and a shard of a large model is one very large parameter.
 The wrapped optimizer must be elementwise (Adam, AdamW, SGD...), as for the flat shards anyway.
 
-Flat buffers (CPU and CUDA parameters; elsewhere, e.g. XLA, the copying path below is kept):
+Flat buffers (parameters on eager devices; on XLA the copying path below is kept):
 
 - *gradients*, when the parameter dtype is the reduce dtype (fp32 parameters, or any dtype with
   ``reduce_dtype=None``): one zeroed buffer of ``padded_numel`` elements per flat space, and every

@@ -16,8 +16,9 @@ from nxd_finetune.errors import NxdError
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# devices whose parameters and gradients become views into flat buffers (XLA keeps the copies)
-FLAT_BUFFER_DEVICES = ("cpu", "cuda")
+# devices whose parameters and gradients keep the copying path (XLA's lazy tensors); on every other
+# device they become views into flat buffers
+SEPARATE_TENSOR_DEVICES = ("xla",)
 
 
 def slot(buf: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class FlatShard:
 def make_flat(group_index: int, dtype: torch.dtype, params: list[torch.Tensor], dp_size: int, dp_rank: int,
               reduce_dtype: torch.dtype | None, inner_chunk_numel: int) -> FlatShard:
     """The flat space of ``params`` (one group, one dtype) and this dp rank's shard of it: buffers
-    on CPU/CUDA (see :mod:`.zero1`), the master taken from the parameters, ``.grad`` made views
+    on eager devices (see :mod:`.zero1`), the master taken from the parameters, ``.grad`` made views
     into the gradient buffer, the master split into chunks of at most ``inner_chunk_numel``."""
     offsets, total = [], 0
     for p in params:
@@ -97,7 +98,7 @@ def make_flat(group_index: int, dtype: torch.dtype, params: list[torch.Tensor], 
     shard = -(-total // dp_size)
     padded, start = shard * dp_size, dp_rank * shard
     device = params[0].device
-    buffers = device.type in FLAT_BUFFER_DEVICES
+    buffers = device.type not in SEPARATE_TENSOR_DEVICES
     param_buffer = grad_buffer = None
     if buffers and dtype == torch.float32:
         param_buffer = torch.zeros(padded, dtype=dtype, device=device)

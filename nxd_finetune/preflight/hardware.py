@@ -1,5 +1,6 @@
-"""Whether the machine suits the recipe's number formats: a run on a CPU that has no native 16-bit
-matrix instructions is warned about before it starts (``run`` and ``validate``).
+"""Whether the machine suits the recipe (``run`` and ``validate``): :func:`check_device` says in one
+line what ``training.device`` lacks for the recipe (:func:`nxd_finetune.device.device_gaps`), and a
+run on a CPU that has no native 16-bit matrix instructions is warned about before it starts.
 
 On such a CPU (x86 without AVX512-BF16 / AMX, e.g. AVX2-only EPYC and Xeon parts) torch's bf16 and
 fp16 matmuls take a slow fallback path: a 512 x 2048 x 8192 bf16 matmul measured 0.27 GFLOP/s on a
@@ -14,11 +15,33 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nxd_finetune.errors import NxdWarning
+from nxd_finetune.device import device_for, device_gaps, known_device, require_torch_xla
+from nxd_finetune.errors import NxdError, NxdWarning
+from nxd_finetune.models.llama import compile_backend
 from nxd_finetune.parallel.launch import resolve_device_name
 
 if TYPE_CHECKING:
     from nxd_finetune.recipe import Recipe
+
+
+def check_device(recipe: Recipe, *, required: bool) -> None:
+    """NxdError (one line) for the first thing ``training.device`` lacks for ``recipe``: a
+    process-group backend for ``parallel.nproc > 1``, autocast for ``bf16-mixed``, the
+    ``model.compile`` backend (:func:`nxd_finetune.device.device_gaps`). ``required`` (``run``): the
+    device must be here (NxdError otherwise, as :func:`nxd_finetune.device.device_for` says);
+    else (``validate``) a device torch does not have on this machine is one warning line and its
+    checks are left to the machine that has it."""
+    name = resolve_device_name(recipe.training.device)
+    if required:
+        require_torch_xla() if name == "xla" else device_for(name)
+    elif not known_device(name):
+        warnings.warn(f"training.device={name}: torch has no {name} device on this machine; what the device "
+                      "offers is checked where it runs", NxdWarning, stacklevel=2)
+        return
+    gaps = device_gaps(name, processes=recipe.parallel.nproc, precision=recipe.training.precision,
+                       compile_backend=compile_backend(recipe.model.compile))
+    if gaps:
+        raise NxdError(gaps[0])
 
 
 def compute_dtypes(recipe: Recipe) -> set[str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.models import DecoderConfig
 from nxd_finetune.preflight.data import check_data, micro_batch_targets
-from nxd_finetune.preflight.hardware import check_cpu_formats
+from nxd_finetune.preflight.hardware import check_cpu_formats, check_device
 from nxd_finetune.preflight.memory import estimate_memory, human_bytes
 from nxd_finetune.preflight.model import (
     check_init_from_adapter,
@@ -58,6 +58,7 @@ def run_checks(recipe: Recipe) -> Preflight:
     check_init_from_adapter(recipe, config, model_dir)
     loss_targets = micro_batch_targets(recipe, model_dir)
     memory = estimate_memory(recipe, config, total, trainable, loss_targets)
+    check_device(recipe, required=False)  # what the device lacks for the recipe: one line
     check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
     return Preflight(recipe, model_dir, config, total, trainable, targets, memory, loss_targets,
                      expert_parameters(config))

@@ -5,6 +5,7 @@ failure is a ``ValueError`` whose text becomes the one-line :class:`RecipeError`
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,8 @@ from nxd_finetune.neuron_presets import resolve_preset
 from nxd_finetune.recipe.messages import suggest
 from nxd_finetune.recipe.preference import PreferenceSection, check_objective, known_objective
 from nxd_finetune.rl.section import RLSection
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a device type / torch.compile backend name
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -61,16 +64,26 @@ class ModelSection(_Section):
     ``attention``: the attention kernels (``nxd_finetune.models.flex.ATTENTIONS``: ``auto`` is
     FlexAttention on CUDA for packed rows, windows and soft-capped scores, SDPA otherwise).
     ``compile``: ``torch.compile`` each decoder layer's work around the attention kernel (norms,
-    projections with their LoRA, rope, MLP), on CPU and CUDA; the first steps then take the compile
-    time. ``quantization``: the frozen base in 4 or 8 bits under LoRA (QLoRA, docs/qlora.md)."""
+    projections with their LoRA, rope, MLP) with a torch.compile backend: ``true`` / ``inductor``
+    (torch's, for cpu and cuda), ``neuron`` (TorchNeuron's), any backend torch._dynamo has; the
+    first steps then take the compile time.
+    ``quantization``: the frozen base in 4 or 8 bits under LoRA (QLoRA, docs/qlora.md)."""
 
     path: str = Field(min_length=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     attention: Literal["auto", "sdpa", "flex"] = "auto"
-    compile: bool = False
+    compile: bool | str = False
     revision: str | None = None
     tokenizer: str | None = None
     quantization: QuantizationSection | None = None
+
+    @field_validator("compile")
+    @classmethod
+    def _compile_backend(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not _NAME.fullmatch(value):
+            raise ValueError(f"model.compile={value!r} is not a torch.compile backend name: use true (inductor), "
+                             "false, or a backend's name (inductor, neuron)")
+        return value
 
 
 class DataSection(_Section):
@@ -232,9 +245,18 @@ class TrainingSection(_Section):
     grad_clip: float | None = Field(default=1.0, gt=0)
     seed: NonNegInt = 42
     precision: Literal["fp32", "bf16", "bf16-mixed"] = "fp32"
-    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    # auto, cpu, cuda, xla or a device backend torch has (TorchNeuron's neuron: nxd_finetune.device)
+    device: str = "auto"
     # rows of logits computed at once by the chunked loss ("auto": 256 MB of fp32 logits; null: all)
     loss_chunk_tokens: PosInt | Literal["auto"] | None = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not _NAME.fullmatch(value):
+            raise ValueError(f"training.device={value!r} is not a device name: use auto, cpu, cuda, xla or a device "
+                             "backend's name (neuron)")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nxd_finetune.device import compile_gap
 from nxd_finetune.errors import NxdError
 from nxd_finetune.lora import LoraConfig, base_param_name, cast_adapter_params, inject_lora
 from nxd_finetune.lora.dora import init_dora_magnitudes
@@ -359,15 +358,14 @@ def _optimizer(rank_model: RankModel, t: TrainingSection, zero1: bool,
     return optimizer, scheduler
 
 
-def _check_compile(device: torch.device) -> None:
-    """NxdError (one line) where ``model.compile`` cannot run: off CPU and CUDA (torch_xla compiles
-    the whole step's graph itself), or on a CPU without the C++ compiler inductor builds kernels with."""
-    if device.type not in ("cpu", "cuda"):
-        raise NxdError(f"model.compile=true is for CPU and CUDA (training.device resolves to {device.type}, "
-                       "which compiles the step's graph itself); leave model.compile=false")
-    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++") if c):
-        raise NxdError("model.compile=true on CPU needs a C++ compiler (g++ or clang++, or $CXX) on PATH "
-                       "for torch's inductor; install one or leave model.compile=false")
+def _check_compile(device: torch.device, backend: str = "inductor") -> None:
+    """NxdError (one line) where ``model.compile`` with ``backend`` cannot run on ``device``
+    (:func:`nxd_finetune.device.compile_gap`: xla compiles the step's graph itself, a backend
+    torch._dynamo does not have here, inductor without code generation for the device or, on the
+    host, without the C++ compiler it builds kernels with)."""
+    gap = compile_gap(device.type, backend)
+    if gap is not None:
+        raise NxdError(gap)
 
 
 def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_steps: int,
@@ -404,8 +402,9 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     if recipe.model.attention == "flex" and device.type != "cuda":
         raise NxdError(f"model.attention=flex trains on CUDA only (training.device resolves to {device.type}): "
                        "torch's FlexAttention has no backward on CPU; use model.attention=auto or sdpa")
-    if recipe.model.compile:
-        _check_compile(device)
+    backend = llama.compile_backend(recipe.model.compile)
+    if backend is not None:
+        _check_compile(device, backend)
     model = build_model(config)
     model.set_attention(recipe.model.attention)
     model.set_compile(recipe.model.compile)

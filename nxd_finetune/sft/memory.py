@@ -16,6 +16,8 @@ from typing import TypedDict
 import torch
 import torch.distributed as dist
 
+from nxd_finetune.device import peak_memory_mb
+
 MiB = 2**20
 
 
@@ -46,13 +48,13 @@ def _read_host_peak_mb() -> float:
 
 
 def device_peak_mb(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / MiB, 1)
-    return None
+    """The device's peak allocated memory (the device module's statistics; None where it has none)."""
+    return peak_memory_mb(device)
 
 
 class RankMemory(TypedDict):
-    """One rank's memory record in the run summary (MiB; ``peak_device_mb`` None off CUDA)."""
+    """One rank's memory record in the run summary (MiB; ``peak_device_mb`` None where the device
+    module keeps no statistics: cpu, xla)."""
 
     rank: int
     peak_host_mb_training: float

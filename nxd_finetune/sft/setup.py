@@ -26,10 +26,11 @@ from nxd_finetune.checkpoint.training import TrainingCheckpoints
 from nxd_finetune.data.datasets import DataSpec
 from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir
 from nxd_finetune.data.loader import DataLoaders, build_dataloaders
+from nxd_finetune.device import device_for
 from nxd_finetune.neuron import apply_neuron_env
 from nxd_finetune.objective import SFT, Objective
 from nxd_finetune.objectives import objective_of, objective_record
-from nxd_finetune.parallel.launch import device_backend, dist_backend_for, init_distributed
+from nxd_finetune.parallel.launch import group_backend, in_launched_env, init_distributed
 from nxd_finetune.parallel.state import Layout, ParallelState
 from nxd_finetune.runtime import StepRuntime, make_runtime
 from nxd_finetune.sft.engine import Engine, build_engine
@@ -91,8 +92,9 @@ def objective_source(recipe: Recipe) -> SourceFactory | None:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> xla where torch_neuronx imports, else cuda when available, else cpu."""
-    return device_backend(name, local_rank).device
+    """The device of ``training.device`` for this process (:func:`nxd_finetune.device.device_for`:
+    ``auto`` -> the current accelerator, else xla where torch_neuronx imports, else cpu)."""
+    return device_for(name, local_rank)
 
 
 @contextlib.contextmanager
@@ -140,18 +142,19 @@ def setup_rank(recipe: Recipe, *, device: torch.device | None = None, layout: Pa
         apply_neuron_env(recipe)  # Trainium only; before the first XLA tensor
         device = pick_device(recipe.training.device, int(os.environ.get("LOCAL_RANK", "0")))
     if layout is None:
-        backend = init_distributed(dist_backend_for(device.type))
+        world = int(os.environ["WORLD_SIZE"]) if in_launched_env() else 1
+        backend = init_distributed(group_backend(device.type, world))
         layout = ParallelState(Layout.for_world(backend.world_size, tp=par.tp, pp=par.pp, ep=par.ep))
     runtime = make_runtime(device)  # the loop's device hooks (nxd_finetune.runtime)
     if write_recipe and layout.rank == 0:
         out_dir = Path(recipe.output.dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "recipe.yaml").write_text(recipe.to_yaml())
-    if device.type == "cpu":
-        # Adam's second moments and tiny gradients reach subnormal floats, which x86 CPUs handle
-        # ~100x slower; flushing them to zero changes no result at the loss's precision.
-        torch.set_flush_denormal(True)
-        share_cores()
+    # Host work of every device (all of it on cpu): Adam's second moments and tiny gradients reach
+    # subnormal floats, which x86 CPUs handle ~100x slower; flushing them to zero changes no result
+    # at the loss's precision. The ranks on this machine share its cores.
+    torch.set_flush_denormal(True)
+    share_cores()
     tcfg = recipe.training
     with rank0_first(layout.rank, layout.host_group()):
         model_dir = resolve_model_dir(recipe.model.path)

@@ -40,7 +40,7 @@ from nxd_finetune.objectives import objective_record, run_reference, section_of
 from nxd_finetune.parallel.clip import counts_on_rank, norm_axes
 from nxd_finetune.parallel.launch import in_launched_env, launch
 from nxd_finetune.parallel.placement import Placement, placement_map, placement_of
-from nxd_finetune.preflight.hardware import check_cpu_formats
+from nxd_finetune.preflight.hardware import check_cpu_formats, check_device
 from nxd_finetune.recipe import RecipeDict, check_against_model, recipe_from_dict
 from nxd_finetune.registry.publish import check_publish_target, publish_run
 from nxd_finetune.runtime import HostValues, StepRuntime
@@ -260,6 +260,7 @@ def _preflight(recipe: Recipe) -> None:
 
     check_against_model(recipe, DecoderConfig.from_hf(resolve_model_dir(recipe.model.path)))
 
+    check_device(recipe, required=True)  # the device is here and has what the recipe needs: one line
     check_cpu_formats(recipe)  # a warning line: bf16 on a CPU without bf16 instructions
     if recipe.output.registry:
         check_publish_target(recipe.output.registry, None if recipe.lora is None else recipe.checkpoint.save_mode)
