@@ -152,16 +152,37 @@ def precompile_command(tool: str, recipe_path: str, overrides: Sequence[str], re
     ``neuron_parallel_compile`` runs the command once to record the graphs (without executing
     them), then compiles them in parallel into the cache. Our overrides come last so they win:
     xla device, ``steps`` optimizer steps (warmup clipped to fit), no periodic checkpoints, no
-    resume, no registry push, outputs in ``out_dir``. The graphs do not depend on the step count or
-    the learning rate, so the cache serves the full run with the same recipe.
+    resume, no registry push, outputs in ``out_dir``. NxdError (one line) for a recipe on another
+    device (TorchNeuron's ``neuron`` compiles at run time: nothing to precompile). The graphs do
+    not depend on the step count or the learning rate, so the cache serves the full run with the
+    same recipe.
     """
     ours = precompile_overrides(recipe, steps, out_dir)
     return [tool, python, "-m", "nxd_finetune", "run", os.path.abspath(recipe_path), *overrides, *ours]
 
 
+def native_device(recipe: Recipe) -> bool:
+    """Whether ``recipe`` names an accelerator that is not torch-xla's (``training.device`` neuron
+    -- TorchNeuron --, cuda, another registered backend): the torch-xla environment, its compile
+    cache and precompile do not apply. xla, auto and cpu recipes keep them (the Neuron jobs run a
+    cpu recipe, a trial's, on xla as before)."""
+    return recipe.training.device not in ("xla", "auto", "cpu")
+
+
+def require_xla_recipe(recipe: Recipe) -> None:
+    """NxdError (one line) for a recipe on a :func:`native_device`: precompile fills torch-xla's
+    compile cache; TorchNeuron compiles as it runs."""
+    if native_device(recipe):
+        raise NxdError(f"precompile fills torch-xla's Neuron compile cache (training.device=xla); a recipe on "
+                       f"training.device={recipe.training.device} compiles as it runs (TorchNeuron: eager, or "
+                       "model.compile=neuron), so there is nothing to precompile")
+
+
 def precompile_overrides(recipe: Recipe, steps: int, out_dir: str) -> list[str]:
     """The overrides that make a ``run`` a precompile run (:func:`precompile_command`): they change
-    neither the layout nor the batch (the per-rank shapes and micro-batches per step stay)."""
+    neither the layout nor the batch (the per-rank shapes and micro-batches per step stay). NxdError
+    for a recipe on a :func:`native_device`."""
+    require_xla_recipe(recipe)
     return [
         "training.device=xla", f"training.max_steps={steps}", "training.epochs=null",
         f"training.warmup_steps={min(recipe.training.warmup_steps, steps)}",

@@ -108,7 +108,7 @@ def finetune(
         cmd = torchrun_command(layout, recipe, overrides, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint,
                                rdzv_id=specs.macros.app_id, max_restarts=max_restarts,
                                node_rank=specs.macros.replica_id, extra_args=["--tee", "3"])
-        devices = device_resources(accelerator, nproc_per_node, efa)
+        devices = device_resources(accelerator, nproc_per_node, efa, instance_type)
         gpu = devices.pop(GPU_RESOURCE, 0)  # TorchX's own field (nvidia.com/gpu on Kubernetes)
         resource = specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB, devices=devices,
                                   capabilities={INSTANCE_TYPE_LABEL: instance_type} if instance_type else {})

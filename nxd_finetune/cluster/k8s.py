@@ -42,7 +42,7 @@ from nxd_finetune.cluster.spec import (
 from nxd_finetune.cluster.validate import check_name
 from nxd_finetune.cluster.volume import cache_on_volume, warn_unseen_paths
 from nxd_finetune.errors import NxdError
-from nxd_finetune.neuron import PARALLEL_COMPILE, precompile_overrides
+from nxd_finetune.neuron import PARALLEL_COMPILE, native_device, precompile_overrides, require_xla_recipe
 from nxd_finetune.recipe import Recipe
 
 PYTORCHJOB_API = "kubeflow.org/v1"
@@ -105,7 +105,8 @@ def parse_env(pairs: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 def pod_resources(pod: PodSettings, nproc_per_node: int) -> dict[str, dict[str, str]]:
     """``limits`` and ``requests`` of one node's pod: its devices, and the CPU / memory given."""
-    limits = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa).items()}
+    limits = {k: str(v) for k, v in device_resources(pod.accelerator, nproc_per_node, pod.efa,
+                                                                pod.instance_type).items()}
     for key, value in (("cpu", pod.cpu), ("memory", pod.memory)):
         if value:
             limits[key] = value
@@ -169,7 +170,7 @@ def for_pods(recipe: Recipe, overrides: Sequence[str], pod: PodSettings, *,
             raise NxdError("the precompile job needs a shared volume for the compile cache (--pvc CLAIM): "
                            "on a pod's own disk the graphs are lost with the pod")
         return recipe, list(overrides)
-    if pod.accelerator == "neuron":
+    if pod.accelerator == "neuron" and not native_device(recipe):  # torch-xla's compile cache
         recipe, overrides = cache_on_volume(recipe, overrides, pod.pvc, pod.mount_path, require=precompile)
     warn_unseen_paths(recipe, pod.pvc, pod.mount_path, skip=("neuron.compile_cache",))
     return recipe, list(overrides)
@@ -272,7 +273,9 @@ def precompile_jobs(recipe: Recipe, recipe_path: str, overrides: Sequence[str], 
     layout on every node count (dp, and with it the ZeRO-1 shards and micro-batches per step,
     follows the world), so one job per count ``n``, named ``<name>-<n>n``, with training's layout
     there: ``n`` nodes of ``parallel.nproc / nodes`` processes (:func:`.spec.elastic_layout`). The
-    jobs are independent; each carries the label ``nxd-finetune/nodes: n``."""
+    jobs are independent; each carries the label ``nxd-finetune/nodes: n``. NxdError for a recipe
+    off torch-xla (:func:`nxd_finetune.neuron.require_xla_recipe`)."""
+    require_xla_recipe(recipe)
     if min_nodes is None or min_nodes >= nodes:
         return [precompile_job(recipe, recipe_path, overrides, pod, nodes=nodes, name=name, steps=steps)]
     per_node = elastic_layout(recipe, min_nodes, nodes, overrides).nproc_per_node

@@ -14,17 +14,20 @@ from collections.abc import Sequence
 from typing import Literal
 
 from nxd_finetune.errors import NxdError, RecipeError
-from nxd_finetune.neuron import neuron_env
+from nxd_finetune.neuron import native_device, neuron_env
 from nxd_finetune.parallel.launch import SHARE_STORE_ENV
 from nxd_finetune.recipe import Recipe
 
 Accelerator = Literal["neuron", "gpu", "cpu"]
 ACCELERATORS: tuple[str, ...] = ("neuron", "gpu", "cpu")
-NEURON_RESOURCE = "aws.amazon.com/neuron"  # Neuron device plugin: Trainium chips (2 NeuronCores each)
+NEURON_RESOURCE = "aws.amazon.com/neuron"  # Neuron device plugin: Trainium chips
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+# processes (one per NeuronCore) per Neuron device: a Trn1 chip has 2 NeuronCores; a Trn2 chip's 8
+# physical NeuronCores are 4 logical ones at Neuron's default logical-core size (LNC=2)
 NEURON_CORES_PER_DEVICE = 2
+NEURON_CORES_PER_DEVICE_OF: dict[str, int] = {"trn2": 4}
 RDZV_BACKENDS: tuple[str, ...] = ("c10d", "etcd", "etcd-v2", "static")
 ETCD_ENDPOINT = "etcd-server:2379"  # the etcd service of the EKS pattern (TorchX + Volcano)
 # libfabric's EFA provider, as the Neuron multi-node examples set it
@@ -102,16 +105,25 @@ def elastic_layout(recipe: Recipe, min_nodes: int, max_nodes: int, overrides: Se
     return layout
 
 
-def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0) -> dict[str, int]:
-    """Extended resources of one node's pod: Neuron devices (one per 2 processes: a process drives
-    a NeuronCore) or GPUs (one per process), and ``efa`` EFA interfaces."""
+def neuron_cores_per_device(instance_type: str | None) -> int:
+    """NeuronCores (processes) per Neuron device on ``instance_type`` (trn2.48xlarge, trn2u...: 4;
+    others, and no instance type: Trn1's 2)."""
+    family = (instance_type or "").split(".", 1)[0].rstrip("nu")
+    return NEURON_CORES_PER_DEVICE_OF.get(family, NEURON_CORES_PER_DEVICE)
+
+
+def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0,
+                     instance_type: str | None = None) -> dict[str, int]:
+    """Extended resources of one node's pod: Neuron devices (a process drives a NeuronCore:
+    :func:`neuron_cores_per_device` of ``instance_type`` processes per device) or GPUs (one per
+    process), and ``efa`` EFA interfaces."""
     if accelerator not in ACCELERATORS:
         raise NxdError(f"unknown accelerator {accelerator!r}; use {', '.join(ACCELERATORS)}")
     if efa < 0:
         raise NxdError(f"efa must be 0 or more, got {efa}")
     out: dict[str, int] = {}
     if accelerator == "neuron":
-        out[NEURON_RESOURCE] = math.ceil(nproc_per_node / NEURON_CORES_PER_DEVICE)
+        out[NEURON_RESOURCE] = math.ceil(nproc_per_node / neuron_cores_per_device(instance_type))
     elif accelerator == "gpu":
         out[GPU_RESOURCE] = nproc_per_node
     if efa:
@@ -120,16 +132,18 @@ def device_resources(accelerator: str, nproc_per_node: int, efa: int = 0) -> dic
 
 
 def job_env(recipe: Recipe | None, accelerator: str, efa: int = 0) -> dict[str, str]:
-    """The environment of every pod: on Neuron what the recipe's ``neuron:`` section implies
+    """The environment of every pod: on Neuron, for a recipe on torch-xla (not a
+    :func:`nxd_finetune.neuron.native_device` one), what the recipe's ``neuron:`` section implies
     (``NEURON_CC_FLAGS`` with the compile cache, the precision preset's ``XLA_*`` / ``NEURON_RT_*``
-    variables; :func:`nxd_finetune.neuron.neuron_env` of an empty environment), libfabric's EFA
+    variables; :func:`nxd_finetune.neuron.neuron_env` of an empty environment; TorchNeuron's
+    ``neuron`` device reads none of them), libfabric's EFA
     settings when the pod has EFA interfaces, and always a fresh process-group store per attempt
     (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with the agent's store shared, a multi-node worker
     group restarted by torch elastic hangs in gloo's ``connectFullMesh`` (see
     :mod:`nxd_finetune.parallel.launch`). Without a recipe (not readable here) no Neuron
     variables: the workers set them themselves at start."""
     env: dict[str, str] = {SHARE_STORE_ENV: "1"}
-    if accelerator == "neuron" and recipe is not None:
+    if accelerator == "neuron" and recipe is not None and not native_device(recipe):
         env.update(neuron_env(recipe, environ={}))
     if efa:
         env.update(EFA_ENV)

@@ -23,6 +23,9 @@ def nxdt_config(
     model: Annotated[str | None, typer.Option(
         "--model", help="HF checkpoint directory to train (model.path); its config.json defines the model and "
                         "model.model_config is not read. Default: the directory of model.model_config.")] = None,
+    target: Annotated[Literal["xla", "trn2", "trn3"], typer.Option(
+        "--target", help="xla: torch-xla (Neuron SDK <= 2.28, Trn1/Trn2: NxD Training's own stack); trn2 / trn3: "
+                         "TorchNeuron, training.device=neuron (Neuron SDK 2.33+, beta).")] = "xla",
 ) -> None:
     """Translate an NxD Training YAML config into a recipe.
 
@@ -33,8 +36,9 @@ def nxdt_config(
     validated before it is written.
     """
     from nxd_finetune.nxdt.config import translate_config
+    from nxd_finetune.nxdt.target import for_target
 
-    translation = translate_config(config, model_path=model)
+    translation = for_target(translate_config(config, model_path=model), target)
     text = translation.to_yaml()
     if out is not None:
         from nxd_finetune.storage.atomic import publish_file
