@@ -105,7 +105,7 @@ class _PairObjective:
             return {"labels": batch["labels"]}
         if "ref_logps" not in batch:
             raise NxdError(f"a {self.name} micro-batch without ref_logps: the reference log-probs were not "
-                           "computed before training (nxd_finetune.sft.reference.attach_reference)")
+                           "computed (nxd_finetune.sft.ref_source / sft.reference.attach_reference)")
         return {"labels": batch["labels"], "ref_logps": batch["ref_logps"]}
 
     def labels(self, side: SideData) -> torch.Tensor:
@@ -283,8 +283,9 @@ class PreferenceSection(BaseModel):
     ``data.max_seq_len`` (prompt first to ``max_prompt_length``, then ``keep_start`` /
     ``keep_end`` of the sequence). ``reference`` (dpo with a reference): ``base`` (the weights with
     the adapter off, or the initial full model) or ``init_from`` (the adapter the run starts from,
-    the default when ``lora.init_from`` is set). Reference log-probs are computed in one pass
-    before training (``precompute_ref_log_probs``; no second model in memory). ``beta`` lies within
+    the default when ``lora.init_from`` is set). A pair's reference log-probs are computed at the
+    step that first uses it (full fine-tuning: in one pass before training) and stored with the
+    tokenized pairs (``precompute_ref_log_probs``; no second model in memory). ``beta`` lies within
     :data:`BETA_RANGE` and ``simpo_gamma`` within [0, :data:`SIMPO_GAMMA_MAX`] (beyond: a loss
     that overflows)."""
 
@@ -311,7 +312,8 @@ class PreferenceSection(BaseModel):
                              "(a margin of at least 0; larger ones overflow the SimPO loss); usual values: 0.5 to 2")
         if not self.precompute_ref_log_probs:
             raise ValueError("preference.precompute_ref_log_probs=false is not supported: reference log-probs are "
-                             "computed in one pass before training (no second model in memory)")
+                             "computed once per pair, when a step first uses it, and stored (no second model in "
+                             "memory)")
         if self.label_smoothing and self.loss_type in ("ipo", "hinge"):
             raise ValueError(f"preference.label_smoothing={self.label_smoothing} has no effect with "
                              f"loss_type={self.loss_type} (only sigmoid and simpo use it)")

@@ -34,8 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CLI runs and kill-and-resume, TRL's trainers, torch.compile, elastic restarts and the learning
 # quickstarts. `make test` (and CI) runs everything. A single slow test elsewhere: @pytest.mark.slow.
 SLOW_MODULES = frozenset({
-    "test_checkpoint_reshard", "test_checkpoint_resume", "test_compile", "test_console", "test_dpo_cli_run",
-    "test_docs_commands", "test_dpo_reference_store", "test_elastic",
+    "test_bench_real", "test_checkpoint_reshard", "test_checkpoint_resume", "test_compile", "test_console",
+    "test_dpo_cli_run", "test_docs_commands", "test_dpo_lazy_reference", "test_dpo_reference_store", "test_elastic",
     "test_device_testnpu", "test_families_parallel", "test_flex_attention", "test_full_disk",
     "test_gemma3_multimodal",
     "test_kill_soak", "test_lightning", "test_parallel_api", "test_parallel_dp", "test_parallel_lora",

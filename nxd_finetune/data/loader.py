@@ -124,24 +124,27 @@ class DataLoaders:
 
     def load_ref_logps(self, key: str) -> bool:
         """Attach the reference log-probs stored under ``key`` (``pairs.ref_logps_key``) with the
-        cached data; False when there are none (compute them, then :meth:`save_ref_logps`). A store
-        that fails its integrity checks raises ``ref_store.RefStoreError`` (one line naming it)."""
+        cached data, of each split stored complete; False unless every split's are (compute the
+        rest, then :meth:`save_ref_logps`). A store that fails its integrity checks raises
+        ``ref_store.RefStoreError`` (one line naming it)."""
         if self.cache_entry is None:
             return False
         sizes = {split: 2 * len(b.pairs) for split, b in self.pairs.items()}
         stored = load_ref_logps(self.cache_entry, key, sizes)
         if stored is None:
             return False
-        self.attach_ref_logps({split: stored[split] for split in sizes})
-        return True
+        self.attach_ref_logps(stored)
+        return set(stored) == set(sizes)
 
     def save_ref_logps(self, key: str, values: Mapping[str, torch.Tensor],
-                       reference: Mapping[str, object] | None = None, *, replace: bool = False) -> None:
+                       reference: Mapping[str, object] | None = None, *, replace: bool = False,
+                       partial: bool = False) -> None:
         """Attach ``values`` and store them with the cached data under ``key`` (without the cache
-        they are only attached; ``replace``: in place of a store that failed its checks). Every
-        split of :attr:`pairs` needs its values."""
+        they are only attached; ``replace``: in place of a store that failed its checks, or of the
+        splits stored before). Every split of :attr:`pairs` needs its values unless ``partial``:
+        then the complete splits' (the others' stored parts are kept)."""
         missing = sorted(set(self.pairs) - set(values))
-        if missing:
+        if missing and not partial:
             raise DataError(f"reference log-probs: no values for {', '.join(missing)}")
         self.attach_ref_logps(values)
         if self.cache_entry is not None:

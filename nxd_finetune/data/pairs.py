@@ -92,15 +92,21 @@ def pair_tokens(labels: torch.Tensor) -> int:
 
 class PairBatches:
     """How one data-parallel rank cuts a preference split into micro-batches of
-    ``micro_batch_size`` pairs (``pad_id``, ``seq_len`` as :func:`collate_pairs`)."""
+    ``micro_batch_size`` pairs (``pad_id``, ``seq_len`` as :func:`collate_pairs`). ``with_ids``:
+    each micro-batch also carries its ``pair_ids`` [P] long (-1: padding), for whoever fills in
+    its ``ref_logps`` when it is drawn (:mod:`nxd_finetune.sft.ref_source`, which removes them)."""
 
     def __init__(self, pairs: PreferencePairs, micro_batch_size: int, pad_id: int, seq_len: int | None,
                  dp_rank: int = 0, dp_world: int = 1) -> None:
         self.pairs, self.micro_batch_size, self.pad_id, self.seq_len = pairs, micro_batch_size, pad_id, seq_len
         self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.with_ids = False
 
     def __call__(self, pair_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        return collate_pairs(self.pairs, pair_ids, self.pad_id, self.seq_len)
+        batch = collate_pairs(self.pairs, pair_ids, self.pad_id, self.seq_len)
+        if self.with_ids:
+            batch["pair_ids"] = torch.tensor(list(pair_ids), dtype=torch.long)
+        return batch
 
     def one_pass(self) -> list[list[int]]:
         """This rank's micro-batches of every pair once over the dp ranks (``sampler.one_pass``:
@@ -113,7 +119,7 @@ class PairBatches:
         ``2 * id + 1`` (rejected); ids -1 are padding. :func:`assemble_ref_logps` puts the values
         gathered from every rank in sample order."""
         for ids in self.one_pass():
-            yield torch.tensor(ids, dtype=torch.long), self(ids)
+            yield torch.tensor(ids, dtype=torch.long), collate_pairs(self.pairs, ids, self.pad_id, self.seq_len)
 
 
 def assemble_ref_logps(num_pairs: int, pair_ids: Sequence[torch.Tensor],

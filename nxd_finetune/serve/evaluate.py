@@ -136,7 +136,7 @@ def eval_rank(recipe: Recipe, run_recipe: Recipe | None = None) -> dict[str, flo
     if rr.data.eval is None:
         raise DataError("the eval set is empty")
     # preference: the pairs' reference log-probs (the training run's reference, not the scored adapter)
-    attach_reference(recipe, rr.engine, rr.data, rr.model_dir, run_recipe)
+    attach_reference(recipe, rr.engine, rr.data, rr.model_dir, run_recipe, splits=["eval"])
     scores = evaluate(rr.engine, rr.objective, iter(rr.data.eval), recipe.eval.max_batches, rr.runtime)
     if not rr.engine.is_logger:
         return None

@@ -47,7 +47,8 @@ from nxd_finetune.runtime import HostValues, StepRuntime
 from nxd_finetune.serve.samples import EvalSamples
 from nxd_finetune.sft.curve import write_loss_curve
 from nxd_finetune.sft.memory import gather_peak_memory, host_peak_mb, rank_memory
-from nxd_finetune.sft.reference import Identity, attach_reference, reference_label
+from nxd_finetune.sft.ref_source import LazyReference, ReferenceSource, lazy_reference
+from nxd_finetune.sft.reference import Identity, reference_label
 from nxd_finetune.sft.setup import SourceFactory, setup_rank
 from nxd_finetune.sft.source import BatchSource, source_metrics
 from nxd_finetune.sft.step import StepLog, divergence_hint, stop_if_diverged, train_step
@@ -285,20 +286,25 @@ def run_rank(recipe: Recipe, source: SourceFactory | None = None) -> RunSummary 
     # --- after-training hooks: eval.prompts generations (serve/samples.py), trackers (trackers.py)
 
     samples = EvalSamples.for_run(recipe, engine, model_dir, tokenizer)
+    lazy: LazyReference | None = None
 
     def eval_fn() -> dict[str, float]:
         if samples is not None:
             samples.log(metrics, state.step)  # collective; rank 0 logs
         if data.eval is None:
             return {}
+        if lazy is not None:
+            lazy.complete("eval")  # preference: the eval pairs' reference log-probs, at the first eval
         return evaluate(engine, rr.objective, iter(data.eval), recipe.eval.max_batches, runtime)
 
     batches, ckpt = rr.source, rr.checkpoints
     assert batches is not None and ckpt is not None  # setup_rank(checkpoints=True)
-    # preference tuning with a reference model: every pair's reference log-probs, before any step
-    # (a resumed run: the reference it started with, whatever lora.init_from says now)
-    reference = attach_reference(recipe, engine, data, model_dir, started=ckpt.started_reference())
+    # preference tuning with a reference model: a pair's reference log-probs at the step that first
+    # uses it, stored (a resumed run: the reference it started with, whatever lora.init_from says now)
+    reference, lazy = lazy_reference(recipe, engine, data, model_dir, started=ckpt.started_reference())
     ckpt.reference = reference  # saved with every checkpoint
+    if lazy is not None:
+        batches = ReferenceSource(batches, lazy)  # the checkpoints keep the inner source's state
 
     n_params = _count(engine, engine.parameters())
     n_trainable = _count(engine, engine.trainable())
