@@ -94,3 +94,26 @@ def test_grpo_recipe_validates_and_runs_through_the_cli(make_tiny_hf, tmp_path):
     lines = [line for line in broken.stderr.splitlines() if line.strip()]
     assert broken.returncode != 0 and "Traceback" not in broken.stderr
     assert "reward function 'tests.rl_helpers:no_such_reward': 'tests.rl_helpers' has no callable" in lines[-1]
+
+
+def test_the_lightning_module_trains_grpo_as_run_does(make_tiny_hf, tmp_path):
+    """``NxdLightningModule`` on a GRPO recipe takes the objective's batch source: the same curve
+    as ``run``, the generation metrics in its history."""
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+
+    from nxd_finetune.lightning import NxdLightningModule, NxdStrategy
+
+    _, model_dir = make_tiny_hf("llama")
+    rl = {"reward_funcs": ["tests.rl_helpers:token_reward"], "reward_weights": None}
+    ref = run(recipe_from_dict(grpo_recipe(tmp_path, model_dir, tmp_path / "run", 4, **rl)))
+    module = NxdLightningModule(recipe_from_dict(grpo_recipe(tmp_path, model_dir, tmp_path / "light", 4, **rl)))
+    pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=4, logger=False,
+               enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0,
+               num_sanity_val_steps=0).fit(module)
+    assert ref is not None
+    got = [h for h in module.history if "train_loss" in h]
+    assert len(got) == len(ref["history"]) == 4
+    for a, b in zip(got, ref["history"], strict=True):
+        for key in ("train_loss", "kl", "reward", "rewards/token_reward/mean"):
+            assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)

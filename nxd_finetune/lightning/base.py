@@ -84,6 +84,11 @@ class NxdModuleBase(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         return self.parallel_optimizer.grad_norm
 
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the step's batch source logged with it (none here; the recipe module's GRPO
+        source: rewards, completion lengths)."""
+        return {}
+
     def lightning_step(self, stepper: Stepper, micro_batches: Sequence[TokenBatch], n_input: int) -> torch.Tensor:
         """One optimizer step of :attr:`objective` over this rank's ``micro_batches`` through
         ``run``'s step on ``stepper`` (the engine), with Lightning's backward and optimizer step.
@@ -93,6 +98,7 @@ class NxdModuleBase(pl.LightningModule):
         step_loss = self.dp_sum(result.loss)
         # the objective's own step metrics (preference: rewards/...)
         extra = {} if result.stats is None else self.objective.train_record(self.dp_sum(result.stats).tolist())
+        extra.update(self.step_metrics())
         self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]),
                      extra)
         return step_loss

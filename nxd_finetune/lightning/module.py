@@ -47,7 +47,8 @@ from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.recipe import Recipe, load_recipe, recipe_from_dict
 from nxd_finetune.sft.reference import attach_reference
-from nxd_finetune.sft.setup import SourceFactory, loader_source, setup_rank
+from nxd_finetune.sft.setup import SourceFactory, loader_source, objective_source, setup_rank
+from nxd_finetune.sft.source import source_metrics
 from nxd_finetune.sft.trainer import export_spec
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class NxdLightningModule(NxdModuleBase):
         self.recipe: Recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, list(overrides))
         self.engine: Engine | None = None
         self.layers: torch.nn.ModuleList | None = None  # the engine's modules, registered for Lightning
-        self._make_source = source or loader_source
+        self._make_source = source or objective_source(self.recipe) or loader_source
         self._source: BatchSource | None = None
         self._eval: EvalLoader | None = None  # the recipe's eval loader (None: no eval data)
         self._eval_stats: torch.Tensor | None = None
@@ -148,6 +149,10 @@ class NxdLightningModule(NxdModuleBase):
         assert self.engine is not None, "configure_model builds the engine first"
         return {"optimizer": self.engine.optimizer,
                 "lr_scheduler": {"scheduler": self.engine.scheduler, "interval": "step"}}
+
+    def step_metrics(self) -> dict[str, float]:
+        assert self._source is not None
+        return source_metrics(self._source)
 
     def train_dataloader(self) -> StepTicks:
         assert self._source is not None, "configure_model builds the data first"
