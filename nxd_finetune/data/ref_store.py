@@ -92,7 +92,7 @@ def save_part(entry: Path, key: str, split: str, ids: torch.Tensor, values: torc
     folder = store_dir(entry, key) / PARTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{split}-{hashlib.sha256(data).hexdigest()[:24]}.safetensors"
-    if not path.is_file():
+    if not path.is_file() or path.read_bytes() != data:  # absent, or damaged under its name
         tmp = folder / f".{path.name}.partial-{os.getpid()}"
         tmp.write_bytes(data)
         os.replace(tmp, path)
