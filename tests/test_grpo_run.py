@@ -94,6 +94,10 @@ def test_grpo_recipe_validates_and_runs_through_the_cli(make_tiny_hf, tmp_path):
     lines = [line for line in broken.stderr.splitlines() if line.strip()]
     assert broken.returncode != 0 and "Traceback" not in broken.stderr
     assert "reward function 'tests.rl_helpers:no_such_reward': 'tests.rl_helpers' has no callable" in lines[-1]
+    held_out = cli("run", str(path), "data.eval_fraction=0.2", f"output.dir={tmp_path / 'e'}")
+    lines = [line for line in held_out.stderr.splitlines() if line.strip()]
+    assert held_out.returncode != 0 and "Traceback" not in held_out.stderr
+    assert "objective=grpo has no eval over data.eval / data.eval_fraction yet" in lines[-1]
 
 
 def test_the_lightning_module_trains_grpo_as_run_does(make_tiny_hf, tmp_path):

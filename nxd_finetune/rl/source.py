@@ -305,6 +305,9 @@ def grpo_source(rr: RankRun, generate: Generate | None = None) -> GRPOSource:
         raise NxdError("objective=grpo needs training.max_steps (its steps are generations, not passes over "
                        "loader batches)")
     d = recipe.data
+    if d.eval is not None or d.eval_fraction:
+        raise NxdError("objective=grpo has no eval over data.eval / data.eval_fraction yet (a GRPO eval samples "
+                       "completions): remove them (eval.prompts still shows sample generations)")
     template = load_chat_template(d.chat_template)
     rows = prompt_rows(load_rows(d.train), rr.tokenizer, d.fields.get("prompt", "prompt"), template,
                        d.chat_template_kwargs, rl.max_prompt_length)
