@@ -204,7 +204,7 @@ def test_recipe_use_dora_and_its_refusals(tmp_path):
     assert rec.lora is not None and LoraConfig.from_section(rec.lora).use_dora
     for overrides, needle in [
         (["lora.use_dora=true", "lora.target_parameters=[mlp.experts.down_proj]"], "lora.target_parameters"),
-        (["lora.use_dora=true", "model.quantization.method=nf4"], "lora.use_dora with model.quantization"),
+        (["lora.use_dora=true", "model.quantization.method=int8"], "lora.use_dora with model.quantization.method=int8"),
     ]:
         with pytest.raises(RecipeError, match=needle) as e:
             load_recipe(ROOT / "recipes" / "quickstart.yaml", overrides)

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 from cli_run import run_cli
+from qlora_helpers import FAST, QUICKSTART, ROOT, SPECS, hf_quantized
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
 
 from nxd_finetune.errors import RecipeError
 from nxd_finetune.lora import LoraConfig, base_param_name, inject_lora, load_adapter, lora_modules, read_adapter
 from nxd_finetune.lora.quantized import (
-    DTYPES,
     QuantSpec,
     dequantized_weight,
     is_quantized,
@@ -49,27 +49,7 @@ from nxd_finetune.sft import trainer
 
 pytest.importorskip("bitsandbytes")  # the [qlora] extra (in .[dev])
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-FAST = ["data.max_seq_len=64", "training.max_steps=3", "training.micro_batch_size=2", "training.warmup_steps=1",
-        "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null", "checkpoint.every_n_steps=null"]
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
-SPECS = {
-    "nf4-double": QuantSpec("nf4", double_quant=True),
-    "fp4": QuantSpec("fp4"),
-    "nf4-bf16-compute": QuantSpec("nf4", compute_dtype="bfloat16", block_size=64),
-    "int8": QuantSpec("int8"),
-}
-
-
-def hf_quantized(path: Path, spec: QuantSpec) -> torch.nn.Module:
-    """transformers' model of ``path`` quantized by bitsandbytes with ``spec``'s settings."""
-    kw = spec.bnb_config()
-    if "bnb_4bit_compute_dtype" in kw:
-        kw["bnb_4bit_compute_dtype"] = DTYPES[str(kw["bnb_4bit_compute_dtype"])]
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kw),
-                                                dtype=torch.float32, device_map="cpu",
-                                                attn_implementation="eager").train()
 
 
 @pytest.fixture

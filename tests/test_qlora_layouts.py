@@ -16,31 +16,15 @@
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
+from qlora_helpers import _same, _worker, recipe
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from nxd_finetune.data.inputs import resolve_model_dir
-from nxd_finetune.lora import lora_modules
-from nxd_finetune.lora.quantized import is_quantized
 from nxd_finetune.parallel.launch import launch
-from nxd_finetune.parallel.placement import Placement, gather_full
-from nxd_finetune.recipe import load_recipe, recipe_from_dict
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.engine import build_engine
 
 pytest.importorskip("bitsandbytes")
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-BASE = ["data.max_seq_len=64", "training.max_steps=4", "training.micro_batch_size=2", "training.warmup_steps=1",
-        "training.eps=1e-6", "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null",
-        "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "model.quantization.method=nf4",
-        "model.quantization.double_quant=true"]
 LAYOUTS = {"tp2": ["parallel.tp=2", "training.grad_accum=2"],
            "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "training.grad_accum=2"],
            "pp2": ["parallel.pp=2", "training.grad_accum=2"],
@@ -49,66 +33,6 @@ EXACT = {"pp2", "dp2-zero1"}  # the same quantized tensors as one process
 TOL_4BIT = 2e-2  # tp2 against one process: relative, on the first loss
 
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")
-
-
-def recipe(out: Path, nproc: int, *overrides: str):
-    return load_recipe(QUICKSTART, [*BASE, f"parallel.nproc={nproc}", f"output.dir={out}", *overrides])
-
-
-def _shard_checks(recipe_dict: dict, dequantized_dir: str) -> dict[str, bool]:
-    """This tp rank's quantized shards against bitsandbytes' quantization of its slice of the full
-    weight; rank 0 writes the base with every quantized weight replaced by its shards' dequantized
-    values, gathered (the numbers the tp2 run computes with)."""
-    import bitsandbytes.functional as bnbf
-
-    from nxd_finetune.models import load_pretrained
-
-    r = recipe_from_dict(recipe_dict)
-    model_dir = resolve_model_dir(r.model.path)
-    engine = build_engine(r, model_dir, torch.device("cpu"), total_steps=1)
-    full = load_pretrained(model_dir)
-    out, dequantized = {}, {}
-    for name, m in lora_modules(engine.modules[0]):
-        base = m.base_layer
-        out[f"{name} quantized"] = is_quantized(base)
-        spec: Placement = base.placements["weight"]
-        piece = spec.take(full.get_submodule(name).weight.detach())
-        packed, _ = bnbf.quantize_4bit(piece.contiguous(), blocksize=64, quant_type="nf4", compress_statistics=True)
-        out[f"{name} shard shape"] = tuple(base.weight.quant_state.shape) == tuple(piece.shape) != spec.full_shape
-        out[f"{name} bytes"] = torch.equal(base.weight.data, packed)
-        local = bnbf.dequantize_4bit(base.weight.data, base.weight.quant_state)
-        dequantized[f"{name}.weight"] = gather_full(local, spec, engine.state).contiguous()
-    if engine.state.rank == 0:
-        shutil.copytree(model_dir, dequantized_dir)
-        tensors = {**load_file(model_dir / "model.safetensors"), **dequantized}
-        save_file(tensors, Path(dequantized_dir) / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
-def _worker(recipe_dicts: list[dict], shard_recipe: dict, dequantized_dir: str
-            ) -> tuple[list[dict | None], dict[str, bool]]:
-    torch.set_num_threads(1)
-    summaries = [trainer.run_rank(recipe_from_dict(d)) for d in recipe_dicts]
-    return summaries, _shard_checks(shard_recipe, dequantized_dir)
-
-
-def _curve(summary: dict) -> torch.Tensor:
-    return torch.tensor([h["train_loss"] for h in summary["history"]], dtype=torch.float64)
-
-
-def _adapter(summary: dict) -> dict[str, torch.Tensor]:
-    return load_file(Path(summary["output"]) / "adapter_model.safetensors")
-
-
-def _same(name: str, got: dict, ref: dict) -> None:
-    a, b = _curve(got), _curve(ref)
-    assert a.shape == b.shape == (4,), name
-    assert torch.allclose(a, b, rtol=1e-5, atol=0), (name, a.tolist(), b.tolist())
-    ta, tb = _adapter(got), _adapter(ref)
-    assert ta.keys() == tb.keys(), name
-    for k in tb:
-        diff = (ta[k] - tb[k]).abs().max().item()
-        assert diff <= 2e-5, (name, k, diff)
 
 
 def test_qlora_layouts_reproduce_one_process_and_checkpoints_reshard(quickstart_cache, tmp_path):

@@ -19,6 +19,10 @@ rows over the TP group (one all-reduce of ``out`` floats per forward) and ``m`` 
 ``lora_B``. ``m``'s placement is ``lora_B``'s on the out dim, so its gradient is exact or partial
 exactly where ``lora_B``'s is.
 
+On a quantized base (:mod:`nxd_finetune.lora.quantized`, QLoRA) ``W`` is the dequantized weight, as
+PEFT's DoRA on bitsandbytes' layers reads it: in the norm, in ``W drop(x)`` and in ``m``'s initial
+``||W||``; quantize the base before :func:`init_dora_magnitudes`.
+
 A model injected on the meta device has no base weights to take ``||W||`` from: its magnitudes
 are set by :func:`init_dora_magnitudes` once the weights are read (or loaded from an adapter);
 until then ``forward`` refuses to run.
@@ -34,6 +38,7 @@ from torch import nn
 
 from nxd_finetune.errors import AdapterError
 from nxd_finetune.lora.layers import LoraLinear
+from nxd_finetune.lora.quantized import dequantized_weight
 from nxd_finetune.lora.sharded import ColumnParallelLoraLinear, RowParallelLoraLinear
 from nxd_finetune.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from nxd_finetune.parallel.mappings import all_reduce_sum
@@ -85,6 +90,11 @@ class DoraLinear(LoraLinear):
         if not self.magnitude_pending:
             self.reset_magnitude()
 
+    def base_weight(self) -> torch.Tensor:
+        """The (local) base weight as the matmul sees it, detached: a quantized base dequantized
+        (PEFT's ``dequantize_module_weight``), for the norm and ``W drop(x)``."""
+        return dequantized_weight(self.base_layer)
+
     def _reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
         """The full rows' sums of squares from this rank's (identity unless ``W`` is split on in)."""
         return sq
@@ -120,7 +130,7 @@ class DoraLinear(LoraLinear):
     def _plain(self, result: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
         """``W x`` of the local weight: the base output less its bias, or ``W drop(x)`` (PEFT)."""
         if self._dropping():
-            return F.linear(dropped, self.weight.to(dropped.dtype))
+            return F.linear(dropped, self.base_weight().to(dropped.dtype))
         return result - self.bias if self.bias is not None else result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +152,7 @@ class DoraLinear(LoraLinear):
     def unmerged_weight(self) -> torch.Tensor:
         w = self.weight
         if not self.merged:
-            return w.detach()
+            return self.base_weight()
         f = self.lora_magnitude_vector.detach().float() / self._merged_norm
         return (w.detach().float() / f.view(-1, 1) - self.delta_weight().to(w.device)).to(w.dtype)
 
@@ -191,7 +201,7 @@ class RowParallelDoraLinear(DoraLinear, RowParallelLoraLinear):
         lora_x = x_l if self._autocast_keeps(x_l) else x_l.to(self.lora_A.weight.dtype)
         dropped = self._drop_local(lora_x)
         if self._dropping():
-            plain = base.reduce(F.linear(dropped, self.weight.to(dropped.dtype)))
+            plain = base.reduce(F.linear(dropped, self.base_weight().to(dropped.dtype)))
         lora = self.lora_B(base.reduce(self.lora_A(dropped)))
         return (y + self._dora(plain, lora)).to(y.dtype)
 

@@ -415,8 +415,10 @@ class Recipe(_Section):
         if self.model.quantization is not None and self.lora is None:
             raise ValueError(f"model.quantization={self.model.quantization.method} needs a lora section: a quantized "
                              "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
-        if self.model.quantization is not None and self.lora is not None and self.lora.use_dora:
-            raise ValueError("lora.use_dora with model.quantization (DoRA on a quantized base) is not supported yet")
+        quant = self.model.quantization
+        if quant is not None and quant.method == "int8" and self.lora is not None and self.lora.use_dora:
+            raise ValueError("lora.use_dora with model.quantization.method=int8 is not supported (peft's DoRA does "
+                             "not train on an 8-bit base); use nf4 or fp4")
         wrong = check_objective(self.objective, {"preference": self.preference, "rl": self.rl}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:

@@ -322,7 +322,6 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
     def loaded(model: nn.Module, modules: list[nn.Module]) -> None:
         for m in modules:
             cast_adapter_params(m, torch.bfloat16 if recipe.training.precision == "bf16" else torch.float32)
-            init_dora_magnitudes(m)  # lora.use_dora: m = ||W|| now that W is read
         assert recipe.lora is not None
         if recipe.lora.init_from:
             # the whole (partly unmaterialised) model: the adapter file names every layer; this
@@ -333,6 +332,8 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
         if spec is not None:  # what was not read from a checkpoint tensor by tensor
             for m in modules:
                 quantize_base(m, spec, device)
+        # lora.use_dora: m = ||W|| now that W is read (and quantized: the dequantized W's norm, as peft)
+        init_dora_magnitudes(*modules)
 
     return ModelHooks(inject=inject, checkpoint_key=base_param_name, loaded=loaded, tensor_loaded=tensor_loaded)
 
