@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     from nxd_finetune.errors import show_warnings_as_lines
 
     show_warnings_as_lines()
+    # bitsandbytes (the [qlora] extra; peft imports it where installed) logs a warning on import on
+    # CPUs with AVX512-BF16 about an optional kernel package it would fetch from the Hub: nothing a
+    # user of generate / chat / eval can act on
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         app(args=argv, prog_name="nxd-finetune")
     except NxdError as e:

@@ -250,7 +250,12 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
 
 def _attach_adapter(model: PreTrainedModel, adapter_dir: Path) -> PeftModel:
     try:
-        from peft import PeftModel
+        with warnings.catch_warnings():
+            # peft imports bitsandbytes where it is installed (the [qlora] extra), which compiles a
+            # kernel on import: torch's own DeprecationWarning about torch.jit, nothing a user can act on
+            warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated",
+                                    category=DeprecationWarning)
+            from peft import PeftModel
     except ImportError:
         raise NxdError("generating with an adapter needs the peft package: pip install 'nxd-finetune[serve]'") from None
 
