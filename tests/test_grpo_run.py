@@ -113,7 +113,7 @@ def test_the_lightning_module_trains_grpo_as_run_does(make_tiny_hf, tmp_path):
     ref = run(recipe_from_dict(grpo_recipe(tmp_path, model_dir, tmp_path / "run", 4, **rl)))
     module = NxdLightningModule(recipe_from_dict(grpo_recipe(tmp_path, model_dir, tmp_path / "light", 4, **rl)))
     pl.Trainer(devices=1, accelerator="cpu", strategy=NxdStrategy(), max_steps=4, logger=False,
-               enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0,
+               default_root_dir=tmp_path, enable_model_summary=False, enable_progress_bar=False, limit_val_batches=0,
                num_sanity_val_steps=0).fit(module)
     assert ref is not None
     got = [h for h in module.history if "train_loss" in h]
