@@ -43,9 +43,9 @@ testnpu: setup
 test-fast: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
 
-# the randomized SIGKILL test with 20 trials (make test runs 5); a few minutes
+# the randomized SIGKILL tests (SFT, DPO, GRPO) with 20 trials each (make test runs 5, 3, 4); a few minutes
 test-soak: setup
-	NXD_FINETUNE_SOAK_TRIALS=20 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/test_kill_soak.py tests/test_dpo_cli_run.py -k "not reach and not shown"
+	NXD_FINETUNE_SOAK_TRIALS=20 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/test_kill_soak.py tests/test_dpo_cli_run.py tests/test_grpo_kill.py -k "not reach and not shown"
 
 # ruff, then the type checker (mypy, configured in pyproject.toml: the nxd_finetune package)
 lint: setup

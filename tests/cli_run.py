@@ -42,15 +42,16 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, captured.out, captured.err
 
 
-def trial(seed: int) -> tuple[str, int, bool]:
-    """(failpoint phase, step, async save) of trial ``seed``."""
+def trial(seed: int, save_steps: list[int] = SAVE_STEPS) -> tuple[str, int, bool]:
+    """(failpoint phase, step, async save) of trial ``seed``; ``save_steps``: the steps the run
+    checkpoints at (``RUN``'s by default)."""
     rng = random.Random(seed)
     phase = PHASES[seed % len(PHASES)]  # every phase within any 4 consecutive seeds
     if phase == "after-step":
         return "after-step", rng.randint(1, STEPS), False
     if phase == "stage-write":
-        return "stage-written", rng.choice(SAVE_STEPS), rng.random() < 0.5
-    return "before-manifest", rng.choice(SAVE_STEPS), phase == "async-save"
+        return "stage-written", rng.choice(save_steps), rng.random() < 0.5
+    return "before-manifest", rng.choice(save_steps), phase == "async-save"
 
 
 @pytest.fixture(scope="module")
