@@ -323,3 +323,27 @@ def test_swiglu_recomputes_silu_with_the_same_gradients():
     got = torch.autograd.grad(_SwiGLU.apply(gate, up), (gate, up), grad)
     for a, b in zip(got, ref, strict=True):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_short_packed_rows_take_one_masked_call(tmp_path, monkeypatch):
+    """Short packed rows whose padded runs would cost more than the rows' full mask go through one
+    masked SDPA call per layer (not one per run: issue 46), with each sample's logits equal to
+    transformers' on that sample alone; long rows of long samples keep the runs."""
+    from nxd_finetune.models.attention import SegmentRuns, attention_layout, cheaper_layout
+
+    hf = make_hf(CONFIGS["llama2"](), tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    ids, pos, seg = _packed_batch(torch.Generator().manual_seed(7))
+    seen = _record_sdpa_lengths(monkeypatch)
+    with torch.no_grad():
+        logits = ours(ids, pos, seg)
+        for r, row in enumerate(seg):
+            for s in row.unique().tolist():
+                if s:
+                    at = (row == s).nonzero().squeeze(1)
+                    want = hf(ids[r:r + 1, at]).logits[0]
+                    assert (logits[r, at] - want).abs().max() <= 1e-5
+    assert seen == [24, 24]  # one call per layer over the rows' 24 tokens
+    long = torch.cat([torch.full((150,), i) for i in (1, 2, 3)] + [torch.full((62,), 4)])[None]
+    layout = cheaper_layout(attention_layout(long, 512, None, torch.device("cpu")), long, 512, torch.device("cpu"))
+    assert isinstance(layout, SegmentRuns) and layout.lengths == [150, 150, 150, 62]

@@ -32,6 +32,7 @@ from nxd_finetune.models.attention import (
     _run_attention,
     attention_layout,
     attention_mask,
+    cheaper_layout,
     segment_runs,
 )
 from nxd_finetune.models.config import DecoderConfig
@@ -223,7 +224,8 @@ class DecoderModel(nn.Module):
             if window not in masks and uses_flex(self.attention, x.device, segment_ids, t, window, softcap):
                 masks[window] = flex_block_mask(segment_ids, t, window, x.device)
             elif window not in masks:  # soft-capped scores take a mask, not runs
-                masks[window] = attention_layout(segment_ids, t, window, x.device, runs=softcap is None)
+                masks[window] = cheaper_layout(attention_layout(segment_ids, t, window, x.device, runs=softcap is None),
+                                               segment_ids, t, x.device)
             x = layer(x, *tables[kind], masks[window], keep_index if i == len(layers) - 1 else None)
         if not layers:
             x = _keep(x, keep_index)
