@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.lora import lora_modules
-from nxd_finetune.lora.quantized import DTYPES, QuantSpec, is_quantized
+from nxd_finetune.lora.quantized import DTYPES, QuantSpec, dequantized_weight, is_quantized
 from nxd_finetune.parallel.placement import Placement, gather_full
 from nxd_finetune.recipe import load_recipe, recipe_from_dict
 from nxd_finetune.sft import trainer
@@ -30,8 +30,11 @@ SPECS = {
 }
 BASE = ["data.max_seq_len=64", "training.max_steps=4", "training.micro_batch_size=2", "training.warmup_steps=1",
         "training.eps=1e-6", "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null",
-        "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", "model.quantization.method=nf4",
-        "model.quantization.double_quant=true"]
+        "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
+QUANT = {"nf4": ["model.quantization.method=nf4", "model.quantization.double_quant=true"],
+         "fp4": ["model.quantization.method=fp4", "model.quantization.double_quant=true"],
+         "int8": ["model.quantization.method=int8"]}
+"""The layout runs' ``model.quantization`` per method (int8 takes none of the 4-bit settings)."""
 
 
 def hf_quantized(path: Path, spec: QuantSpec) -> torch.nn.Module:
@@ -44,19 +47,32 @@ def hf_quantized(path: Path, spec: QuantSpec) -> torch.nn.Module:
                                                 attn_implementation="eager").train()
 
 
-def recipe(out: Path, nproc: int, *overrides: str):
-    return load_recipe(QUICKSTART, [*BASE, f"parallel.nproc={nproc}", f"output.dir={out}", *overrides])
+def recipe(out: Path, nproc: int, *overrides: str, method: str = "nf4"):
+    return load_recipe(QUICKSTART, [*BASE, *QUANT[method], f"parallel.nproc={nproc}", f"output.dir={out}",
+                                    *overrides])
+
+
+def _bnb_quantized(piece: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """bitsandbytes' quantized bytes of ``piece`` (a weight, or a shard's slice of one) with ``spec``:
+    ``quantize_4bit`` as ``Params4bit`` calls it, or ``int8_vectorwise_quant`` of its fp16 values
+    as ``Int8Params`` does."""
+    import bitsandbytes.functional as bnbf
+
+    if spec.four_bit:
+        return bnbf.quantize_4bit(piece.contiguous(), blocksize=spec.block_size, quant_type=spec.method,
+                                  compress_statistics=spec.double_quant)[0]
+    return bnbf.int8_vectorwise_quant(piece.contiguous().to(torch.float16))[0]
 
 
 def _shard_checks(recipe_dict: dict, dequantized_dir: str) -> dict[str, bool]:
     """This tp rank's quantized shards against bitsandbytes' quantization of its slice of the full
     weight; rank 0 writes the base with every quantized weight replaced by its shards' dequantized
     values, gathered (the numbers the tp2 run computes with)."""
-    import bitsandbytes.functional as bnbf
-
     from nxd_finetune.models import load_pretrained
 
     r = recipe_from_dict(recipe_dict)
+    assert r.model.quantization is not None
+    quant = QuantSpec.from_section(r.model.quantization)
     model_dir = resolve_model_dir(r.model.path)
     engine = build_engine(r, model_dir, torch.device("cpu"), total_steps=1)
     full = load_pretrained(model_dir)
@@ -66,10 +82,11 @@ def _shard_checks(recipe_dict: dict, dequantized_dir: str) -> dict[str, bool]:
         out[f"{name} quantized"] = is_quantized(base)
         spec: Placement = base.placements["weight"]
         piece = spec.take(full.get_submodule(name).weight.detach())
-        packed, _ = bnbf.quantize_4bit(piece.contiguous(), blocksize=64, quant_type="nf4", compress_statistics=True)
-        out[f"{name} shard shape"] = tuple(base.weight.quant_state.shape) == tuple(piece.shape) != spec.full_shape
-        out[f"{name} bytes"] = torch.equal(base.weight.data, packed)
-        local = bnbf.dequantize_4bit(base.weight.data, base.weight.quant_state)
+        state = getattr(base.weight, "quant_state", None)  # 4-bit: the unpacked shape; int8: the weight's own
+        shape = tuple(base.weight.shape if state is None else state.shape)
+        out[f"{name} shard shape"] = shape == tuple(piece.shape) != spec.full_shape
+        out[f"{name} bytes"] = torch.equal(base.weight.data, _bnb_quantized(piece, quant))
+        local = dequantized_weight(base)
         dequantized[f"{name}.weight"] = gather_full(local, spec, engine.state).contiguous()
     if engine.state.rank == 0:
         shutil.copytree(model_dir, dequantized_dir)

@@ -75,6 +75,14 @@ def test_recipe_section_and_one_line_refusals():
         assert message in str(err.value) and "\n" not in str(err.value), (overrides, str(err.value))
 
 
+def test_an_int8_recipe_round_trips_through_its_dict():
+    """The dict ``run --nproc N`` hands its workers (and a checkpoint's recipe) holds every field,
+    the 4-bit ones at their defaults too: an int8 recipe reads back from it."""
+    recipe = load_recipe(QUICKSTART, ["model.quantization.method=int8"])
+    again = recipe_from_dict(recipe.to_dict())
+    assert again.model.quantization == recipe.model.quantization and again.to_dict() == recipe.to_dict()
+
+
 def test_the_docs_recipe_block_is_a_valid_recipe():
     block = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "qlora.md").read_text(), flags=re.S)[0]
     shown = yaml.safe_load(block)

@@ -66,6 +66,20 @@ class QuantSpec:
     def from_section(cls, section: QuantizationSection) -> QuantSpec:
         return cls(section.method, section.double_quant, section.compute_dtype, section.block_size)
 
+    @classmethod
+    def from_json(cls, recorded: JsonObject, source: str) -> QuantSpec:
+        """The settings an adapter recorded (:meth:`to_json`, :func:`trained_quantization`), checked
+        as ``model.quantization`` is; NxdError (one line naming ``source``) when they are not."""
+        from pydantic import ValidationError
+
+        from nxd_finetune.recipe import QuantizationSection
+
+        try:
+            return cls.from_section(QuantizationSection.model_validate(recorded_section(recorded)))
+        except ValidationError as e:
+            raise NxdError(f"{source}: its {METADATA_KEY} metadata {json.dumps(recorded, sort_keys=True)} is not a "
+                           f"quantization a run takes: {e.errors()[0]['msg']}") from None
+
     @property
     def four_bit(self) -> bool:
         return self.method != "int8"
@@ -104,6 +118,12 @@ def trained_quantization(adapter_dir: str | Path) -> JsonObject | None:
         recorded = (f.metadata() or {}).get(METADATA_KEY)
     value = json.loads(recorded) if recorded else None
     return value if isinstance(value, dict) else None
+
+
+def recorded_section(recorded: JsonObject) -> JsonObject:
+    """The ``model.quantization`` section of an adapter's recorded settings (the library and its
+    version left out)."""
+    return {k: v for k, v in recorded.items() if k in ("method", "double_quant", "compute_dtype", "block_size")}
 
 
 def describe(recorded: JsonObject) -> str:
@@ -275,7 +295,8 @@ def quantize_on_load(model: nn.Module, spec: QuantSpec, device: torch.device) ->
             quantize_module(module, spec, device)
         else:
             tensor = getattr(module, attr)
-            with torch.no_grad():
-                tensor.data = tensor.data.clone()
+            if not tensor.untyped_storage().resizable():  # a view of a memory map (a read of its own is not)
+                with torch.no_grad():
+                    tensor.data = tensor.data.clone()
 
     return loaded

@@ -51,7 +51,9 @@ class QuantizationSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> QuantizationSection:
-        four_bit_only = sorted({"double_quant", "compute_dtype", "block_size"} & self.model_fields_set)
+        # set to other than their defaults: the recipe's dict (to_dict, what workers and resume read) holds them all
+        four_bit_only = sorted(name for name in {"double_quant", "compute_dtype", "block_size"} & self.model_fields_set
+                               if getattr(self, name) != type(self).model_fields[name].default)
         if self.method == "int8" and four_bit_only:
             raise ValueError(f"model.quantization.{four_bit_only[0]} applies to the 4-bit methods (nf4, fp4); "
                              "int8 quantizes each weight row and computes in the input's dtype")

@@ -26,6 +26,10 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed of the sampler
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="fp32|bf16|fp16",
                                               help="Load dtype (default: the checkpoint's).")]
+FullPrecisionOpt = Annotated[bool, typer.Option(
+    "--full-precision",
+    help="An adapter trained on a quantized base (model.quantization): load the base unquantized instead of "
+         "quantized as the adapter's metadata records it was trained (the default).")]
 TemplateOpt = Annotated[str | None, typer.Option(
     "--chat-template", show_default=False, help="Jinja chat template (file or inline); default: the tokenizer's.")]
 TemplateKwargsOpt = Annotated[str | None, typer.Option(
@@ -50,6 +54,7 @@ def generate(
     seed: SeedOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    full_precision: FullPrecisionOpt = False,
 ) -> None:
     """Generate one completion with transformers + peft and print it.
 
@@ -63,7 +68,7 @@ def generate(
         raise NxdError("give exactly one of --prompt and --messages")
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
     template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
-    with gen.load_model(adapter, base, device, dtype, template, kwargs) as loaded:
+    with gen.load_model(adapter, base, device, dtype, template, kwargs, full_precision) as loaded:
         if messages is not None:
             ids = gen.prompt_ids(loaded.tokenizer, gen.read_messages(messages), chat_template=template,
                                  template_kwargs=kwargs)
@@ -87,6 +92,7 @@ def chat(
     seed: SeedOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    full_precision: FullPrecisionOpt = False,
 ) -> None:
     """Chat with the model in the terminal; replies stream token by token.
 
@@ -97,7 +103,7 @@ def chat(
     config = gen.GenerationConfig(max_new_tokens, temperature, top_p, seed)
     template, kwargs = gen.load_template(chat_template), gen.load_template_kwargs(chat_template_kwargs)
     interactive = sys.stdin.isatty()
-    with gen.load_model(adapter, base, device, dtype, template, kwargs) as loaded:
+    with gen.load_model(adapter, base, device, dtype, template, kwargs, full_precision) as loaded:
         start = [{"role": "system", "content": system}] if system else []
         history = list(start)
         if interactive:
@@ -141,6 +147,7 @@ def eval_cmd(
     max_new_tokens: MaxNewOpt = 64,
     out: Annotated[Path | None, typer.Option(
         "--out", show_default=False, help="JSON file for the scores (default: <output.dir>/eval.json).")] = None,
+    full_precision: FullPrecisionOpt = False,
 ) -> None:
     """Score a trained model on the recipe's eval set without training.
 
@@ -153,7 +160,8 @@ def eval_cmd(
     from nxd_finetune.serve.evaluate import evaluate_recipe, print_scores
 
     loaded = load_recipe(recipe, [*(overrides or []), *([f"parallel.nproc={nproc}"] if nproc is not None else [])])
-    scores = evaluate_recipe(loaded, adapter, exact_match=exact_match, max_new_tokens=max_new_tokens, out=out)
+    scores = evaluate_recipe(loaded, adapter, exact_match=exact_match, max_new_tokens=max_new_tokens, out=out,
+                             full_precision=full_precision)
     print_scores(scores)
 
 

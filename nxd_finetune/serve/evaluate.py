@@ -9,7 +9,13 @@ way training does:
 - an adapter (directory, registry REF, ``s3://`` prefix; ``base_and_adapter`` outputs: their
   ``adapter/``) becomes ``lora.init_from`` with the ``lora`` section taken from its
   ``adapter_config.json``, on the recipe's ``model.path``;
-- an HF checkpoint (``merged`` or full-SFT outputs) becomes ``model.path`` with no ``lora``.
+- an HF checkpoint (``merged`` or full-SFT outputs) becomes ``model.path`` with no ``lora`` (and
+  no ``model.quantization``: a merged checkpoint is the full-precision model).
+
+An adapter trained on a quantized base (its metadata records the settings) is scored on the base
+quantized as it was trained: ``model.quantization`` becomes the recorded settings, whatever the
+recipe says, unless ``full_precision`` (``--full-precision``) asks for the base unquantized; the
+``--generate`` answers come from the same base.
 
 An adapter scored on the recipe it was trained with therefore gives the run's last eval exactly
 (the same batches, the same model, the same reductions). ``--generate`` adds exact match: the
@@ -34,6 +40,7 @@ from nxd_finetune.data.formats import load_chat_template, resolve_columns
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import DataError, NxdError
 from nxd_finetune.lora import LoraConfig
+from nxd_finetune.lora.quantized import QuantSpec, recorded_section, trained_quantization
 from nxd_finetune.parallel.launch import in_launched_env, launch
 from nxd_finetune.recipe import RecipeDict, recipe_from_dict
 from nxd_finetune.registry.fetch import fetch_adapter
@@ -71,22 +78,30 @@ def _artefact(target: str) -> Iterator[tuple[str, Path, str]]:
         yield "adapter", fetched.path, fetched.lineage or target
 
 
-def _recipe_for(recipe: Recipe, kind: str, path: Path) -> Recipe:
+def _recipe_for(recipe: Recipe, kind: str, path: Path, full_precision: bool = False) -> Recipe:
     """The recipe that scores ``path``: see the module docstring."""
     data = recipe.to_dict()
     if kind == "model":
         data["model"]["path"] = str(path)
+        data["model"]["quantization"] = None
         data["lora"] = None
     else:
         cfg = LoraConfig.from_peft_dict(json.loads((path / ADAPTER_CONFIG).read_text()))
         data["lora"] = cfg.to_section(dropout=0.0, init_lora_weights="default", init_from=str(path))
+        recorded = trained_quantization(path)
+        if full_precision:
+            data["model"]["quantization"] = None
+        elif recorded is not None:
+            QuantSpec.from_json(recorded, str(path))  # unreadable settings: one line naming the adapter
+            data["model"]["quantization"] = recorded_section(recorded)
     return recipe_from_dict(data, "eval recipe")
 
 
 def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: bool = False, max_new_tokens: int = 64,
-                    out: Path | None = None) -> dict[str, object]:
+                    out: Path | None = None, full_precision: bool = False) -> dict[str, object]:
     """Score ``adapter`` (default ``<output.dir>/final``) on ``recipe``'s eval set; returns the
-    scores (also written as JSON to ``out``, default ``<output.dir>/eval.json``)."""
+    scores (also written as JSON to ``out``, default ``<output.dir>/eval.json``). ``full_precision``:
+    an adapter trained on a quantized base is scored on the base unquantized."""
     if recipe.data.eval is None and recipe.data.eval_fraction == 0:
         raise DataError("the recipe has no eval set; set data.eval or data.eval_fraction")
     target = adapter or str(Path(recipe.output.dir) / "final")
@@ -94,12 +109,12 @@ def evaluate_recipe(recipe: Recipe, adapter: str | None = None, *, exact_match: 
         raise NxdError(f"{target} does not exist (train first, or pass --adapter)")
     t0 = time.perf_counter()
     with _artefact(target) as (kind, path, description):
-        scoring = _recipe_for(recipe, kind, path)
+        scoring = _recipe_for(recipe, kind, path, full_precision)
         scores: dict[str, object] = {"scored": description,
                                      "model": recipe.model.path if kind == "adapter" else str(path),
                                      **_score(scoring, recipe)}
         if exact_match and _is_main():
-            scores.update(generated_exact_match(scoring, str(path), max_new_tokens))
+            scores.update(generated_exact_match(scoring, str(path), max_new_tokens, full_precision=full_precision))
     scores["nproc"] = scoring.parallel.nproc
     scores["time_s"] = round(time.perf_counter() - t0, 2)
     if _is_main():
@@ -164,9 +179,10 @@ def _reference_rows(recipe: Recipe) -> list[tuple[list[dict[str, str]], str]]:
     return pairs
 
 
-def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16) -> ExactMatch:
+def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batch_size: int = 16,
+                          full_precision: bool = False) -> ExactMatch:
     """Greedy generations for the eval conversations against their reference answers (whitespace
-    stripped): ``exact_match`` and a few examples."""
+    stripped): ``exact_match`` and a few examples. ``full_precision``: as :func:`gen.load_model`'s."""
     pairs = _reference_rows(recipe)
     if not pairs:
         raise DataError("no eval conversation ends with an assistant answer to compare against")
@@ -175,7 +191,8 @@ def generated_exact_match(recipe: Recipe, target: str, max_new_tokens: int, batc
     is_adapter = (Path(target) / ADAPTER_CONFIG).is_file()
     base = str(resolve_model_dir(recipe.model.path)) if is_adapter else None
     kwargs = recipe.data.chat_template_kwargs
-    with gen.load_model(target, base, device, chat_template=template, template_kwargs=kwargs) as loaded:
+    with gen.load_model(target, base, device, chat_template=template, template_kwargs=kwargs,
+                        full_precision=full_precision) as loaded:
         prompts = [gen.prompt_ids(loaded.tokenizer, messages, chat_template=template, template_kwargs=kwargs)
                    for messages, _ in pairs]
         outputs = gen.generate_batch(loaded, prompts, gen.GenerationConfig(max_new_tokens), batch_size)

@@ -8,6 +8,10 @@
   ``base_model_name_or_path`` (a directory, or ``builtin:tiny-llama``), loaded with
   ``AutoModelForCausalLM.from_pretrained`` and the adapter attached with ``PeftModel.from_pretrained``;
 - a ``base_and_adapter`` output (``base/`` + ``adapter/``): that adapter on that base;
+- an adapter trained on a quantized base (``model.quantization``; its metadata records the
+  settings, :func:`~nxd_finetune.lora.quantized.trained_quantization`): the base quantized as it
+  was trained, by the training side's own :func:`~nxd_finetune.lora.quantized.quantize_base`
+  (bitsandbytes), so the adapter behaves as trained; ``full_precision`` loads it unquantized;
 - an HF checkpoint (a ``merged`` output, a full-SFT output, or any base model): loaded alone.
 
 The tokenizer comes from the adapter directory when it holds one (``run`` saves it there), else
@@ -40,7 +44,9 @@ from nxd_finetune.data.formats import (
 )
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import ModelLoadError, NxdError
+from nxd_finetune.jsontypes import JsonObject
 from nxd_finetune.lora.io import check_adapter_files
+from nxd_finetune.lora.quantized import describe, trained_quantization
 from nxd_finetune.models import check_checkpoint_files, resolve_dtype
 from nxd_finetune.models.loading import GENERATION_CONFIG
 from nxd_finetune.registry.fetch import fetch_adapter
@@ -213,11 +219,12 @@ def _loaded(model: Any, tokenizer_dirs: Sequence[Path], model_dir: Path, dev: to
 @contextlib.contextmanager
 def load_model(adapter: str | None, base: str | None = None, device: str = "auto", dtype: str | None = None,
                chat_template: str | None = None, template_kwargs: TemplateKwargs | None = None,
-               ) -> Iterator[LoadedModel]:
+               full_precision: bool = False) -> Iterator[LoadedModel]:
     """The model ``adapter`` / ``base`` name (see the module docstring), ready to generate; a pulled
     adapter's temporary copy lives until the ``with`` block ends. ``dtype``: fp32 | bf16 | fp16
     (default: the checkpoint's own). ``chat_template`` / ``template_kwargs``: the template prompts
-    are rendered with (None: the tokenizer's), whose end-of-turn token stops generation. Raises
+    are rendered with (None: the tokenizer's), whose end-of-turn token stops generation.
+    ``full_precision``: an adapter trained on a quantized base gets the base unquantized. Raises
     NxdError subclasses with one line."""
     torch_dtype = resolve_dtype(dtype) if dtype else "auto"
     dev = resolve_device(device)
@@ -243,9 +250,36 @@ def load_model(adapter: str | None, base: str | None = None, device: str = "auto
         check_adapter_files(fetched.path)  # as merge and lora.init_from check it, before PEFT reads it
         base_name = base if base is not None else _base_from_adapter(fetched.path, adapter)
         base_dir = _resolve_base(base_name, "--base" if base is not None else "the adapter's base model")
-        yield _loaded(_attach_adapter(_load_hf(base_dir, torch_dtype, dev), fetched.path),
-                      [fetched.path, base_dir], base_dir, dev, fetched.lineage or adapter, chat_template,
-                      template_kwargs, adapter_dir=fetched.path)
+        recorded = None if full_precision else trained_quantization(fetched.path)
+        model = _load_hf(base_dir, torch_dtype, dev)
+        description = fetched.lineage or adapter
+        if recorded is not None:
+            _quantize_as_trained(model, recorded, fetched.path, dev)
+            description += f" on its {describe(recorded)} base"
+        yield _loaded(_attach_adapter(model, fetched.path), [fetched.path, base_dir], base_dir, dev, description,
+                      chat_template, template_kwargs, adapter_dir=fetched.path)
+
+
+def _quantize_as_trained(model: PreTrainedModel, recorded: JsonObject, adapter_dir: Path, device: torch.device
+                         ) -> None:
+    """Quantize ``model``'s frozen base as the adapter in ``adapter_dir`` was trained on it
+    (``recorded``: its metadata) with the training side's :func:`quantize_base`: every linear but
+    ``lm_head`` and those the adapter trains whole (``modules_to_save``), which stay as loaded."""
+    from nxd_finetune.lora.quantized import INSTALL_HINT, QuantSpec, quantize_base, require_bitsandbytes
+
+    spec = QuantSpec.from_json(recorded, str(adapter_dir))
+    try:
+        require_bitsandbytes()
+    except NxdError:
+        raise NxdError(f"{adapter_dir} was trained on a {describe(recorded)} base: loading it as trained needs "
+                       f"bitsandbytes ({INSTALL_HINT}); or pass --full-precision") from None
+    saved = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("modules_to_save") or []
+    model.requires_grad_(False)
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in saved:
+            module.requires_grad_(True)  # quantize_base leaves trainable weights as they are
+    quantize_base(model, spec, device)
+    model.requires_grad_(False)
 
 
 def _attach_adapter(model: PreTrainedModel, adapter_dir: Path) -> PeftModel:
