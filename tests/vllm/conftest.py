@@ -9,6 +9,16 @@ does not import.
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes a large share of memory
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory, quickstart_cache: Path) -> Path:
+    """The module's directory (the tiny models built in its private cache); spawned processes keep
+    their temporary files under it."""
+    return tmp_path_factory.mktemp("vllm")

@@ -61,11 +61,6 @@ ENGINE_DEAD = "EngineCore encountered an issue"
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, quickstart_cache) -> Path:
-    return tmp_path_factory.mktemp("vllm-moe")
-
-
-@pytest.fixture(scope="module")
 def base(quickstart_cache) -> Path:
     return ensure_tiny_model(name=TINY_QWEN3_MOE)
 

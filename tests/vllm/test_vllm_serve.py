@@ -57,12 +57,6 @@ BUCKET = "nxd-test"
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, quickstart_cache) -> Path:
-    """The module's directory; spawned processes keep their temporary files under it."""
-    return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="module")
 def base_dir(quickstart_cache) -> Path:
     from nxd_finetune.data.inputs import resolve_model_dir
 
