@@ -197,6 +197,23 @@ def _argmax(logits: torch.Tensor, tp_group: Group) -> torch.Tensor:
 
 
 @torch.no_grad()
+def token_entropy(logits: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
+    """Entropy (nats, fp32, no autograd) of the softmax over the full vocabulary at each position
+    ``[*]``: ``log Z - sum(p x)`` of the max-shifted logits ``x``; ``logits`` ``[*, V]``, or ``[*, V/tp]``
+    with a ``tp_group`` (vocab-parallel: a max, then one stacked sum, over the group)."""
+    x = logits.float()
+    row_max = x.max(dim=-1).values
+    if _size(tp_group) > 1:
+        row_max = _all_reduce(row_max, tp_group, dist.ReduceOp.MAX)
+    x = x - row_max.unsqueeze(-1)
+    exp = x.exp()
+    sums = torch.stack([exp.sum(-1), (exp * x).sum(-1)])
+    if _size(tp_group) > 1:
+        sums = _all_reduce(sums, tp_group)
+    return sums[0].log() - sums[1] / sums[0]
+
+
+@torch.no_grad()
 def eval_stats(logits: torch.Tensor, targets: torch.Tensor, tp_group: Group = None) -> torch.Tensor:
     """``[loss sum, correct next-token predictions, targets]`` (fp32, ``[3]``) of one batch:
     ``logits`` ``[*, V(/tp)]`` against ``targets`` ``[*]`` (already shifted, -100 ignored). Sum these
@@ -333,6 +350,11 @@ class Scores(Protocol):
         ``temperature``: of the logits divided by it (GRPO scores its samples as they were drawn)."""
         ...
 
+    def token_entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        """``[N]``: the entropy of the predicted distribution (of the logits over ``temperature``)
+        at each target's position, in :meth:`token_nll`'s order (a metric: no autograd)."""
+        ...
+
     def eval_stats(self) -> torch.Tensor: ...
 
 
@@ -354,6 +376,12 @@ class LogitScores:
         logits = self.logits if temperature == 1.0 else self.logits / temperature
         nll = token_nll(logits, self.targets, self.tp_group).reshape(-1)
         return nll, _positions_of(self.targets, self.index)
+
+    def token_entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        logits = self.logits.detach().reshape(-1, self.logits.shape[-1])
+        rows = chunk_rows(logits.shape[-1], "auto") or logits.shape[0]  # a few fp32 copies of a chunk at a time
+        return torch.cat([token_entropy(logits[i:i + rows] / temperature, self.tp_group)
+                          for i in range(0, logits.shape[0], rows)] or [logits.new_zeros(0, dtype=torch.float32)])
 
     def eval_stats(self) -> torch.Tensor:
         return eval_stats(self.logits, self.targets, self.tp_group)
@@ -379,6 +407,12 @@ class ChunkedScores:
         head = self.head if temperature == 1.0 else lambda h: self.head(h) / temperature
         nll = chunked_token_nll(self.hidden, head, self.targets, self.rows, self.tp_group)
         return nll, _positions_of(self.targets, self.index)
+
+    @torch.no_grad()
+    def token_entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        parts = [token_entropy(self.head(self.hidden[start:start + self.rows]) / temperature, self.tp_group)
+                 for start in range(0, self.hidden.shape[0], self.rows)]
+        return torch.cat(parts) if parts else self.hidden.new_zeros(0, dtype=torch.float32)
 
     def eval_stats(self) -> torch.Tensor:
         return chunked_eval_stats(self.hidden, self.head, self.targets, self.rows, self.tp_group)

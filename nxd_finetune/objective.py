@@ -19,7 +19,8 @@ An objective defines:
   that total, so the step's gradient is the mean over the global batch however it is split;
 - ``loss(scores, side)``: ``(loss_sum, stats)``: the micro-batch's loss, summed over its units,
   and its metric sums (``[train_width]``; None when the objective logs no metrics of its own),
-  which the caller sums over micro-batches, steps and dp ranks, then ``train_record(stats)``: the
+  which the caller sums over micro-batches, steps and dp ranks (:func:`add_stats`; the last
+  ``train_max`` entries are maxima instead, combined by max), then ``train_record(stats)``: the
   metrics logged beside ``train_loss``;
 - ``eval_stats(scores, side)``: a fixed-length vector summed over eval batches and dp ranks, and
   ``eval_record(stats)``: the logged eval record from that sum.
@@ -82,22 +83,35 @@ class Objective(Protocol):
     def train_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
     @property
+    def train_max(self) -> int:
+        """How many of the metric sums' last entries are maxima (combined by max, not summed; a
+        minimum is the maximum of its negation; -inf: no value)."""
+        ...
+
+    @property
     def progress_metric(self) -> str | None:
         """The :meth:`train_record` key the progress bar shows beside the loss (None: none)."""
         ...
 
 
-def add_stats(total: torch.Tensor | None, stats: torch.Tensor | None) -> torch.Tensor | None:
-    """Metric sums (:meth:`Objective.loss`'s second value) added up; None stays out."""
+def add_stats(total: torch.Tensor | None, stats: torch.Tensor | None, maxed: int = 0) -> torch.Tensor | None:
+    """Metric sums (:meth:`Objective.loss`'s second value) added up, the last ``maxed`` entries
+    (:attr:`Objective.train_max`) combined by max; None stays out."""
     if stats is None:
         return total
-    return stats if total is None else total + stats
+    if total is None:
+        return stats
+    out = total + stats
+    if maxed:
+        out[-maxed:] = torch.maximum(total[-maxed:], stats[-maxed:])
+    return out
 
 
 class NoTrainStats:
     """An objective whose one training metric is the step loss (the loop's ``train_loss``)."""
 
     train_width = 0
+    train_max = 0
     progress_metric: str | None = None
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]:

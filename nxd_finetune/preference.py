@@ -97,6 +97,7 @@ class _PairObjective:
         return 1 + len(self.stat_names)
 
     train_width = eval_width
+    train_max = 0
 
     needs_reference: bool = dataclasses.field(default=False, init=False)
 

@@ -1,6 +1,7 @@
 """GRPO on the parallel layouts (real gloo groups, through ``trainer.run_rank``): given the same
 completions (the source's ``generate`` hook, keyed by step, prompt and place in its group), tp2,
-dp2 + ZeRO-1, pp2 and tp2 x pp2 reproduce the one-process run's loss, KL, clip ratios and reward metrics within 1e-5,
+dp2 + ZeRO-1, pp2 and tp2 x pp2 reproduce the one-process run's loss, KL, entropy, clip ratios (means,
+the least / most clipped sequence) and reward metrics within 1e-5,
 with LoRA (``beta`` > 0: the reference pass with the adapter off, and ``num_iterations`` 2: the
 old log-probs, both through the engine's eval call, pipelined under pp) and full fine-tuning; under dp the rewards are
 gathered and the advantages computed over the whole generation batch."""
@@ -27,9 +28,9 @@ from tests.rl_helpers import grpo_recipe
 pytestmark = [pytest.mark.usefixtures("workers_tmpdir"), pytest.mark.slow]  # gloo worlds writing under tmp_path
 
 STEPS, GENERATIONS, EOS, PAD = 4, 4, 3, 1
-KEYS = ("train_loss", "grad_norm", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-        "reward", "reward_std", "rewards/exact_match/mean", "rewards/regex/std", "completions/mean_length",
-        "frac_reward_zero_std")
+KEYS = ("train_loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean",
+        "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max", "reward", "reward_std",
+        "rewards/exact_match/mean", "rewards/regex/std", "completions/mean_length", "frac_reward_zero_std")
 MODES = {"lora": ({}, {"beta": 0.04, "num_iterations": 2, "epsilon": 0.05}),
          "full": ({"lora": None}, {"beta": 0.0, "num_iterations": 2, "loss_type": "dapo",
                                    "mask_truncated_completions": True})}

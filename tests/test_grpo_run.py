@@ -40,7 +40,8 @@ def test_grpo_run_logs_trls_metrics_and_resumes_the_same(make_tiny_hf, tmp_path)
     logged = records(whole)
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     for r in logged:
-        assert {"train_loss", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "grad_norm"} <= set(r)
+        assert {"train_loss", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max", "grad_norm"} <= set(r)
         generated = r["step"] % 2 == 1  # every num_iterations-th step samples; the next reuses it
         for key in ("reward", "reward_std", "rewards/exact_match/mean", "rewards/regex/std",
                     "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",
@@ -119,5 +120,5 @@ def test_the_lightning_module_trains_grpo_as_run_does(make_tiny_hf, tmp_path):
     got = [h for h in module.history if "train_loss" in h]
     assert len(got) == len(ref["history"]) == 4
     for a, b in zip(got, ref["history"], strict=True):
-        for key in ("train_loss", "kl", "reward", "rewards/token_reward/mean"):
+        for key in ("train_loss", "kl", "entropy", "clip_ratio/high_max", "reward", "rewards/token_reward/mean"):
             assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), abs=1e-6), (a["step"], key)

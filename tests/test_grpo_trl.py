@@ -140,7 +140,8 @@ def our_run(model_dir: Path, adapter: Path, data: list[dict[str, Any]], out: Pat
     return records, engine
 
 
-KEYS = ("loss", "grad_norm", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "reward",
+KEYS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
+        "clip_ratio/high_max", "clip_ratio/region_mean", "reward",
         "reward_std", "frac_reward_zero_std", "rewards/count_reward/mean", "rewards/count_reward/std",
         "rewards/word_reward/mean", "rewards/word_reward/std", "completions/mean_length",
         "completions/min_length", "completions/max_length", "completions/clipped_ratio",
@@ -179,6 +180,8 @@ def test_grpo_equals_trl_per_step(loss_type, beta, iterations, more, make_tiny_h
                 assert a[key] == pytest.approx(b[key], abs=1e-5), (step, key, a[key], b[key])
                 compared += 1
     assert compared >= STEPS * 5
+    if iterations > 1:
+        assert max(r["clip_ratio/high_max"] for r in ours) > 0  # the clip ratios were compared off zero
     if beta:
         assert max(r["kl"] for r in ours) > 1e-6  # the policy left the reference
     # the adapter we write loads in peft and equals TRL's trained one

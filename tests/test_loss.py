@@ -1,5 +1,5 @@
 """The loss module: the chunked cross entropy equals the plain one (loss and gradients, plain and
-vocab-parallel on 2 gloo ranks), keeps no ``[tokens, vocab]`` logits for backward, and the
+vocab-parallel on 2 gloo ranks, and the per-token entropy), keeps no ``[tokens, vocab]`` logits for backward, and the
 engine's chunked path gives the default path's loss and gradients."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from torch import nn
 
 from nxd_finetune.loss import (
     IGNORE_INDEX,
+    ChunkedScores,
     ce_sum,
     chunk_rows,
     chunked_ce_sum,
@@ -104,8 +105,9 @@ def _vocab_parallel_worker() -> dict:
     plain = vocab_parallel_cross_entropy(shard(hidden.detach()), targets, group).sum()
     with torch.no_grad():
         stats = chunked_eval_stats(hidden, shard, targets, 64, group)
+    entropy = ChunkedScores(hidden.detach(), shard, targets, 64, group).token_entropy(0.7)
     out = {"loss": loss.detach(), "plain": plain.detach(), "hidden_grad": hidden.grad, "stats": stats,
-           "weight_grad": shard.weight.grad}
+           "weight_grad": shard.weight.grad, "entropy": entropy}
     dist.destroy_process_group()
     return out
 
@@ -120,7 +122,9 @@ def test_vocab_parallel_chunked_equals_the_full_vocabulary_loss():
     hidden, head, targets = _inputs()
     with torch.no_grad():
         ref_stats = eval_stats(head(hidden), targets)
+        ref_entropy = torch.distributions.Categorical(logits=head(hidden) / 0.7).entropy()
     for rank, r in enumerate(results):
+        torch.testing.assert_close(r["entropy"], ref_entropy, rtol=1e-5, atol=1e-5)  # GRPO's entropy metric
         torch.testing.assert_close(r["loss"], ref_loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(r["plain"], ref_loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(r["stats"], ref_stats, rtol=1e-6, atol=0)

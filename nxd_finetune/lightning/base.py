@@ -65,9 +65,10 @@ class NxdModuleBase(pl.LightningModule):
 
     # ------------------------------------------------------------------ the step
 
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the data-parallel group (``t`` itself at dp == 1)."""
-        return dp_sum(t, self.parallel_state)
+    def dp_sum(self, t: torch.Tensor, maxed: int = 0) -> torch.Tensor:
+        """``t`` summed over the data-parallel group (``t`` itself at dp == 1; the last ``maxed``
+        entries: their maximum)."""
+        return dp_sum(t, self.parallel_state, maxed)
 
     def on_train_start(self) -> None:
         for m in self.rank_modules:
@@ -97,7 +98,8 @@ class NxdModuleBase(pl.LightningModule):
                             optimizer_step=self._optimizer_step)
         step_loss = self.dp_sum(result.loss)
         # the objective's own step metrics (preference: rewards/...)
-        extra = {} if result.stats is None else self.objective.train_record(self.dp_sum(result.stats).tolist())
+        extra = ({} if result.stats is None
+                 else self.objective.train_record(self.dp_sum(result.stats, self.objective.train_max).tolist()))
         extra.update(self.step_metrics())
         self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]),
                      extra)

@@ -141,7 +141,7 @@ class NxdModelModule(NxdModuleBase):
         shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum and the
         objective's metric sums (None when it has none)."""
         return backward_micro_batches(micro_batches, n_targets, functools.partial(self._loss, objective),
-                                      backward or self.manual_backward)
+                                      backward or self.manual_backward, objective.train_max)
 
     def _loss(self, objective: Objective, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``objective``'s summed loss and metric sums of a micro-batch on this rank's logits."""

@@ -26,13 +26,19 @@ from nxd_finetune.parallel.state import ParallelState
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def dp_sum(t: torch.Tensor, state: ParallelState) -> torch.Tensor:
+def dp_sum(t: torch.Tensor, state: ParallelState, maxed: int = 0) -> torch.Tensor:
     """``t`` summed over ``state``'s data-parallel group, as a new tensor (``t`` itself at dp == 1;
-    no autograd): the step's counts and logged losses of the trainer and the Lightning modules."""
+    no autograd): the step's counts and logged losses of the trainer and the Lightning modules.
+    ``maxed``: the last entries of a 1-d ``t`` taken as the maximum over the group instead (an
+    objective's :attr:`~nxd_finetune.objective.Objective.train_max` metrics)."""
     if state.size("dp") == 1:
         return t
     out = t.detach().clone()
     dist.all_reduce(out, group=state.group("dp"))
+    if maxed:
+        top = t.detach()[-maxed:].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.group("dp"))
+        out[-maxed:] = top
     return out
 
 

@@ -72,7 +72,7 @@ from torch.distributed.pipelining import (
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
 from nxd_finetune.models.llama import DecoderForCausalLM
-from nxd_finetune.objective import SFT, Objective, SideData
+from nxd_finetune.objective import SFT, Objective, SideData, add_stats
 from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
@@ -409,7 +409,9 @@ class PipelineRunner:
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
         stats = None
         if objective.train_width:  # the objective's step metrics, computed on the last stage, for every rank
-            mine = torch.stack([call.stats[i] for i in sorted(call.stats)]).sum(0) if last else None
+            mine = None
+            for i in sorted(call.stats) if last else ():
+                mine = add_stats(mine, call.stats[i], objective.train_max)
             stats = self._from_last(mine, (objective.train_width,))
         self.sync_tied_grads()
         return loss, stats

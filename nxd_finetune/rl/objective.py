@@ -25,14 +25,19 @@ sequences x ``max_completion_length``; ``dapo``: the token sum over the step's (
 tokens; ``bnpo``: each micro-batch's token mean, over the step's micro-batches (TRL's: the mean of
 its micro-batches' token means).
 
-Metrics (TRL's names): ``kl`` (``beta`` > 0), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-``clip_ratio/region_mean``: token means over the logging window's loss tokens (TRL's, where a
-step is one micro-batch on one process; TRL averages its micro-batches' means otherwise).
+Metrics (TRL's names): ``kl`` (``beta`` > 0), ``entropy`` (of the policy's distribution, of the
+logits over the temperature, at each loss token), ``clip_ratio/low_mean``,
+``clip_ratio/high_mean``, ``clip_ratio/region_mean``: token means over the logging window's loss
+tokens; ``clip_ratio/low_min`` / ``clip_ratio/high_max``: the least low-clipped / most
+high-clipped sequence's fraction of its loss tokens, over the window's sequences (sequences
+without loss tokens left out). Each is TRL's where a step is one micro-batch on one process (TRL
+averages its micro-batches' values otherwise); every layout gives the one-process value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +47,8 @@ from nxd_finetune.loss import IGNORE_INDEX, Scores, shift_labels
 from nxd_finetune.objective import NoTrainStats, ObjectiveRecord, Section, SideData, TokenBatch
 from nxd_finetune.rl.section import LOSS_TYPES, RLSection
 
-_STATS = ("tokens", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_STATS = ("tokens", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_MAXED = ("clip_ratio/low_min", "clip_ratio/high_max")  # maxima (low_min: of its negation); -inf: no sequence
 
 
 def token_values(scores: Scores, labels: torch.Tensor, temperature: float
@@ -69,7 +75,8 @@ class GroupRelative:
     name: str = "grpo"
     progress_metric = "reward"  # the batch source's metric, shown on the progress bar when logged
     eval_width = 1
-    train_width = len(_STATS)
+    train_width = len(_STATS) + len(_MAXED)
+    train_max = len(_MAXED)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -126,8 +133,10 @@ class GroupRelative:
             loss = per_token.sum()
         low = (ratio < 1 - self.epsilon) & (adv < 0)
         high = (ratio > 1 + self.epsilon_high) & (adv > 0)
-        stats = torch.stack([tokens, (kl * w).sum(), (low * w).sum(), (high * w).sum(), ((low | high) * w).sum()])
-        return loss, stats.detach().float()
+        entropy = scores.token_entropy(self.temperature).to(logp.dtype)
+        sums = torch.stack([tokens, (kl * w).sum(), (entropy * w).sum(), (low * w).sum(), (high * w).sum(),
+                            ((low | high) * w).sum()]).detach().float()
+        return loss, torch.cat([sums, _sequence_extremes(row, w, low, high, labels.shape[0])])
 
     def eval_stats(self, scores: Scores, side: SideData) -> torch.Tensor:
         raise NxdError("objective=grpo has no eval over a loader's batches (its eval samples completions)")
@@ -136,13 +145,30 @@ class GroupRelative:
         return {}
 
     def train_record(self, stats: Sequence[float]) -> dict[str, float]:
-        tokens, *sums = stats
+        tokens, *sums = stats[:len(_STATS)]
         if tokens == 0:
             return {}
         rec = {name: s / tokens for name, s in zip(_STATS[1:], sums, strict=True)}
         if not self.beta:
             rec.pop("kl")
+        low_min, high_max = stats[len(_STATS):]
+        if high_max > -math.inf:
+            rec.update({"clip_ratio/low_min": -low_min, "clip_ratio/high_max": high_max})
         return rec
+
+
+def _sequence_extremes(row: torch.Tensor, w: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+                       rows: int) -> torch.Tensor:
+    """``[-min, max]`` over the micro-batch's sequences with loss tokens of each one's fraction of
+    low- / high-clipped loss tokens (TRL's ``nanmin`` / ``nanmax`` of its ``masked_seq_mean``);
+    ``[-inf, -inf]`` without such a sequence."""
+    per_row = torch.zeros(3, rows, dtype=w.dtype, device=w.device)
+    per_row = per_row.index_add(1, row, torch.stack([w, low * w, high * w]))
+    counted = per_row[0] > 0
+    if not counted.any():
+        return torch.full((2,), -math.inf, dtype=torch.float32, device=w.device)
+    frac = per_row[1:, counted] / per_row[0, counted]
+    return torch.stack([-frac[0].min(), frac[1].max()]).detach().float()
 
 
 @dataclasses.dataclass

@@ -227,7 +227,8 @@ class Engine:
             n_targets = n_targets.to(self.device)
             loss = (functools.partial(self._loss_with_aux, objective=objective, n_targets=n_targets) if aux
                     else lambda batch: objective.loss(*self.scores_and_side(batch, objective)))
-            return backward_micro_batches(micro_batches, n_targets, loss, backward or torch.Tensor.backward)
+            return backward_micro_batches(micro_batches, n_targets, loss, backward or torch.Tensor.backward,
+                                          objective.train_max)
 
     def _loss_with_aux(self, batch: Batch, objective: Objective,
                        n_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -273,9 +274,10 @@ class Engine:
                 return self.runner.eval_step(batch, objective)
             return objective.eval_stats(*self.scores_and_side(batch, objective))
 
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1)."""
-        return dp_sum(t, self.state)
+    def dp_sum(self, t: torch.Tensor, maxed: int = 0) -> torch.Tensor:
+        """``t`` summed over the data-parallel group (a new tensor; ``t`` itself at dp == 1; the
+        last ``maxed`` entries: their maximum)."""
+        return dp_sum(t, self.state, maxed)
 
 
 # ---------------------------------------------------------------------- building

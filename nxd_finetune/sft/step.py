@@ -39,7 +39,7 @@ class Stepper(Protocol):
     function module's own (a user's model under the NxD-style API). The objective is handed to
     each call."""
 
-    def dp_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+    def dp_sum(self, t: torch.Tensor, maxed: int = 0) -> torch.Tensor: ...
 
     def forward_backward(self, micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor, objective: Objective,
                          backward: Callable[[torch.Tensor], None] | None = None
@@ -85,12 +85,12 @@ def train_step(engine: Stepper, micro_batches: Sequence[TokenBatch], n_input: in
 
 def backward_micro_batches(micro_batches: Sequence[TokenBatch], n_targets: torch.Tensor,
                            loss: Callable[[TokenBatch], tuple[torch.Tensor, torch.Tensor | None]],
-                           backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+                           backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, maxed: int = 0
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each micro-batch's objective loss (``loss(batch)``: its summed loss over the step's units and
     its metric sums, :meth:`Objective.loss`) divided by ``n_targets``, backpropagated with
     ``backward`` (gradients accumulate); returns their detached sum, on ``n_targets``' device, and
-    the metric sums added up (None when the objective has none)."""
+    the metric sums added up (None when the objective has none; the last ``maxed`` by max)."""
     total = torch.zeros((), device=n_targets.device)
     stats: torch.Tensor | None = None
     for batch in micro_batches:
@@ -98,7 +98,7 @@ def backward_micro_batches(micro_batches: Sequence[TokenBatch], n_targets: torch
         mb_loss = loss_sum / n_targets
         backward(mb_loss)
         total += mb_loss.detach()
-        stats = add_stats(stats, mb_stats)
+        stats = add_stats(stats, mb_stats, maxed)
         del loss_sum, mb_loss  # their graph's nodes would stay through the next forward
     return total, stats
 

@@ -143,7 +143,7 @@ def train(
             micro_batches, n_input = source.next_step(engine, state.step + 1)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             result = train_step(engine, micro_batches, n_input, objective=objective)
-            sums = add_stats(sums, result.stats)
+            sums = add_stats(sums, result.stats, objective.train_max)
             state.step += 1
             # every step's loss reaches the host (checked), as its counts already do: no extra sync
             values: dict[str, torch.Tensor | float | None] = {
@@ -151,7 +151,7 @@ def train(
             logging = state.step % log_every == 0 or state.step == total_steps
             if logging:
                 # summed since the last logging step: the record's metrics cover the whole window
-                values["objective"] = None if sums is None else engine.dp_sum(sums)
+                values["objective"] = None if sums is None else engine.dp_sum(sums, objective.train_max)
                 sums = None
                 aux = engine.take_aux_loss()
                 if aux is not None:
