@@ -179,3 +179,25 @@ def test_a_pipeline_stage_is_refused(make_tiny_hf):
     model.lm_head = None
     with pytest.raises(NxdError, match="needs the whole model; this one is a pipeline stage"):
         sample(model, PROMPTS, SamplingSettings(max_completion_length=2), [1], 0, torch.Generator())
+
+
+def test_a_group_sharing_a_prompt_prefills_it_once(make_tiny_hf):
+    """num_generations rows of one prompt: the prompt is decoded once (the embedding sees the 3
+    distinct prompts, not 6 rows) and its cache copied to the group, drawing what transformers
+    draws on the 6 rows with the same seed."""
+    path, model = _model(make_tiny_hf, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = [p for p in PROMPTS for _ in range(2)]
+    ids, mask = left_pad(rows, 0)
+    torch.manual_seed(5)
+    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=8, pad_token_id=0,
+                      eos_token_id=None, temperature=1.0, top_p=1.0, top_k=0)[:, ids.shape[1]:]
+    seen: list[tuple[int, ...]] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, result: seen.append(tuple(args[0].shape)))
+    try:
+        got = sample(model, PROMPTS, SamplingSettings(max_completion_length=8), [], 0,
+                     torch.Generator().manual_seed(5), num_generations=2)
+    finally:
+        hook.remove()
+    assert torch.equal(got.completion_ids, out)
+    assert seen[0] == (3, ids.shape[1]) and seen[1:] == [(6, 1)] * 7

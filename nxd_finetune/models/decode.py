@@ -46,6 +46,14 @@ class KVCache:
     def capacity(self) -> int:
         return self.valid.shape[1]
 
+    def fill_from(self, other: KVCache, rows: torch.Tensor) -> None:
+        """This (empty) cache holds row ``rows[i]`` of ``other`` as its row ``i``."""
+        self.keys = {name: k.index_select(0, rows) for name, k in other.keys.items()}
+        self.values = {name: v.index_select(0, rows) for name, v in other.values.items()}
+        self.valid = other.valid.index_select(0, rows)
+        self.positions = other.positions.index_select(0, rows)
+        self.length = other.length
+
     def seen(self) -> torch.Tensor:
         """Real tokens per row so far ``[B]`` (the next real token's position)."""
         return self.valid[:, : self.length].sum(dim=1)
@@ -124,8 +132,6 @@ def _cached_attention(layer: DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: 
     if attention.softcap is not None:
         out = _softcapped(q, k, v, mask, attention.scale or attention.head_dim ** -0.5, attention.softcap)
     else:
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attention.scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).reshape(b, t, -1)

@@ -7,9 +7,12 @@ as TRL's ``RepeatSampler`` orders a group), left-pads them and decodes up to
 transformers' order -- temperature, top-k, top-p (:func:`warp`) -- and one token per row is drawn
 with ``torch.multinomial`` from the caller's :class:`torch.Generator`: one seed, one set of
 completions, and the generator's state (``get_state`` / ``set_state``) saved with a checkpoint
-resumes the same draws. ``temperature == 0`` is greedy decoding. A row stops at the first of its
-stop ids (``serve.generate.stop_token_ids``); the result is laid out as TRL's: prompts left-padded,
-completions right-padded, the mask covering each completion up to and including its stop token.
+resumes the same draws (one generator per row: each row's noise from its own, the draw
+``multinomial`` makes, for all rows in one division and argmax). A prompt several rows share (a
+GRPO group) is prefilled once, its cache copied to the group. ``temperature == 0`` is greedy
+decoding. A row stops at the first of its stop ids (``serve.generate.stop_token_ids``); the result
+is laid out as TRL's: prompts left-padded, completions right-padded, the mask covering each
+completion up to and including its stop token.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.models.decode import decode, new_cache
+from nxd_finetune.models.decode import KVCache, decode, new_cache
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.parallel.mappings import all_gather
 
@@ -96,8 +99,15 @@ def next_tokens(logits: torch.Tensor, settings: SamplingSettings, generator: Gen
     probs = warp(logits.float(), settings).softmax(dim=-1)
     if isinstance(generator, torch.Generator):
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return torch.cat([torch.multinomial(p[None], 1, generator=g).squeeze(1)
-                      for p, g in zip(probs, generator, strict=True)])
+    if len(generator) != probs.shape[0]:
+        raise NxdError(f"{len(generator)} generators for {probs.shape[0]} rows")
+    # torch.multinomial's one-sample draw, argmax(p / q) with q ~ Exp(1) drawn by the generator,
+    # for every row at once: each row's noise from its own generator (the same draw as
+    # multinomial(p[None], 1, generator=g)), one division and argmax over the batch
+    noise = torch.empty_like(probs)
+    for row, g in zip(noise, generator, strict=True):
+        row.exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +149,7 @@ def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings
     training = model.training
     model.eval()
     try:
-        logits = _whole(decode(model, ids, mask, cache)[:, -1], vocab_group)
+        logits = _whole(_prefill(model, rows, ids, mask, cache), vocab_group)
         for step in range(limit):
             token = next_tokens(logits, settings, generator)
             token = torch.where(done, torch.full_like(token, pad_id), token)
@@ -154,6 +164,23 @@ def sample(model: DecoderForCausalLM, prompts: Sequence[Sequence[int]], settings
         model.train(training)
     completion_mask = (torch.arange(limit, device=device)[None] < lengths[:, None]).long()
     return Completions(prompt_ids, prompt_mask, out.cpu(), completion_mask.cpu(), (~done).cpu())
+
+
+def _prefill(model: DecoderForCausalLM, rows: Sequence[Sequence[int]], ids: torch.Tensor, mask: torch.Tensor,
+             cache: KVCache) -> torch.Tensor:
+    """The last position's logits ``[N, V]`` of the left-padded prompts ``ids``, their keys and
+    values into ``cache``: each distinct prompt decoded once (a GRPO group's rows share theirs),
+    its cache rows and logits copied to the rows that repeat it."""
+    slot: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its row in the distinct batch
+    owner = [slot.setdefault(tuple(row), len(slot)) for row in rows]
+    if len(slot) == len(rows):
+        return decode(model, ids, mask, cache)[:, -1]
+    picks = torch.tensor([owner.index(k) for k in range(len(slot))], device=ids.device)
+    distinct = new_cache(len(slot), cache.capacity, ids.device)
+    logits = decode(model, ids[picks], mask[picks], distinct)[:, -1]
+    expand = torch.tensor(owner, device=ids.device)
+    cache.fill_from(distinct, expand)
+    return logits[expand]
 
 
 def _whole(logits: torch.Tensor, vocab_group: dist.ProcessGroup | None) -> torch.Tensor:
