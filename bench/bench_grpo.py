@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -40,18 +39,17 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import report, system  # noqa: E402
+from bench import report, runs, system  # noqa: E402
+from bench.runs import CACHE, MiB  # noqa: E402
 
-RESULTS = BENCH / "results"
-CACHE = Path(os.environ.get("NXD_BENCH_CACHE", BENCH / ".cache"))
 QUESTIONS = ROOT / "nxd_finetune" / "assets" / "quickstart" / "eval.jsonl"
-MiB = 2**20
 SHAPE: dict[str, Any] = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
                          "intermediate_size": 1376, "max_position_embeddings": 1024, "tie_word_embeddings": False,
                          "rms_norm_eps": 1e-5}
@@ -67,26 +65,7 @@ def length_reward(completion_ids: Sequence[Sequence[int]], **kwargs: object) -> 
 def ensure_model(layers: int) -> Path:
     """``bench/.cache/models/grpo-llama-<layers>l``: the quickstart tokenizer and a random-init
     (seed 0) ``LlamaForCausalLM`` of :data:`SHAPE` with ``layers`` layers, fp32."""
-    out = CACHE / "models" / f"grpo-llama-{layers}l"
-    spec = {**SHAPE, "num_hidden_layers": layers, "seed": 0, "version": 1}
-    if (out / "bench_spec.json").is_file() and json.loads((out / "bench_spec.json").read_text()) == spec:
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from nxd_finetune.quickstart import ensure_tiny_model
-
-    tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    config = LlamaConfig(vocab_size=len(tok), num_hidden_layers=layers, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SHAPE)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "bench_spec.json").write_text(json.dumps(spec))
-    return out
+    return runs.ensure_model(f"grpo-llama-{layers}l", "LlamaConfig", SHAPE, layers)
 
 
 def prompts_file(n: int) -> Path:
@@ -99,13 +78,6 @@ def prompts_file(n: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
-
-
-def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _ours(spec: dict[str, Any], model_dir: Path, data: Path, out: Path) -> tuple[list[float], list[float]]:
@@ -189,14 +161,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model_dir, data = Path(spec["model"]), Path(spec["data"])
     out = CACHE / "outputs" / f"grpo-{spec['framework']}"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume
-    baseline = _vm("VmRSS")
+    baseline = runs.vm("VmRSS")
     cpu0, t0 = time.process_time(), time.perf_counter()
     steps, generation = (_ours if spec["framework"] == "nxd" else _trl)(spec, model_dir, data, out)
     cpu_per_step = (time.process_time() - cpu0) / spec["steps"]
     step_s, gen_s = statistics.median(steps), statistics.median(generation)
     tokens = spec["prompts"] * spec["generations"] * spec["completion"]  # at most: completions sampled per step
     return {"step_s": step_s, "generation_s": gen_s, "training_s": step_s - gen_s, "steps_per_s": 1 / step_s,
-            "step_times": steps, "generation_times": generation, "peak_bytes": _vm("VmHWM"),
+            "step_times": steps, "generation_times": generation, "peak_bytes": runs.vm("VmHWM"),
             "baseline_rss_bytes": baseline, "total_s": time.perf_counter() - t0,
             "tokens": tokens, "time_s": step_s, "cpu_s": cpu_per_step}
 
@@ -227,13 +199,7 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot(res: dict[str, Any], path: Path, plt: ModuleType) -> Path:
     rows = [r for key in ("nxd", "trl") for r in res["rows"] if r["framework"] == key]
     labels = [LABELS[r["framework"]].replace(" (", "\n(") for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
@@ -245,15 +211,9 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
     a1.legend(fontsize=7)
     a2.bar(x, [r["peak_bytes"] / MiB for r in rows])
     a2.set_ylabel("peak resident memory (MiB)")
-    for a in (a1, a2):
-        a.set_xticks(x)
-        a.set_xticklabels(labels, fontsize=7)
-    fig.suptitle(f"GRPO + LoRA on CPU ({res['shape']}; {res['prompts']} x {res['generations']} completions of "
-                 f"{res['completion']} tokens per step)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = (f"GRPO + LoRA on CPU ({res['shape']}; {res['prompts']} x {res['generations']} completions of "
+             f"{res['completion']} tokens per step)")
+    return runs.save_figure(plt, fig, (a1, a2), labels, title, path)
 
 
 def main() -> None:
@@ -266,8 +226,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help="steps per side, the first not timed (default 6; --quick 4)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per side")
-    ap.add_argument("--note", default="", help="a line about the conditions, shown under the title")
-    ap.add_argument("--out", default=None, help="results name under bench/results (default grpo_cpu[_quick])")
+    runs.add_result_args(ap, "grpo_cpu[_quick]")
     args = ap.parse_args()
     layers = args.layers or (2 if args.quick else 4)
     steps = args.steps or (4 if args.quick else 6)
@@ -285,19 +244,8 @@ def main() -> None:
         res["rows"].append(row)
         print(f"{LABELS[framework]}: {row['steps_per_s']:.3f} steps/s (generation {row['generation_s']:.2f} s, "
               f"training {row['training_s']:.2f} s), peak {row['peak_bytes'] / MiB:.0f} MiB", flush=True)
-    out = RESULTS / (args.out or ("grpo_cpu_quick" if args.quick else "grpo_cpu"))
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(res))
-    plot(res, out.with_suffix(".png"))
-    print(render(res))
+    runs.write_results(res, args.out or ("grpo_cpu_quick" if args.quick else "grpo_cpu"), render, plot)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # a worker (system.run_worker): one side
-        import torch
-
-        worker_spec = json.loads(sys.argv[1])
-        torch.set_num_threads(worker_spec["threads"])
-        print("RESULT " + json.dumps(worker(worker_spec)), flush=True)
-    else:
-        main()
+if __name__ == "__main__" and not runs.run_as_worker(worker):  # a worker (system.run_worker) runs one side
+    main()

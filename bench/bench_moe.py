@@ -37,24 +37,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import report, system  # noqa: E402
+from bench import report, runs, system  # noqa: E402
+from bench.runs import CACHE, MiB  # noqa: E402
 
-RESULTS = BENCH / "results"
-CACHE = Path(os.environ.get("NXD_BENCH_CACHE", BENCH / ".cache"))
 DATA = BENCH / "data" / "sft.jsonl"
-MiB = 2**20
 SHAPE: dict[str, Any] = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
                          "intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 256, "norm_topk_prob": True, "max_position_embeddings": 2048,
@@ -69,26 +67,7 @@ LABELS = {("nxd", "grouped"): "nxd grouped", ("nxd", "loop"): "nxd loop (referen
 def ensure_model(layers: int) -> Path:
     """``bench/.cache/models/moe-<layers>l``: the quickstart tokenizer and a random-init (seed 0)
     ``Qwen3MoeForCausalLM`` of :data:`SHAPE` with ``layers`` layers, fp32."""
-    out = CACHE / "models" / f"moe-{layers}l"
-    spec = {**SHAPE, "num_hidden_layers": layers, "seed": 0, "version": 1}
-    if (out / "bench_spec.json").is_file() and json.loads((out / "bench_spec.json").read_text()) == spec:
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
-
-    from nxd_finetune.quickstart import ensure_tiny_model
-
-    tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    config = Qwen3MoeConfig(vocab_size=len(tok), num_hidden_layers=layers, bos_token_id=tok.bos_token_id,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SHAPE)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    (out / "bench_spec.json").write_text(json.dumps(spec))
-    return out
+    return runs.ensure_model(f"moe-{layers}l", "Qwen3MoeConfig", SHAPE, layers)
 
 
 def recipe_dict(model: Path, seq: int, steps: int) -> dict[str, Any]:
@@ -102,13 +81,6 @@ def recipe_dict(model: Path, seq: int, steps: int) -> dict[str, Any]:
         "eval": {"before": False}, "logging": {"progress": False},
         "output": {"dir": str(CACHE / "outputs" / "moe")},
     }
-
-
-def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +126,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             opt.step()
             return float(loss)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    build_s, load_peak, loaded = time.perf_counter() - t0, _vm("VmHWM"), _vm("VmRSS")
+    build_s, load_peak, loaded = time.perf_counter() - t0, runs.vm("VmHWM"), runs.vm("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     times, losses = [], []
     cpu0 = 0.0
@@ -168,7 +140,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
     # tokens / time_s / cpu_s: per step, as system.run_worker turns them into tokens_per_s / _per_cpu_s
     return {"trainable": trainable, "load_peak_bytes": load_peak, "loaded_rss_bytes": loaded,
-            "train_peak_bytes": _vm("VmHWM"), "build_s": build_s, "step_s": step_s, "step_times": times,
+            "train_peak_bytes": runs.vm("VmHWM"), "build_s": build_s, "step_s": step_s, "step_times": times,
             "tokens": batch * seq, "time_s": step_s, "cpu_s": cpu_s, "losses": losses,
             "kernel_used": spec.get("kernel_used", spec["kernel"])}
 
@@ -244,13 +216,7 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+def plot(res: dict[str, Any], path: Path, plt: ModuleType) -> Path:
     rows = [r for key in ROWS for r in res["rows"] if (r["framework"], r["kernel"]) == key]
     labels = [LABELS[(r["framework"], r["kernel"])] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
@@ -261,14 +227,8 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
     a1.legend(fontsize=7)
     a2.bar(x, [r["train_peak_bytes"] / MiB for r in rows])
     a2.set_ylabel("peak resident memory while training (MiB)")
-    for a in (a1, a2):
-        a.set_xticks(x)
-        a.set_xticklabels(labels, rotation=25, ha="right", fontsize=7)
-    fig.suptitle(f"MoE LoRA, CPU ({res['shape']}, {res['batch']} x {res['seq']} tokens per step)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = f"MoE LoRA, CPU ({res['shape']}, {res['batch']} x {res['seq']} tokens per step)"
+    return runs.save_figure(plt, fig, (a1, a2), labels, title, path, rotation=25, ha="right")
 
 
 def main() -> None:
@@ -281,8 +241,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="repeats of the experts-alone timing")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per run (1: on a shared machine, 2 threads stall each other)")
-    ap.add_argument("--note", default="", help="a line about the conditions, shown under the title")
-    ap.add_argument("--out", default=None, help="results name under bench/results (default moe_cpu[_quick])")
+    runs.add_result_args(ap, "moe_cpu[_quick]")
     args = ap.parse_args()
     layers = args.layers or (2 if args.quick else 4)
     seq = args.seq or (128 if args.quick else 256)
@@ -303,19 +262,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     res["experts_alone"] = experts_alone(args.batch * seq, args.reps)
-    out = RESULTS / (args.out or ("moe_cpu_quick" if args.quick else "moe_cpu"))
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(res))
-    plot(res, out.with_suffix(".png"))
-    print(render(res))
+    runs.write_results(res, args.out or ("moe_cpu_quick" if args.quick else "moe_cpu"), render, plot)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # a worker (system.run_worker): one row
-        import torch
-
-        worker_spec = json.loads(sys.argv[1])
-        torch.set_num_threads(worker_spec["threads"])
-        print("RESULT " + json.dumps(worker(worker_spec)), flush=True)
-    else:
-        main()
+if __name__ == "__main__" and not runs.run_as_worker(worker):  # a worker (system.run_worker) runs one row
+    main()
