@@ -105,6 +105,16 @@ def test_import_and_help_are_light(argv):
     assert out.stdout.strip() == "[]", out.stderr
 
 
+def test_training_imports_no_pipeline_runtime():
+    """What a one-process ``run`` imports leaves out ``torch.distributed.pipelining`` (and the
+    DTensor stack it pulls in, ~1-2 s of every run's start): the pipeline runner imports it when a
+    pp > 1 layout first runs (issue 46 item 5)."""
+    code = ("import sys, nxd_finetune.sft.trainer, nxd_finetune.sft.setup, nxd_finetune.parallel.parallelize\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.pipelining')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_run_help_says_what_run_trains(capsys):
     code, out, _ = cli(capsys, "run", "--help")
     words = set(re.findall(r"[\w-]+", out))

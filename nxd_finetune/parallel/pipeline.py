@@ -61,13 +61,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
 
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
@@ -79,10 +72,12 @@ from nxd_finetune.parallel.state import ParallelState
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-SCHEDULES: dict[str, type] = {
-    "1f1b": Schedule1F1B,
-    "gpipe": ScheduleGPipe,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
+# schedule name -> its class in torch.distributed.pipelining, imported when a pipeline first runs: the
+# module costs ~1-2 s to import (torch.distributed.tensor with it), which every run without pp paid
+SCHEDULES: dict[str, str] = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
 }
 SIDE_INPUTS = ("position_ids", "segment_ids")
 _MAX_CACHED_SHAPES = 4
@@ -326,20 +321,23 @@ class PipelineRunner:
         ``n_microbatches`` with the loss, else one forward-only micro-batch (eval)."""
         key = (train, *shape)
         if key not in self._schedules:
+            from torch.distributed import pipelining
+
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
                 self._schedules.pop(next(iter(self._schedules)))
             stages: list[_PipelineStageBase] = [
-                PipelineStage(m, sid, self.num_stages, self.device, group=self.state.group("pp"))
+                pipelining.PipelineStage(m, sid, self.num_stages, self.device, group=self.state.group("pp"))
                 for m, sid in zip(self.stage_modules, self.stage_ids, strict=True)
             ]
             multi = len(stages) > 1
             if train:
                 # scale_grads=False: the loss is already divided by the step's target tokens
-                cls = SCHEDULES[self.schedule_name]
+                cls = getattr(pipelining, SCHEDULES[self.schedule_name])
                 schedule = cls(stages if multi else stages[0], self.n_microbatches, loss_fn=self._loss,
                                scale_grads=False)
             else:  # forward only; these two accept a single micro-batch
-                schedule = ScheduleLoopedBFS(stages, 1) if multi else ScheduleGPipe(stages[0], 1)
+                schedule = (pipelining.ScheduleLoopedBFS(stages, 1) if multi
+                            else pipelining.ScheduleGPipe(stages[0], 1))
             self._schedules[key] = schedule
         return self._schedules[key]
 
