@@ -182,7 +182,7 @@ class ObjectiveRecord:
     (None: the supervised formats, no other objective's); ``reference(section, lora_init_from)``:
     the reference model its loss is measured against (``base``, ``init_from``; None: none, no
     reference pass); ``check(section, lora_init_from, full)``: its own cross-section rule (one
-    line, else None); ``metadata(section)``: what an adapter records of it besides its name and
+    line, else None); ``metadata(section, lora_init_from)``: what an adapter records of it besides its name and
     reference (None: nothing is recorded, SFT); ``pair_tokenization(section)``: whose TRL
     trainer its pairs are tokenized as (``dpo``, ``orpo``); ``diverged(section)``: the setting a
     user lowers when training diverges (None: only the learning rate); ``source``: the
@@ -195,7 +195,7 @@ class ObjectiveRecord:
     data_format: str | None = None
     reference: Callable[[Section, str | None], str | None] = no_reference
     check: Callable[[Section, str | None, bool], str | None] = no_problem
-    metadata: Callable[[Section], dict[str, str]] | None = None
+    metadata: Callable[[Section, str | None], dict[str, str]] | None = None
     pair_tokenization: Callable[[Section], str] = dpo_pairs
     diverged: Callable[[Section], str | None] = no_setting
     source: str | None = None

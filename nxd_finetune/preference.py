@@ -395,8 +395,8 @@ def dpo_pairs_of(section: Section) -> str:
 
 DPO = ObjectiveRecord("dpo", build=dpo_objective, section="preference", data_format="preference",
                       reference=dpo_reference, check=check_dpo,
-                      metadata=lambda section: {"nxd_loss_type": settings(section).loss_type},
+                      metadata=lambda section, init_from: {"nxd_loss_type": settings(section).loss_type},
                       pair_tokenization=dpo_pairs_of, diverged=beta_setting)
 ORPO = ObjectiveRecord("orpo", build=orpo_objective, section="preference", data_format="preference",
-                       check=check_orpo, metadata=lambda section: {}, pair_tokenization=orpo_pairs,
+                       check=check_orpo, metadata=lambda section, init_from: {}, pair_tokenization=orpo_pairs,
                        diverged=beta_setting)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nxd_finetune.data.prompts import PromptRow
+from nxd_finetune.rl.sampler import Completions
+from nxd_finetune.rl.source import completions_of
 from tests.preference_helpers import LORA, WORDS, word_tokenizer
+
+if TYPE_CHECKING:
+    from nxd_finetune.sft.engine import Engine
 
 TESTS = Path(__file__).resolve().parent
 
@@ -53,3 +61,35 @@ def grpo_recipe(root: Path, model_dir: Path, out: Path, steps: int, training: di
 def token_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float | None]:
     """A reward that varies on random completions: the tokens divisible by 3."""
     return [float(sum(1 for t in ids if t % 3 == 0)) for ids in completion_ids]
+
+
+def start_adapter(model_dir: Path, out: Path, trained: bool = False) -> None:
+    """peft's default LoRA init (B = 0: the policy starts at the base), or ``trained``: B drawn
+    too, as an SFT adapter a run starts from (TRL's reference for beta > 0: its frozen copy)."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+    model = peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    if trained:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+
+
+FIXED_GENERATIONS, FIXED_EOS, FIXED_PAD = 4, 3, 1  # the word tokenizer's </s> and <pad>
+
+
+def fixed(engine: Engine, rows: Sequence[PromptRow], step: int) -> Completions:
+    """Completions by step, prompt and place in the group (of ``FIXED_GENERATIONS``): the same rows
+    get the same on any layout."""
+    table = []
+    for i, row in enumerate(rows):
+        rng = random.Random(f"{step}/{row.prompt}/{i % FIXED_GENERATIONS}")
+        n = rng.randint(1, 4)
+        table.append([rng.choice([FIXED_EOS, 5, 8, 13]) if k == n - 1 else rng.randrange(4, 104) for k in range(n)])
+    return completions_of([r.ids for r in rows], table, [FIXED_EOS], FIXED_PAD)

@@ -1,52 +1,39 @@
 """GRPO on the parallel layouts (real gloo groups, through ``trainer.run_rank``): given the same
 completions (the source's ``generate`` hook, keyed by step, prompt and place in its group), tp2,
 dp2 + ZeRO-1, pp2 and tp2 x pp2 reproduce the one-process run's loss, KL, entropy, clip ratios (means,
-the least / most clipped sequence) and reward metrics within 1e-5,
-with LoRA (``beta`` > 0: the reference pass with the adapter off, and ``num_iterations`` 2: the
-old log-probs, both through the engine's eval call, pipelined under pp) and full fine-tuning; under dp the rewards are
-gathered and the advantages computed over the whole generation batch."""
+the least / most clipped sequence) and reward metrics within 1e-5, with LoRA (``beta`` > 0: the
+reference pass with the adapter off, or with the adapter the run started from swapped in, and
+``num_iterations`` 2: the old log-probs, both through the engine's eval call, pipelined under pp)
+and full fine-tuning; under dp the rewards are gathered and the advantages computed over the whole
+generation batch."""
 
 from __future__ import annotations
 
 import functools
-import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from nxd_finetune.data.prompts import PromptRow
 from nxd_finetune.parallel.launch import launch
 from nxd_finetune.recipe import recipe_from_dict
-from nxd_finetune.rl.sampler import Completions
-from nxd_finetune.rl.source import completions_of, grpo_source
+from nxd_finetune.rl.source import grpo_source
 from nxd_finetune.sft import trainer
-from nxd_finetune.sft.engine import Engine
-from tests.rl_helpers import grpo_recipe
+from tests.rl_helpers import FIXED_GENERATIONS, fixed, grpo_recipe, start_adapter
 
 pytestmark = [pytest.mark.usefixtures("workers_tmpdir"), pytest.mark.slow]  # gloo worlds writing under tmp_path
 
-STEPS, GENERATIONS, EOS, PAD = 4, 4, 3, 1
+STEPS, GENERATIONS = 4, FIXED_GENERATIONS
 KEYS = ("train_loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean",
         "clip_ratio/high_mean", "clip_ratio/low_min", "clip_ratio/high_max", "reward", "reward_std",
         "rewards/exact_match/mean", "rewards/regex/std", "completions/mean_length", "frac_reward_zero_std")
 MODES = {"lora": ({}, {"beta": 0.04, "num_iterations": 2, "epsilon": 0.05}),
+         "lora-init_from": ({}, {"beta": 0.04, "num_iterations": 2, "epsilon": 0.05}),  # KL to the start adapter
          "full": ({"lora": None}, {"beta": 0.0, "num_iterations": 2, "loss_type": "dapo",
                                    "mask_truncated_completions": True})}
 LAYOUTS = {"tp2": ({"tp": 2}, {"micro_batch_size": 4, "grad_accum": 2}),
            "dp2-zero1": ({"zero1": True}, {"micro_batch_size": 4, "grad_accum": 1}),
            "pp2": ({"pp": 2}, {"micro_batch_size": 4, "grad_accum": 2})}
-
-
-def fixed(engine: Engine, rows: Sequence[PromptRow], step: int) -> Completions:
-    """Completions by step, prompt and place in the group: the same rows get the same on any layout."""
-    table = []
-    for i, row in enumerate(rows):
-        rng = random.Random(f"{step}/{row.prompt}/{i % GENERATIONS}")
-        n = rng.randint(1, 4)
-        table.append([rng.choice([EOS, 5, 8, 13]) if k == n - 1 else rng.randrange(4, 104) for k in range(n)])
-    return completions_of([r.ids for r in rows], table, [EOS], PAD)
 
 
 SOURCE = functools.partial(grpo_source, generate=fixed)
@@ -56,6 +43,10 @@ def recipe(root: Any, model_dir: Any, name: str, mode: str, training: dict[str, 
            parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     more, rl = MODES[mode]
     d = grpo_recipe(root, model_dir, root / mode / name, STEPS, {"lr": 5e-3, **training}, **rl)
+    if mode == "lora-init_from":  # a trained adapter to start from (B != 0)
+        if not (root / "start").exists():
+            start_adapter(model_dir, root / "start", trained=True)
+        d["lora"]["init_from"] = str(root / "start")
     return {**d, **more, **({"parallel": {"nproc": 2, **parallel}} if parallel else {})}
 
 

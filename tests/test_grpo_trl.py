@@ -21,13 +21,14 @@ from nxd_finetune.data.prompts import PromptRow, prompt_rows
 from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.objectives import objective_of
 from nxd_finetune.recipe import recipe_from_dict
+from nxd_finetune.rl.objective import grpo_reference
 from nxd_finetune.rl.rewards import Reward
 from nxd_finetune.rl.sampler import Completions
-from nxd_finetune.rl.source import GRPOSource, completions_of
+from nxd_finetune.rl.source import GRPOSource, completions_of, reference_weights
 from nxd_finetune.sft.engine import Engine, build_engine
 from nxd_finetune.sft.step import train_step
 from tests.preference_helpers import LORA, WORDS, word_tokenizer
-from tests.rl_helpers import grpo_trainer
+from tests.rl_helpers import grpo_trainer, start_adapter
 
 pytest.importorskip("trl")
 from trl import GRPOConfig  # noqa: E402
@@ -67,13 +68,6 @@ def completion_table(k: int, rows: int) -> list[list[int]]:
         else:
             out.append([rng.randrange(4, 104) for _ in range(rng.randint(0, MAX_LEN - 1))] + [EOS])
     return out
-
-
-def start_adapter(model_dir: Path, out: Path) -> None:
-    """peft's default LoRA init (B = 0: the policy starts at the base, TRL's reference for beta > 0)."""
-    torch.manual_seed(11)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
-    peft.get_peft_model(hf, peft.LoraConfig(task_type="CAUSAL_LM", **LORA)).save_pretrained(out)
 
 
 def run_trl(model_dir: Path, adapter: Path, data: list[dict[str, Any]], out: Path, rl: dict[str, Any]):
@@ -121,10 +115,12 @@ def our_run(model_dir: Path, adapter: Path, data: list[dict[str, Any]], out: Pat
         table = completion_table(len(generations) - 1, len(rows))
         return completions_of([r.ids for r in rows], table, [EOS], PAD)
 
+    engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS)
+    kind = grpo_reference(recipe.rl, str(adapter))  # beta > 0: the starting adapter (TRL's "ref" copy)
     source = GRPOSource(recipe.rl, prompt_rows(data, tokenizer), tokenizer,
                         [Reward(f.__name__, f, w) for f, w in zip(FUNCS, WEIGHTS, strict=True)], ROWS, 1, STEPS,
-                        (EOS,), PAD, generate=generate)
-    engine = build_engine(recipe, model_dir, torch.device("cpu"), STEPS)
+                        (EOS,), PAD, generate=generate,
+                        reference=None if kind is None else reference_weights(engine, kind))
     objective = objective_of(recipe)
     records = []
     engine.train(True)
@@ -161,9 +157,21 @@ CASES = [
 
 @pytest.mark.parametrize(("loss_type", "beta", "iterations", "more"), CASES)
 def test_grpo_equals_trl_per_step(loss_type, beta, iterations, more, make_tiny_hf, tmp_path):
+    equal_to_trl(loss_type, beta, iterations, more, make_tiny_hf, tmp_path)
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_grpo_from_a_trained_adapter_equals_trl(iterations, make_tiny_hf, tmp_path):
+    """Starting from a trained adapter (B != 0) with beta > 0: TRL measures the KL against a frozen
+    copy of it (its "ref" adapter), as our default reference (``init_from``) does."""
+    equal_to_trl("grpo", 0.2, iterations, {}, make_tiny_hf, tmp_path, trained=True)
+
+
+def equal_to_trl(loss_type: str, beta: float, iterations: int, more: dict[str, Any], make_tiny_hf: Any,
+                 tmp_path: Path, trained: bool = False) -> None:
     _, model_dir = make_tiny_hf("llama")
     adapter = tmp_path / "start"
-    start_adapter(model_dir, adapter)
+    start_adapter(model_dir, adapter, trained)
     rl = {"loss_type": loss_type, "beta": beta, "num_iterations": iterations, **more}
     data = prompts_data(STEPS * ROWS // GENERATIONS)
     theirs, calls, trainer = run_trl(model_dir, adapter, data, tmp_path / "trl", rl)

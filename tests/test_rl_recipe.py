@@ -30,7 +30,7 @@ def test_defaults_are_trls():
     ours = rl_section({"reward_funcs": ["exact_match"]})
     for name in TRL_NAMED:
         assert getattr(ours, name) == trl[name], name
-    assert set(RLSection.model_fields) - {"reward_funcs", "max_prompt_length"} == set(TRL_NAMED)
+    assert set(RLSection.model_fields) - {"reward_funcs", "max_prompt_length", "reference"} == set(TRL_NAMED)
     assert ours.clip_high == ours.epsilon
 
 
@@ -142,6 +142,9 @@ def test_objective_grpo_takes_the_rl_section():
     ({"objective": "sft", "rl": None}, "data.format=prompt needs objective: grpo (objective=sft)"),
     ({"lora": None}, "rl.beta=0.04 needs a lora section"),
     ({"rl": {"reward_funcs": ["exact_match"], "loss_type": "cispo"}}, "rl.loss_type='cispo' is not supported"),
+    ({"rl": {"reward_funcs": ["exact_match"], "beta": 0.1, "reference": "init_from"}},
+     "rl.reference=init_from needs lora.init_from (the adapter the run starts from)"),
+    ({"rl": {"reward_funcs": ["exact_match"], "reference": "start"}}, "rl.reference"),
 ])
 def test_grpo_recipe_errors_are_one_line(change, message):
     with pytest.raises(RecipeError) as e:

@@ -232,12 +232,25 @@ def check_grpo(section: Section, lora_init_from: str | None, full: bool) -> str 
     if rl.beta and full:
         return (f"rl.beta={rl.beta:g} needs a lora section: the KL reference is the base model with the adapter "
                 "off (full fine-tuning would need a second model); set rl.beta: 0")
+    if rl.reference == "init_from" and not lora_init_from:
+        return "rl.reference=init_from needs lora.init_from (the adapter the run starts from)"
     return None
 
 
-def grpo_metadata(section: Section) -> dict[str, str]:
+def grpo_reference(section: Section, lora_init_from: str | None) -> str | None:
+    """The KL term's reference (``rl.beta`` > 0, else None): ``rl.reference``, else ``init_from``
+    with ``lora.init_from`` (TRL's for a ``PeftModel`` with an adapter), else ``base``."""
     rl = rl_settings(section)
-    return {"nxd_loss_type": rl.loss_type, **({"nxd_reference": "base"} if rl.beta else {})}
+    if not rl.beta:
+        return None
+    return rl.reference or ("init_from" if lora_init_from else "base")
+
+
+def grpo_metadata(section: Section, lora_init_from: str | None) -> dict[str, str]:
+    rl = rl_settings(section)
+    kind = grpo_reference(section, lora_init_from)
+    label = {} if kind is None else {"nxd_reference": f"init_from:{lora_init_from}" if kind == "init_from" else kind}
+    return {"nxd_loss_type": rl.loss_type, **label}
 
 
 def beta_setting(section: Section) -> str:

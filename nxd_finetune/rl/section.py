@@ -95,7 +95,11 @@ class RLSection(_Strict):
     ``mask_truncated_completions``: completions with no stop token leave the loss.
     ``use_bias_correction_kl``: the KL term times the importance ratio (TRL 1.x's default: its
     gradient then differs from the plain estimator's even where the ratio is 1).
-    ``multi_objective_aggregation``: ``sum_then_normalize`` or ``normalize_then_sum``."""
+    ``multi_objective_aggregation``: ``sum_then_normalize`` or ``normalize_then_sum``.
+    ``reference`` (``beta`` > 0): the KL term's reference, ``init_from`` (the adapter the run starts
+    from, ``lora.init_from``: TRL's frozen ``ref`` copy of a ``PeftModel``'s adapter; the default
+    with ``lora.init_from``) or ``base`` (the adapter off: the base model; the default without it,
+    where the fresh adapter starts at the base). Neither holds a second model."""
 
     reward_funcs: list[RewardEntry] = Field(min_length=1)
     reward_weights: list[float] | None = None
@@ -114,6 +118,7 @@ class RLSection(_Strict):
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    reference: Literal["base", "init_from"] | None = None
 
     @field_validator("reward_funcs", mode="before")
     @classmethod

@@ -14,8 +14,11 @@ the steps between reuse the same micro-batches. Generating:
    parallel and sequence parallel are refused (one line);
 2. score them with the reward functions (:func:`nxd_finetune.rl.rewards.score`), gather the scores
    over dp and compute the advantages over the whole generation batch as TRL does;
-3. with ``num_iterations`` > 1 the old log-probs, with ``beta`` > 0 the reference's (the adapter
-   off: no second model), each through the engine's eval call (:class:`TokenLogps`, every layout).
+3. with ``num_iterations`` > 1 the old log-probs, with ``beta`` > 0 the reference's, each through
+   the engine's eval call (:class:`TokenLogps`, every layout). No second model: the reference
+   (:func:`reference_weights`) is the adapter off (``base``) or the adapter the run started from
+   (``init_from``: a copy of the trainable tensors taken when the source is made, before a resumed
+   run loads its checkpoint, swapped in for the pass).
 
 The generation metrics (TRL's names: ``reward``, ``reward_std``, ``rewards/<name>/mean`` and
 ``/std``, ``frac_reward_zero_std``, ``completions/mean_length``, ``min_length``, ``max_length``,
@@ -30,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +45,7 @@ from nxd_finetune.data.prompts import PromptRow, prompt_rows
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.rl.metrics import generation_metrics
-from nxd_finetune.rl.objective import TokenLogps
+from nxd_finetune.rl.objective import TokenLogps, grpo_reference
 from nxd_finetune.rl.rewards import Reward, TrainerState, advantages, build_rewards, score
 from nxd_finetune.rl.sampler import Completions, SamplingSettings, left_pad, sample
 from nxd_finetune.rl.section import RLSection
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
     from nxd_finetune.sft.setup import RankRun
 
 Batch = dict[str, torch.Tensor]
+Weights = Callable[[], contextlib.AbstractContextManager[None]]
+"""The reference's weights: a context in which the engine's model is the reference."""
 Generate = Callable[["Engine", Sequence[PromptRow], int], Completions]
 """How a step's completions are made: ``(engine, rows, step) -> Completions`` of ``rows`` (a
 prompt's group consecutive), one completion per row. Default: :func:`sample_completions`."""
@@ -98,7 +103,8 @@ def token_logps(engine: Engine, batch: Batch, temperature: float) -> torch.Tenso
 @dataclasses.dataclass
 class GRPOSource:
     """The GRPO batch source (module docstring). ``rows``: the prompt data; ``generate``: how
-    completions are made (None: sampled on the engine's model)."""
+    completions are made (None: sampled on the engine's model); ``reference``: the KL term's
+    weights (:func:`reference_weights`; None: the adapter off)."""
 
     rl: RLSection
     rows: list[PromptRow]
@@ -115,6 +121,7 @@ class GRPOSource:
     dp_world: int = 1
     dp_group: dist.ProcessGroup | None = None
     generate: Generate | None = None
+    reference: Weights | None = None
     epoch: int = 0
     cursor: int = 0
     buffer: list[Batch] | None = None
@@ -223,7 +230,7 @@ class GRPOSource:
             if self.rl.num_iterations > 1:
                 b["old_logps"] = token_logps(engine, b, self.rl.temperature)
             if self.rl.beta:
-                with adapter_off(engine):
+                with (self.reference or reference_weights(engine, "base"))():
                     b["ref_logps"] = token_logps(engine, b, self.rl.temperature)
         return batches
 
@@ -263,13 +270,15 @@ class GRPOSource:
         return out
 
 
-@contextlib.contextmanager
-def adapter_off(engine: Engine) -> Iterator[None]:
-    """The engine's LoRA layers contribute nothing for the block (the reference: the base model)."""
-    from nxd_finetune.sft.reference import adapter_off as off
+def reference_weights(engine: Engine, kind: str) -> Weights:
+    """The KL reference's weights on ``engine`` (:func:`~nxd_finetune.rl.objective.grpo_reference`):
+    ``base``: its LoRA layers contribute nothing; ``init_from``: its trainable tensors as they are
+    now (the starting adapter, when called before any step or checkpoint load), swapped in."""
+    from nxd_finetune.sft.reference import ReferenceWeights, adapter_off
 
-    with off(engine.modules):
-        yield
+    if kind == "init_from":
+        return ReferenceWeights(engine.trainable())
+    return lambda: adapter_off(engine.modules)
 
 
 def sample_completions(rl: RLSection, stop_ids: Sequence[int], pad_id: int, seed: int, first_row: int) -> Generate:
@@ -312,8 +321,10 @@ def grpo_source(rr: RankRun, generate: Generate | None = None) -> GRPOSource:
     rows = prompt_rows(load_rows(d.train), rr.tokenizer, d.fields.get("prompt", "prompt"), template,
                        d.chat_template_kwargs, rl.max_prompt_length)
     pad = rr.tokenizer.pad_token_id if rr.tokenizer.pad_token_id is not None else rr.tokenizer.eos_token_id
+    kind = grpo_reference(rl, recipe.lora.init_from if recipe.lora else None)
     return GRPOSource(rl, rows, rr.tokenizer, build_rewards(rl), recipe.training.micro_batch_size, rr.grad_accum,
                       rr.total_steps, stop_token_ids(rr.tokenizer, rr.model_dir, template,
                                                      d.chat_template_kwargs), int(pad),
                       seed=recipe.training.seed, shuffle=d.shuffle, dp_rank=rr.layout.coord("dp"),
-                      dp_world=rr.layout.size("dp"), dp_group=rr.layout.host_group("dp"), generate=generate)
+                      dp_world=rr.layout.size("dp"), dp_group=rr.layout.host_group("dp"), generate=generate,
+                      reference=None if kind is None else reference_weights(rr.engine, kind))

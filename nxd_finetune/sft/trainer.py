@@ -236,7 +236,7 @@ def objective_metadata(recipe: Recipe, reference: Identity | None = None) -> dic
     return {"nxd_objective": recipe.objective,
             "nxd_reference": reference_label(reference) if reference is not None else "none" if kind is None else
             f"init_from:{init_from}" if kind == "init_from" else kind,
-            **record.metadata(section_of(recipe, record))}
+            **record.metadata(section_of(recipe, record), init_from)}
 
 
 def _worker(recipe_dict: RecipeDict, source: SourceFactory | None = None) -> RunSummary | None:
