@@ -295,7 +295,8 @@ def quantize_on_load(model: nn.Module, spec: QuantSpec, device: torch.device) ->
             quantize_module(module, spec, device)
         else:
             tensor = getattr(module, attr)
-            with torch.no_grad():
-                tensor.data = tensor.data.clone()
+            if not tensor.untyped_storage().resizable():  # a view of a memory map (a read of its own is not)
+                with torch.no_grad():
+                    tensor.data = tensor.data.clone()
 
     return loaded

@@ -24,7 +24,7 @@ from nxd_finetune.errors import ModelLoadError
 from nxd_finetune.models.config import DecoderConfig
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.models.moe import Experts
-from nxd_finetune.safetensors_io import Entry, header_bytes, write_tensor
+from nxd_finetune.safetensors_io import Entry, FileTensors, header_bytes, write_tensor
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -64,6 +64,28 @@ def open_checkpoint_file(path: str | Path) -> Iterator[safe_open]:
                              "safetensors?)") from None
     with handle as f:
         yield f
+
+
+class CheckpointFile(Protocol):
+    """An open safetensors file as :func:`materialize` reads it: ``safe_open``'s, or :class:`FileTensors`."""
+
+    def get_slice(self, key: str) -> TensorSlice: ...
+
+
+@contextlib.contextmanager
+def open_unmapped_file(path: str | Path) -> Iterator[FileTensors]:
+    """:func:`open_checkpoint_file` without a memory map (:class:`FileTensors`: each tensor read into
+    memory of its own by plain file reads), with the same one ModelLoadError line for a bad file."""
+    try:
+        handle = FileTensors(path)
+    except (ValueError, OSError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(f"cannot read checkpoint file {path}: {reason} (truncated, damaged or not "
+                             "safetensors?)") from None
+    try:
+        yield handle
+    finally:
+        handle.close()
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
@@ -118,10 +140,15 @@ def materialize(
     reader: Reader = _read_full,
     name_map: Callable[[str], str] | None = None,
     on_loaded: Callable[[nn.Module, str], None] | None = None,
+    mapped: bool = True,
 ) -> nn.Module:
     """Replace every meta parameter of ``model`` with its tensor from the checkpoint.
     ``on_loaded(module, attr)``: called right after each tensor is set (a quantized base quantizes
-    a linear there, so the file's dtype is held one tensor at a time).
+    a linear there, so the file's dtype is held one tensor at a time). ``mapped``: read through
+    safetensors' memory map (unsharded tensors are zero-copy views of it, paged in when first
+    used); False: every tensor read into memory of its own by plain file reads
+    (:func:`open_unmapped_file`), so no page a read touched stays resident in the process once the
+    tensor is dropped, as a quantized base drops each linear's weight in the file's dtype.
 
     ``name_map`` turns a module parameter name into a checkpoint key (LoRA-wrapped models map
     ``...q_proj.base_layer.weight`` to ``...q_proj.weight``), which :func:`checkpoint_key` turns
@@ -135,7 +162,12 @@ def materialize(
     tied = getattr(config, "tie_word_embeddings", False)
     by_file: dict[Path, list[tuple[str, str, nn.Module, str]]] = {}
     experts: list[tuple[nn.Module, str, tuple[tuple[str, ...], ...]]] = []
+    # tied: tie_weights shares the embedding, so a checkpoint's own lm_head.weight is not read (as
+    # transformers ignores it); a pipeline stage without the embedding reads the head
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
     for full_name, param in list(model.named_parameters(remove_duplicate=False)):
+        if tied and full_name == "lm_head.weight" and embedding is not None:
+            continue
         name = name_map(full_name) if name_map else full_name
         key = checkpoint_key(config, name, index) if isinstance(config, DecoderConfig) else name
         module_name, _, attr = full_name.rpartition(".")
@@ -154,7 +186,9 @@ def materialize(
         by_file.setdefault(index[key], []).append((full_name, key, module, attr))
     used: set[str] = set()
     for path, entries in by_file.items():
-        with open_checkpoint_file(path) as f:
+        opened: contextlib.AbstractContextManager[CheckpointFile] = (
+            open_checkpoint_file(path) if mapped else open_unmapped_file(path))
+        with opened as f:
             for _, key, module, attr in entries:
                 target = getattr(module, attr)
                 tensor = reader(key, f.get_slice(key), target)

@@ -74,6 +74,8 @@ class WeightSource:
     checkpoint: Path | str | None = None
     dtype: torch.dtype = torch.float32
     param_init_fn: Callable[[nn.Module], None] | None = None
+    mapped: bool = True
+    """False: the checkpoint read without a memory map (``materialize``'s ``mapped``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,8 @@ def materialize_module(module: nn.Module, weights: WeightSource, checkpoint_key:
         return
     if weights.checkpoint is not None:
         materialize(module, weights.checkpoint, dtype=weights.dtype, device="cpu", reader=make_slice_reader(module),
-                    name_map=checkpoint_name_map(module, checkpoint_key), on_loaded=on_loaded)
+                    name_map=checkpoint_name_map(module, checkpoint_key), on_loaded=on_loaded,
+                    mapped=weights.mapped)
     elif weights.param_init_fn is not None:
         for sub in module.modules():
             own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]

@@ -411,7 +411,10 @@ def build_engine(recipe: Recipe, model_dir: Path, device: torch.device, total_st
     model = build_model(config)
     model.set_attention(recipe.model.attention)
     model.set_compile(recipe.model.compile)
-    rank_model = parallelize_model(model, state, spec=spec, weights=WeightSource(model_dir, dtype),
+    # a quantized base is read without the checkpoint's memory map: the pages each quantization reads
+    # would stay resident until the file closes (the base in the file's dtype, beside its quantization)
+    weights = WeightSource(model_dir, dtype, mapped=recipe.model.quantization is None)
+    rank_model = parallelize_model(model, state, spec=spec, weights=weights,
                                    device=device, hooks=hooks)
     optimizer, scheduler = _optimizer(rank_model, tcfg, par.zero1, total_steps)
     return Engine(rank_model, device, precision, config, optimizer, scheduler, lora_cfg, targets,
