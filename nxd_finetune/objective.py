@@ -83,20 +83,21 @@ class Objective(Protocol):
     def train_record(self, stats: Sequence[float]) -> dict[str, float]: ...
 
     @property
-    def train_max(self) -> int:
-        """How many of the metric sums' last entries are maxima (combined by max, not summed; a
-        minimum is the maximum of its negation; -inf: no value)."""
-        ...
-
-    @property
     def progress_metric(self) -> str | None:
         """The :meth:`train_record` key the progress bar shows beside the loss (None: none)."""
         ...
 
 
+def maxed_entries(objective: Objective) -> int:
+    """How many of ``objective``'s metric sums' last entries are maxima (combined by max, not
+    summed; a minimum is the maximum of its negation; -inf: no value): its optional ``train_max``
+    attribute, 0 where it has none (an objective written before the attribute existed)."""
+    return int(getattr(objective, "train_max", 0))
+
+
 def add_stats(total: torch.Tensor | None, stats: torch.Tensor | None, maxed: int = 0) -> torch.Tensor | None:
     """Metric sums (:meth:`Objective.loss`'s second value) added up, the last ``maxed`` entries
-    (:attr:`Objective.train_max`) combined by max; None stays out."""
+    (:func:`maxed_entries`) combined by max; None stays out."""
     if stats is None:
         return total
     if total is None:

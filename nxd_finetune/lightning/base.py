@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nxd_finetune.checkpoint.run_state import RngState, RunState, TrainState
-from nxd_finetune.objective import SFT, Objective, TokenBatch
+from nxd_finetune.objective import SFT, Objective, TokenBatch, maxed_entries
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
@@ -99,7 +99,7 @@ class NxdModuleBase(pl.LightningModule):
         step_loss = self.dp_sum(result.loss)
         # the objective's own step metrics (preference: rewards/...)
         extra = ({} if result.stats is None
-                 else self.objective.train_record(self.dp_sum(result.stats, self.objective.train_max).tolist()))
+                 else self.objective.train_record(self.dp_sum(result.stats, maxed_entries(self.objective)).tolist()))
         extra.update(self.step_metrics())
         self._record(step_loss, result.counts, result.grad_norm, float(self.parallel_optimizer.param_groups[0]["lr"]),
                      extra)

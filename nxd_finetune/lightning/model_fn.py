@@ -39,7 +39,7 @@ from nxd_finetune.errors import NxdError
 from nxd_finetune.lightning.base import Batch, NxdModuleBase
 from nxd_finetune.lightning.strategy import NxdStrategy
 from nxd_finetune.loss import LogitScores, shift_labels
-from nxd_finetune.objective import Objective, TokenBatch
+from nxd_finetune.objective import Objective, TokenBatch, maxed_entries
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.state import ParallelState
 from nxd_finetune.parallel.zero1 import Hyperparameter
@@ -141,7 +141,7 @@ class NxdModelModule(NxdModuleBase):
         shard) / ``n_targets``, backpropagated with ``backward``; returns their detached sum and the
         objective's metric sums (None when it has none)."""
         return backward_micro_batches(micro_batches, n_targets, functools.partial(self._loss, objective),
-                                      backward or self.manual_backward, objective.train_max)
+                                      backward or self.manual_backward, maxed_entries(objective))
 
     def _loss(self, objective: Objective, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``objective``'s summed loss and metric sums of a micro-batch on this rank's logits."""

@@ -30,7 +30,7 @@ def dp_sum(t: torch.Tensor, state: ParallelState, maxed: int = 0) -> torch.Tenso
     """``t`` summed over ``state``'s data-parallel group, as a new tensor (``t`` itself at dp == 1;
     no autograd): the step's counts and logged losses of the trainer and the Lightning modules.
     ``maxed``: the last entries of a 1-d ``t`` taken as the maximum over the group instead (an
-    objective's :attr:`~nxd_finetune.objective.Objective.train_max` metrics)."""
+    objective's :func:`~nxd_finetune.objective.maxed_entries` metrics)."""
     if state.size("dp") == 1:
         return t
     out = t.detach().clone()

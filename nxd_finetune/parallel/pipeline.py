@@ -65,7 +65,7 @@ from torch import nn
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
 from nxd_finetune.models.llama import DecoderForCausalLM
-from nxd_finetune.objective import SFT, Objective, SideData, add_stats
+from nxd_finetune.objective import SFT, Objective, SideData, add_stats, maxed_entries
 from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
@@ -409,7 +409,7 @@ class PipelineRunner:
         if objective.train_width:  # the objective's step metrics, computed on the last stage, for every rank
             mine = None
             for i in sorted(call.stats) if last else ():
-                mine = add_stats(mine, call.stats[i], objective.train_max)
+                mine = add_stats(mine, call.stats[i], maxed_entries(objective))
             stats = self._from_last(mine, (objective.train_width,))
         self.sync_tied_grads()
         return loss, stats

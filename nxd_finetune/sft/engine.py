@@ -48,7 +48,7 @@ from nxd_finetune.lora.quantized import (
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
-from nxd_finetune.objective import Objective, SideData, TokenBatch
+from nxd_finetune.objective import Objective, SideData, TokenBatch, maxed_entries
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
 from nxd_finetune.parallel.parallelize import (
@@ -228,7 +228,7 @@ class Engine:
             loss = (functools.partial(self._loss_with_aux, objective=objective, n_targets=n_targets) if aux
                     else lambda batch: objective.loss(*self.scores_and_side(batch, objective)))
             return backward_micro_batches(micro_batches, n_targets, loss, backward or torch.Tensor.backward,
-                                          objective.train_max)
+                                          maxed_entries(objective))
 
     def _loss_with_aux(self, batch: Batch, objective: Objective,
                        n_targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

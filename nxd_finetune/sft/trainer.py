@@ -35,7 +35,7 @@ from nxd_finetune.export import ExportSpec, export_model
 from nxd_finetune.lora.quantized import parameter_elements, quantization_metadata
 from nxd_finetune.metrics import MetricsWriter, Progress
 from nxd_finetune.models import DecoderConfig, resolve_dtype
-from nxd_finetune.objective import Objective, add_stats
+from nxd_finetune.objective import Objective, add_stats, maxed_entries
 from nxd_finetune.objectives import objective_record, run_reference, section_of
 from nxd_finetune.parallel.clip import counts_on_rank, norm_axes
 from nxd_finetune.parallel.launch import in_launched_env, launch
@@ -143,7 +143,7 @@ def train(
             micro_batches, n_input = source.next_step(engine, state.step + 1)
             micro_batches = [{k: v.to(engine.device) for k, v in b.items()} for b in micro_batches]
             result = train_step(engine, micro_batches, n_input, objective=objective)
-            sums = add_stats(sums, result.stats, objective.train_max)
+            sums = add_stats(sums, result.stats, maxed_entries(objective))
             state.step += 1
             # every step's loss reaches the host (checked), as its counts already do: no extra sync
             values: dict[str, torch.Tensor | float | None] = {
@@ -151,7 +151,7 @@ def train(
             logging = state.step % log_every == 0 or state.step == total_steps
             if logging:
                 # summed since the last logging step: the record's metrics cover the whole window
-                values["objective"] = None if sums is None else engine.dp_sum(sums, objective.train_max)
+                values["objective"] = None if sums is None else engine.dp_sum(sums, maxed_entries(objective))
                 sums = None
                 aux = engine.take_aux_loss()
                 if aux is not None:
