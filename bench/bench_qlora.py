@@ -46,15 +46,19 @@ from bench.bench_scale import SHAPE_1B, SHAPE_QUICK, build_model  # noqa: E402
 RESULTS = BENCH / "results"
 DATA = BENCH / "data" / "sft.jsonl"
 GiB = 2**30
-ROWS = (("nxd", "bf16"), ("nxd", "nf4"), ("hf", "bf16"), ("hf", "nf4"))
-LABELS = {("nxd", "bf16"): "nxd bf16 LoRA", ("nxd", "nf4"): "nxd NF4 QLoRA", ("hf", "bf16"): "HF+peft bf16 LoRA",
+ROWS = (("nxd", "bf16"), ("nxd", "nf4"), ("nxd", "nf4-emb"), ("hf", "bf16"), ("hf", "nf4"))
+LABELS = {("nxd", "bf16"): "nxd bf16 LoRA", ("nxd", "nf4"): "nxd NF4 QLoRA",
+          ("nxd", "nf4-emb"): "nxd NF4 QLoRA, 4-bit embedding", ("hf", "bf16"): "HF+peft bf16 LoRA",
           ("hf", "nf4"): "HF+peft+bnb QLoRA"}
 QUANT = {"method": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}
+QUANTS: dict[str, dict[str, Any] | None] = {"bf16": None, "nf4": QUANT, "nf4-emb": {**QUANT, "embeddings": True}}
+"""``model.quantization`` of each nxd row (``nf4-emb``: the tied embedding in 4 bits too)."""
 
 
-def recipe_dict(model: Path, quant: bool, seq: int, steps: int) -> dict[str, Any]:
+def recipe_dict(model: Path, base: str, seq: int, steps: int) -> dict[str, Any]:
+    quant = QUANTS[base]
     return {
-        "model": {"path": str(model), "dtype": "bf16", **({"quantization": dict(QUANT)} if quant else {})},
+        "model": {"path": str(model), "dtype": "bf16", **({"quantization": dict(quant)} if quant else {})},
         "data": {"train": str(DATA), "format": "messages", "max_seq_len": seq},
         "lora": {"rank": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
         "training": {"micro_batch_size": 1, "grad_accum": 1, "max_steps": steps, "lr": 1e-4, "warmup_steps": 0,
@@ -99,7 +103,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         from nxd_finetune.recipe import recipe_from_dict
         from nxd_finetune.sft.engine import build_engine
 
-        recipe = recipe_from_dict(recipe_dict(model_dir, spec["base"] == "nf4", seq, steps))
+        recipe = recipe_from_dict(recipe_dict(model_dir, spec["base"], seq, steps))
         engine = build_engine(recipe, model_dir, torch.device("cpu"), total_steps=steps)
         model = engine.modules[0]
         batch, n_targets, objective = {"input_ids": ids, "labels": ids}, torch.tensor(seq - 1), CrossEntropy()
@@ -144,11 +148,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "step_s": step_s, "step_times": times, "tokens_per_s": seq / step_s, "losses": losses}
 
 
-def _estimate(model: Path, quant: bool, seq: int, steps: int) -> dict[str, float]:
+def _estimate(model: Path, base: str, seq: int, steps: int) -> dict[str, float]:
     from nxd_finetune.preflight.report import run_checks
     from nxd_finetune.recipe import recipe_from_dict
 
-    memory = run_checks(recipe_from_dict(recipe_dict(model, quant, seq, steps))).memory
+    memory = run_checks(recipe_from_dict(recipe_dict(model, base, seq, steps))).memory
     return {"weights": memory["weights"], "total": sum(memory.values())}
 
 
@@ -168,14 +172,21 @@ def render(results: dict[str, Any]) -> str:
         lines.append(f"| {LABELS[key]} | {r['base_bytes'] / GiB:.2f} GiB | {r['load_peak_bytes'] / GiB:.2f} GiB | "
                      f"{r['train_peak_bytes'] / GiB:.2f} GiB | {est_s} | {r['step_s']:.2f} s | "
                      f"{r['tokens_per_s']:.1f} |")
-    ours_b, ours_q, hf_q = rows.get(("nxd", "bf16")), rows.get(("nxd", "nf4")), rows.get(("hf", "nf4"))
-    if ours_b and ours_q:
-        lines += ["", f"- base memory NF4 / bf16: {ours_q['base_bytes'] / ours_b['base_bytes']:.2f}x (goal <= 0.3x)",
-                  f"- peak training memory NF4 QLoRA / bf16 LoRA: "
-                  f"{ours_q['train_peak_bytes'] / ours_b['train_peak_bytes']:.2f}x (goal <= 0.5x)"]
+    ours_b, hf_q = rows.get(("nxd", "bf16")), rows.get(("hf", "nf4"))
+    q_key = ("nxd", "nf4-emb") if ("nxd", "nf4-emb") in rows else ("nxd", "nf4")
+    ours_q = rows.get(q_key)
+    if ours_b:
+        lines.append("")
+    for key in (("nxd", "nf4"), ("nxd", "nf4-emb")):
+        q = rows.get(key)
+        if ours_b and q:
+            lines += [f"- base memory {LABELS[key]} / bf16: {q['base_bytes'] / ours_b['base_bytes']:.2f}x "
+                      "(goal <= 0.3x)",
+                      f"- peak training memory {LABELS[key]} / bf16 LoRA: "
+                      f"{q['train_peak_bytes'] / ours_b['train_peak_bytes']:.2f}x (goal <= 0.5x)"]
     if ours_q and hf_q:
-        lines.append(f"- tokens/s nxd QLoRA / HF+peft+bnb QLoRA: {ours_q['tokens_per_s'] / hf_q['tokens_per_s']:.2f}x "
-                     "(goal >= 1x)")
+        lines.append(f"- tokens/s {LABELS[q_key]} / HF+peft+bnb QLoRA: "
+                     f"{ours_q['tokens_per_s'] / hf_q['tokens_per_s']:.2f}x (goal >= 1x)")
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +197,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--note", default="")
+    ap.add_argument("--rows", default=",".join(f"{f}:{b}" for f, b in ROWS),
+                    help="the rows to run, framework:base, comma-separated (default: all)")
+    ap.add_argument("--out", default=None, help="results file stem under bench/results (default: qlora[_quick])")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -200,7 +214,8 @@ def main() -> None:
     results: dict[str, Any] = {"shape": name, "cpu": report.cpu_model(), "machine": platform.machine(),
                                "threads": args.threads, "seq": args.seq, "steps": args.steps, "note": args.note,
                                "rows": []}
-    for framework, base in ROWS:
+    chosen = [tuple(r.split(":", 1)) for r in args.rows.split(",")]
+    for framework, base in (key for key in ROWS if key in chosen):
         spec = {"framework": framework, "base": base, "model": str(model), "seq": args.seq, "steps": args.steps,
                 "threads": args.threads}
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -210,11 +225,11 @@ def main() -> None:
             raise SystemExit(f"worker failed: {spec}\n{proc.stderr[-4000:]}")
         row = {**spec, **json.loads(line[len("RESULT "):]), "other_cores": round(usage["other_cores"], 2)}
         if framework == "nxd":
-            row["estimate"] = _estimate(model, base == "nf4", args.seq, args.steps)
+            row["estimate"] = _estimate(model, base, args.seq, args.steps)
         results["rows"].append(row)
         print(f"{LABELS[(framework, base)]}: base {row['base_bytes'] / GiB:.2f} GiB, train peak "
               f"{row['train_peak_bytes'] / GiB:.2f} GiB, step {row['step_s']:.2f} s", flush=True)
-    out = RESULTS / ("qlora_quick" if args.quick else "qlora")
+    out = RESULTS / (args.out or ("qlora_quick" if args.quick else "qlora"))
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     out.with_suffix(".md").write_text(render(results))
     print(render(results))

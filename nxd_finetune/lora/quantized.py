@@ -45,6 +45,8 @@ INT8_THRESHOLD = 6.0
 """LLM.int8()'s outlier threshold: ``BitsAndBytesConfig``'s ``llm_int8_threshold`` default."""
 KEPT_IN_FULL_PRECISION = ("lm_head",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SETTINGS = ("double_quant", "compute_dtype", "block_size", "embeddings")
+"""``model.quantization``'s settings beside ``method``, as adapter metadata records them."""
 METADATA_KEY = "nxd_base_quantization"
 """The adapter's safetensors metadata key (where peft does not look) holding the quantization it
 was trained on, as JSON (:meth:`QuantSpec.to_json`)."""
@@ -61,10 +63,13 @@ class QuantSpec:
     double_quant: bool = False
     compute_dtype: str = "float32"
     block_size: int = 64
+    embeddings: bool = False
+    """The input embedding and output layer in 4 bits too (:mod:`.quantized_embedding`)."""
 
     @classmethod
     def from_section(cls, section: QuantizationSection) -> QuantSpec:
-        return cls(section.method, section.double_quant, section.compute_dtype, section.block_size)
+        return cls(section.method, section.double_quant, section.compute_dtype, section.block_size,
+                   section.embeddings)
 
     @classmethod
     def from_json(cls, recorded: JsonObject, source: str) -> QuantSpec:
@@ -90,6 +95,8 @@ class QuantSpec:
         out: JsonObject = {"method": self.method, "library": "bitsandbytes", "version": str(bnb.__version__)}
         if self.four_bit:
             out.update(double_quant=self.double_quant, compute_dtype=self.compute_dtype, block_size=self.block_size)
+        if self.embeddings:
+            out["embeddings"] = True
         return out
 
     def bnb_config(self) -> JsonObject:
@@ -123,13 +130,12 @@ def trained_quantization(adapter_dir: str | Path) -> JsonObject | None:
 def recorded_section(recorded: JsonObject) -> JsonObject:
     """The ``model.quantization`` section of an adapter's recorded settings (the library and its
     version left out)."""
-    return {k: v for k, v in recorded.items() if k in ("method", "double_quant", "compute_dtype", "block_size")}
+    return {k: v for k, v in recorded.items() if k in ("method", *SETTINGS)}
 
 
 def describe(recorded: JsonObject) -> str:
     """``nf4 (double_quant true, compute_dtype bfloat16, block_size 64; bitsandbytes 0.50.2)``."""
-    settings = ", ".join(f"{k} {json.dumps(recorded[k])}" for k in ("double_quant", "compute_dtype", "block_size")
-                         if k in recorded)
+    settings = ", ".join(f"{k} {json.dumps(recorded[k])}" for k in SETTINGS if k in recorded)
     library = f"{recorded.get('library', 'bitsandbytes')} {recorded.get('version', '')}".strip()
     return f"{recorded.get('method')} ({settings + '; ' if settings else ''}{library})"
 

@@ -286,10 +286,14 @@ class VocabParallelEmbedding(nn.Module):
                 layer.weight.copy_(shard_tensor(emb.weight, layer.placements["weight"]))
         return layer
 
+    def lookup(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``local`` (ids within its range)."""
+        return F.embedding(local, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        out = self.lookup(local).masked_fill(outside[..., None], 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.group)
         return reduce_from_tp_(out, self.group)  # out: masked_fill's own output

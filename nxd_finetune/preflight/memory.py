@@ -63,7 +63,8 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
       the embedding, the last the output layer, a copy of the embedding when they are tied).
       With ``model.quantization`` the decoder layers' linear weights count at bitsandbytes'
       storage instead (:func:`quantized_bytes_per_element`); embeddings, norms, biases and
-      ``lm_head`` stay in the load dtype.
+      ``lm_head`` stay in the load dtype (the embedding and ``lm_head`` quantized too with
+      ``model.quantization.embeddings``).
     - ``gradients``: one per trainable parameter in its dtype, ``/ (tp * pp)``.
       A mixture-of-experts model's expert tensors are whole on every tp rank and split over
       ``ep``: their weights, gradients and states count ``/ (pp * ep)`` (ZeRO-1: ``/ (dp / ep)``).
@@ -124,13 +125,16 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
     train_bytes = 2 if pure_bf16 else 4
     shard = t * pp
     frozen = total - trainable
-    quantized = quantized_elements(config) if recipe.model.quantization is not None else 0
+    quant = recipe.model.quantization
+    quantized = quantized_elements(config, quant.embeddings) if quant is not None else 0
     frozen_bytes = (frozen - quantized) * m + quantized * quantized_bytes_per_element(recipe)
     weights = (frozen_bytes + trainable * train_bytes) / shard
     if pp > 1:  # the embedding (first stage) and the output layer (last stage; a copy when tied)
         vocab_params = config.vocab_size * config.hidden_size
         n_vocab = vocab_params * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-        weights += (vocab_params - n_vocab / pp) * (m if recipe.lora is not None else train_bytes) / t
+        vocab_bytes = (quantized_bytes_per_element(recipe) if quant is not None and quant.embeddings
+                       else m if recipe.lora is not None else train_bytes)
+        weights += (vocab_params - n_vocab / pp) * vocab_bytes / t
     if c == 2 and train_bytes == 4:
         weights += trainable * 2 / shard  # autocast's cached bf16 copies
     grads = trainable * train_bytes / shard
@@ -186,12 +190,14 @@ def estimate_memory(recipe: Recipe, config: DecoderConfig, total: int, trainable
     return parts
 
 
-def quantized_elements(config: DecoderConfig) -> int:
+def quantized_elements(config: DecoderConfig, embeddings: bool = False) -> int:
     """Weight elements ``model.quantization`` quantizes: the decoder layers' linear weights (q, k,
-    v, o and the gated MLP's three; ``lm_head`` is kept in full precision)."""
+    v, o and the gated MLP's three); with ``embeddings`` (``model.quantization.embeddings``) the
+    input embedding and ``lm_head`` too (one matrix when tied), else they stay in full precision."""
     h, f, hd = config.hidden_size, config.intermediate_size, _head_dim(config)
     q, kv = config.num_attention_heads * hd, (config.num_key_value_heads or config.num_attention_heads) * hd
-    return config.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * f)
+    vocab = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return config.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * f) + (vocab if embeddings else 0)
 
 
 def quantized_bytes_per_element(recipe: Recipe) -> float:

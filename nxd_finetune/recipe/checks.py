@@ -36,7 +36,8 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
       write a checkpoint without its vision tower;
     - ``parallel.ep`` > 1 needs a mixture-of-experts model (``config.num_experts``) whose expert
       count it divides; such a model trains on every layout but sequence parallel (its router and
-      experts see whole rows), and its base is not quantized (``model.quantization``).
+      experts see whole rows), and its base is not quantized (``model.quantization``);
+    - ``model.quantization.embeddings`` needs a hidden size that its ``block_size`` divides;
     Raises RecipeError with the numbers.
     """
     experts = getattr(config, "num_experts", 0)
@@ -52,6 +53,12 @@ def check_against_model(recipe: Recipe, config: ModelShape) -> None:
     if experts and recipe.model.quantization is not None:
         raise RecipeError(f"model.quantization on a mixture-of-experts model ({experts} experts) is not supported: "
                           "bitsandbytes quantizes linear layers, not the fused expert tensors; remove it")
+    quant = recipe.model.quantization
+    hidden = getattr(config, "hidden_size", 0)
+    if quant is not None and quant.embeddings and hidden % quant.block_size:
+        raise RecipeError(f"model.quantization.embeddings: the hidden size {hidden} does not divide by "
+                          f"block_size {quant.block_size} (an embedding row must be whole blocks); use a block_size "
+                          "that divides it")
     if getattr(config, "multimodal", False):
         what = ("full fine-tuning" if recipe.lora is None else
                 "checkpoint.save_mode=merged" if recipe.checkpoint.save_mode == "merged" else None)

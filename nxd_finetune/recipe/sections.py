@@ -42,12 +42,15 @@ class QuantizationSection(_Section):
     """``model.quantization``: a frozen base quantized by bitsandbytes under LoRA (QLoRA), in
     bitsandbytes' and peft's names: ``method`` nf4 / fp4 (4-bit) or int8 (LLM.int8()); for 4-bit
     ``double_quant`` (``bnb_4bit_use_double_quant``), ``compute_dtype`` (``bnb_4bit_compute_dtype``)
-    and ``block_size`` (transformers' loader always uses 64). Defaults: ``BitsAndBytesConfig``'s."""
+    and ``block_size`` (transformers' loader always uses 64). Defaults: ``BitsAndBytesConfig``'s.
+    ``embeddings``: the input embedding and output layer (tied or not) in 4 bits too (transformers
+    keeps them in ``model.dtype``); nf4 / fp4 only, not with LoRA or ``modules_to_save`` on them."""
 
     method: Literal["nf4", "fp4", "int8"]
     double_quant: bool = False
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     block_size: Literal[32, 64, 128, 256, 512, 1024, 2048, 4096] = 64
+    embeddings: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> QuantizationSection:
@@ -57,6 +60,8 @@ class QuantizationSection(_Section):
         if self.method == "int8" and four_bit_only:
             raise ValueError(f"model.quantization.{four_bit_only[0]} applies to the 4-bit methods (nf4, fp4); "
                              "int8 quantizes each weight row and computes in the input's dtype")
+        if self.method == "int8" and self.embeddings:
+            raise ValueError("model.quantization.embeddings needs a 4-bit method (nf4 or fp4), not int8")
         return self
 
 
@@ -421,6 +426,14 @@ class Recipe(_Section):
         if quant is not None and quant.method == "int8" and self.lora is not None and self.lora.use_dora:
             raise ValueError("lora.use_dora with model.quantization.method=int8 is not supported (peft's DoRA does "
                              "not train on an 8-bit base); use nf4 or fp4")
+        if quant is not None and quant.embeddings and self.lora is not None:
+            named = [*self.lora.modules_to_save, *([] if isinstance(self.lora.target_modules, str)
+                                                   else self.lora.target_modules)]
+            adapted = [n for n in named if n.split(".")[-1] in ("embed_tokens", "lm_head")]
+            if adapted:
+                raise ValueError(f"lora on {adapted[0]} with model.quantization.embeddings is not supported: the "
+                                 "quantized embedding and output layer are frozen; leave it out or set embeddings "
+                                 "false")
         wrong = check_objective(self.objective, {"preference": self.preference, "rl": self.rl}, self.data.format,
                                 self.lora.init_from if self.lora else None, full=self.lora is None)
         if wrong:

@@ -266,6 +266,7 @@ def _quantize_as_trained(model: PreTrainedModel, recorded: JsonObject, adapter_d
     (``recorded``: its metadata) with the training side's :func:`quantize_base`: every linear but
     ``lm_head`` and those the adapter trains whole (``modules_to_save``), which stay as loaded."""
     from nxd_finetune.lora.quantized import INSTALL_HINT, QuantSpec, quantize_base, require_bitsandbytes
+    from nxd_finetune.lora.quantized_embedding import quantize_embeddings
 
     spec = QuantSpec.from_json(recorded, str(adapter_dir))
     try:
@@ -279,6 +280,7 @@ def _quantize_as_trained(model: PreTrainedModel, recorded: JsonObject, adapter_d
         if name.split(".")[-1] in saved:
             module.requires_grad_(True)  # quantize_base leaves trainable weights as they are
     quantize_base(model, spec, device)
+    quantize_embeddings(model, spec, device)  # recorded embeddings: true: the embedding and head in 4 bits too
     model.requires_grad_(False)
 
 

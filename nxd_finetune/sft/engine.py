@@ -45,6 +45,7 @@ from nxd_finetune.lora.quantized import (
     quantize_on_load,
     require_bitsandbytes,
 )
+from nxd_finetune.lora.quantized_embedding import quantize_embeddings
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
@@ -334,6 +335,7 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
         if spec is not None:  # what was not read from a checkpoint tensor by tensor
             for m in modules:
                 quantize_base(m, spec, device)
+                quantize_embeddings(m, spec, device)  # model.quantization.embeddings (tied: one weight)
         # lora.use_dora: m = ||W|| now that W is read (and quantized: the dequantized W's norm, as peft)
         init_dora_magnitudes(*modules)
 
