@@ -230,6 +230,37 @@ def record_router_logits(model: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
             block.recorder = None
 
 
+def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The sums :func:`load_balancing_loss` is made of, over the given layers' tokens, as one fp32
+    tensor ``[2E + 1]``: the top-k assignment counts ``T_e`` (no gradient), the router probability
+    sums ``P_e`` (with it) and the token count ``N`` (tokens x layers; ``mask`` as there). Sums of
+    disjoint sets of layers add up to the sums of their union (a pipeline's stages); no layers:
+    zeros."""
+    device = router_logits[0].device if router_logits else None
+    flat_mask = None if mask is None else mask.reshape(-1).to(device, torch.float32)
+    tokens = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs_sum = torch.zeros_like(tokens)
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for layer in router_logits:
+        probs = torch.softmax(layer, dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        weight = (torch.ones_like(chosen, dtype=torch.float32) if flat_mask is None
+                  else flat_mask.repeat_interleave(top_k))
+        tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, chosen, weight)
+        row_weight = torch.ones(probs.shape[0], device=tokens.device) if flat_mask is None else flat_mask
+        probs_sum = probs_sum + (probs.float() * row_weight.unsqueeze(-1)).sum(dim=0)
+        total = total + row_weight.sum()
+    return torch.cat([tokens, probs_sum, total])
+
+
+def balance_from_sums(sums: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' load-balancing loss ``E * sum_e (T_e / N) * (P_e / N)`` from
+    :func:`router_sums`' ``[T, P, N]`` (every layer's)."""
+    tokens, probs_sum, total = sums[:num_experts], sums[num_experts:2 * num_experts], sums[2 * num_experts]
+    return torch.sum((tokens / total) * (probs_sum / total)) * num_experts
+
+
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
                         mask: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' ``load_balancing_loss_func`` (Switch Transformer's eqs. 4-6 summed over the
@@ -244,20 +275,7 @@ def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int,
     if len(rows) != 1:
         raise NxdError(f"router logits cover different token counts per layer ({sorted(rows)}): run the forward "
                        "without logits_index")
-    flat_mask = None if mask is None else mask.reshape(-1).to(router_logits[0].device, torch.float32)
-    tokens = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    probs_sum = torch.zeros_like(tokens)
-    total = torch.zeros((), dtype=torch.float32, device=tokens.device)
-    for layer in router_logits:
-        probs = torch.softmax(layer, dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        weight = (torch.ones_like(chosen, dtype=torch.float32) if flat_mask is None
-                  else flat_mask.repeat_interleave(top_k))
-        tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, chosen, weight)
-        row_weight = torch.ones(probs.shape[0], device=tokens.device) if flat_mask is None else flat_mask
-        probs_sum = probs_sum + (probs.float() * row_weight.unsqueeze(-1)).sum(dim=0)
-        total = total + row_weight.sum()
-    return torch.sum((tokens / total) * (probs_sum / total)) * num_experts
+    return balance_from_sums(router_sums(router_logits, num_experts, top_k, mask), num_experts)
 
 
 def router_aux_loss(model: nn.Module, logits: dict[int, torch.Tensor],
