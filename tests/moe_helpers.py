@@ -12,13 +12,21 @@ import pytest
 import torch
 from transformers import MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
-from nxd_finetune.recipe import load_recipe
+from nxd_finetune.recipe import Recipe, load_recipe
 
 # conftest's TINY sizes
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 96, "vocab_size": 128, "max_position_embeddings": 256}
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
 MOE_FAMILIES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+STEPS = 4
+# the layout tests' recipe (:func:`moe_recipe`): STEPS optimizer steps, fp32-exact settings
+BASE = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.eps=1e-5",
+        "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null",
+        "checkpoint.every_n_steps=null"]
+MODES = {"lora": ["lora.dropout=0", "lora.target_modules=[q_proj,o_proj]",
+                  "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"],
+         "sft": ["lora=null", "training.lr=5e-4"]}
 
 
 def tiny_moe_config(family: str = "qwen3_moe", **overrides: object) -> PretrainedConfig:
@@ -63,6 +71,31 @@ def moe_with_tokenizer(quickstart_cache: object, tmp_path: Path) -> Path:
         if "token" in f.name or f.name == "chat_template.jinja":
             shutil.copy(f, path / f.name)
     return path
+
+
+@pytest.fixture
+def mixtral_with_aux(quickstart_cache: object, tmp_path: Path) -> Path:
+    """A tiny Mixtral (4 experts, every layer MoE) with the quickstart's tokenizer, trained with its
+    router auxiliary loss (``output_router_logits``)."""
+    from transformers import AutoTokenizer
+
+    from nxd_finetune.quickstart import ensure_tiny_model
+
+    tok_dir = ensure_tiny_model()
+    path = tmp_path / "mixtral"
+    config = tiny_moe_config("mixtral", vocab_size=len(AutoTokenizer.from_pretrained(tok_dir)),
+                             output_router_logits=True, router_aux_loss_coef=0.1)
+    build_tiny_moe(config, path)
+    for f in Path(tok_dir).iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def moe_recipe(model: Path, out: Path, nproc: int, *overrides: str) -> Recipe:
+    """The quickstart recipe on ``model`` with :data:`BASE`, ``nproc`` processes and ``overrides``."""
+    return load_recipe(QUICKSTART, [*BASE, f"model.path={model}", f"parallel.nproc={nproc}", f"output.dir={out}",
+                                    *overrides])
 
 
 def train(tmp_path: Path, model: Path, *overrides: str) -> dict[str, object]:

@@ -16,14 +16,19 @@ reduction shows in the first step's norm.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from gloo_world import run_world
 from layout_helpers import assert_same_curves, assert_same_files, assert_same_finish, run_layouts
-from moe_helpers import build_tiny_moe, moe_with_tokenizer, tiny_moe_config  # noqa: F401
+from moe_helpers import (  # noqa: F401  (fixtures)
+    MODES,
+    STEPS,
+    build_tiny_moe,
+    mixtral_with_aux,
+    moe_recipe,
+    moe_with_tokenizer,
+    tiny_moe_config,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -33,18 +38,8 @@ from nxd_finetune.parallel import Layout, ParallelState
 from nxd_finetune.parallel.experts import apply_expert_parallel, regroup_by_expert
 from nxd_finetune.parallel.launch import launch
 from nxd_finetune.parallel.plan import make_slice_reader
-from nxd_finetune.recipe import load_recipe
 from nxd_finetune.sft import trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
-STEPS = 4
-BASE = ["data.max_seq_len=64", f"training.max_steps={STEPS}", "training.warmup_steps=1", "training.eps=1e-5",
-        "logging.progress=false", "logging.every_n_steps=1", "eval.every_n_steps=null",
-        "checkpoint.every_n_steps=null"]
-MODES = {"lora": ["lora.dropout=0", "lora.target_modules=[q_proj,o_proj]",
-                  "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"],
-         "sft": ["lora=null", "training.lr=5e-4"]}
 REFERENCE = ["training.micro_batch_size=2", "training.grad_accum=2"]
 LAYOUTS = {  # world size -> layouts; every one sees 4 rows per optimizer step (micro x accum x dp)
     2: {"ep2": ["parallel.ep=2", "training.micro_batch_size=2", "training.grad_accum=1",
@@ -58,22 +53,17 @@ LAYOUTS = {  # world size -> layouts; every one sees 4 rows per optimizer step (
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")
 
 
-def _recipe(model: Path, out: Path, nproc: int, *overrides: str):
-    return load_recipe(QUICKSTART, [*BASE, f"model.path={model}", f"parallel.nproc={nproc}", f"output.dir={out}",
-                                    *overrides])
-
-
 @pytest.mark.slow  # worlds of 2 and 4 gloo processes
 def test_expert_parallel_layouts_reproduce_one_process(quickstart_cache, moe_with_tokenizer, tmp_path):  # noqa: F811
     model = moe_with_tokenizer
-    refs = {mode: trainer.run(_recipe(model, tmp_path / "ref" / mode, 1, *REFERENCE, *extra))
+    refs = {mode: trainer.run(moe_recipe(model, tmp_path / "ref" / mode, 1, *REFERENCE, *extra))
             for mode, extra in MODES.items()}
     for world, layouts in LAYOUTS.items():
         names, dicts = [], []
         for mode, extra in MODES.items():
             for layout, overrides in layouts.items():
                 names.append(f"{mode}/{layout}")
-                dicts.append(_recipe(model, tmp_path / mode / layout, world, *overrides, *extra).to_dict())
+                dicts.append(moe_recipe(model, tmp_path / mode / layout, world, *overrides, *extra).to_dict())
         results = launch(run_layouts, world, dicts, start_method="fork")
         for name, got in zip(names, results[0], strict=True):
             assert got is not None and got["parallel"]["nproc"] == world and got["parallel"]["ep"] == 2, name
@@ -89,43 +79,24 @@ def test_expert_parallel_layouts_reproduce_one_process(quickstart_cache, moe_wit
                     shapes.update((k, st.get_slice(k).get_shape()) for k in st.keys()
                                   if k.startswith("param/") and "experts.gate_up_proj" in k)
             assert shapes and all(s[0] == 6 for s in shapes.values()), shapes  # both ranks' 3 experts, gathered
-        resumed = trainer.run(_recipe(model, tmp_path / "resumed" / mode, 1, *REFERENCE, *extra,
+        resumed = trainer.run(moe_recipe(model, tmp_path / "resumed" / mode, 1, *REFERENCE, *extra,
                                       f"checkpoint.resume={step2}"))
         assert str(resumed["resumed_from"]).endswith("step-00000002"), mode
         assert_same_finish(f"{mode}/ep2 resumed at ep1", resumed, refs[mode])
 
 
-@pytest.fixture
-def mixtral_with_aux(quickstart_cache: object, tmp_path: Path) -> Path:
-    """A tiny Mixtral (4 experts, every layer MoE) with the quickstart's tokenizer, trained with its
-    router auxiliary loss (``output_router_logits``)."""
-    from transformers import AutoTokenizer
-
-    from nxd_finetune.quickstart import ensure_tiny_model
-
-    tok_dir = ensure_tiny_model()
-    path = tmp_path / "mixtral"
-    config = tiny_moe_config("mixtral", vocab_size=len(AutoTokenizer.from_pretrained(tok_dir)),
-                             output_router_logits=True, router_aux_loss_coef=0.1)
-    build_tiny_moe(config, path)
-    for f in Path(tok_dir).iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, path / f.name)
-    return path
-
-
 @pytest.mark.slow  # a world of 2 gloo processes
-def test_expert_parallel_mixtral_with_aux_loss(mixtral_with_aux, tmp_path):
+def test_expert_parallel_mixtral_with_aux_loss(mixtral_with_aux, tmp_path):  # noqa: F811
     """Mixtral's block (fp32 router weights) at ep2 with the router auxiliary loss in the objective.
     The auxiliary loss is a micro-batch's (not a sum over its tokens), so micro-batches are single
     rows here: each is the same micro-batch on every layout, weighted by its share of the step."""
     model = mixtral_with_aux
     single = ["training.micro_batch_size=1"]
-    refs = {mode: trainer.run(_recipe(model, tmp_path / "ref" / mode, 1, *single, "training.grad_accum=4", *extra))
+    refs = {mode: trainer.run(moe_recipe(model, tmp_path / "ref" / mode, 1, *single, "training.grad_accum=4", *extra))
             for mode, extra in MODES.items()}
     ep2 = ["parallel.ep=2", *single, "training.grad_accum=2"]
     names = [f"mixtral/{mode}/ep2" for mode in MODES]
-    dicts = [_recipe(model, tmp_path / mode / "ep2", 2, *ep2, *extra).to_dict() for mode, extra in MODES.items()]
+    dicts = [moe_recipe(model, tmp_path / mode / "ep2", 2, *ep2, *extra).to_dict() for mode, extra in MODES.items()]
     results = launch(run_layouts, 2, dicts, start_method="fork")
     for name, got in zip(names, results[0], strict=True):
         ref = refs[name.split("/")[1]]
@@ -136,10 +107,10 @@ def test_expert_parallel_mixtral_with_aux_loss(mixtral_with_aux, tmp_path):
         assert_same_files(name, got, ref)
 
 
-def test_aux_loss_reaches_the_router_through_recomputed_layers(mixtral_with_aux, tmp_path):
+def test_aux_loss_reaches_the_router_through_recomputed_layers(mixtral_with_aux, tmp_path):  # noqa: F811
     """One process: with every layer recomputed in backward the router auxiliary loss trains as
     without (the checkpointed layers record the graph its router logits need)."""
-    runs = [trainer.run(_recipe(mixtral_with_aux, tmp_path / rc, 1, "training.micro_batch_size=1",
+    runs = [trainer.run(moe_recipe(mixtral_with_aux, tmp_path / rc, 1, "training.micro_batch_size=1",
                                 "training.grad_accum=4", *MODES["lora"], f"parallel.activation_checkpointing={rc}"))
             for rc in ("none", "full")]
     assert_same_curves("recomputed", runs[1], runs[0], STEPS)
