@@ -119,3 +119,17 @@ def _same(name: str, got: dict, ref: dict) -> None:
     for k in tb:
         diff = (ta[k] - tb[k]).abs().max().item()
         assert diff <= 2e-5, (name, k, diff)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes a (quantized) model holds: its parameters' data plus bitsandbytes' block scales
+    (4-bit ``quant_state`` absmax, double quantization's second level) and LLM.int8()'s ``SCB``."""
+    held = 0
+    for p in model.parameters():
+        held += p.data.nbytes
+        state = getattr(p, "quant_state", None)
+        for t in (state.absmax, getattr(state.state2, "absmax", None)) if state is not None else ():
+            held += t.nbytes if t is not None else 0
+        scales = getattr(p, "SCB", None)
+        held += scales.nbytes if scales is not None else 0
+    return held

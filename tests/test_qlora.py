@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from cli_run import run_cli
-from qlora_helpers import FAST, QUICKSTART, ROOT, SPECS, hf_quantized
+from qlora_helpers import FAST, QUICKSTART, ROOT, SPECS, held_bytes, hf_quantized
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -255,14 +255,7 @@ def test_validate_estimates_the_quantized_base_as_held(quickstart_cache, method)
     model = load_pretrained(Path(resolve_model_path("builtin:tiny-llama")))
     inject_lora(model, LoraConfig.from_section(recipe.lora))
     quantize_base(model, spec, torch.device("cpu"))
-    held = 0
-    for p in model.parameters():
-        held += p.data.nbytes
-        state = getattr(p, "quant_state", None)
-        for t in (state.absmax, getattr(state.state2, "absmax", None)) if state is not None else ():
-            held += t.nbytes if t is not None else 0
-        scales = getattr(p, "SCB", None)
-        held += scales.nbytes if scales is not None else 0
+    held = held_bytes(model)
     assert estimate == pytest.approx(held, rel=0.01), (estimate, held)
     assert estimate < 0.6 * plain
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from qlora_helpers import _curve, _same, recipe
+from qlora_helpers import _curve, _same, held_bytes, recipe
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -191,12 +191,7 @@ def test_validate_counts_the_quantized_embedding_as_held(tied):
     spec = QuantSpec.from_section(r.model.quantization)
     quantize_base(model, spec, CPU)
     qe.quantize_embeddings(model, spec, CPU)
-    held = 0
-    for p in model.parameters():
-        held += p.data.nbytes
-        state = getattr(p, "quant_state", None)
-        for t in (state.absmax, getattr(state.state2, "absmax", None)) if state is not None else ():
-            held += t.nbytes if t is not None else 0
+    held = held_bytes(model)
     assert estimate == pytest.approx(held, rel=0.01), (estimate, held)
     assert estimate < 0.8 * without
 
