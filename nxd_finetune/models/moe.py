@@ -49,13 +49,15 @@ class Exchange(Protocol):
 
 def _grouped_proj(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, lora: LowRank | None) -> torch.Tensor:
     """``x`` (rows grouped by expert) through each group's expert ``weight [E, out, in]``, plus the
-    group's LoRA ``scaling * (x A_e^T) B_e^T`` in the factors' dtype (scaling on the r-wide part)."""
+    group's LoRA ``scaling * (x A_e^T) B_e^T`` in the factors' dtype (scaling on the r-wide part),
+    added in place into the base product (its backward does not keep it: one ``[N, out]`` tensor and
+    pass less per projection, the same numbers)."""
     y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     if lora is None:
         return y
     a, b, scaling = lora
     low = torch._grouped_mm(x.to(a.dtype), a.transpose(1, 2), offs=offsets) * scaling
-    return y + torch._grouped_mm(low, b.transpose(1, 2), offs=offsets).to(y.dtype)
+    return y.add_(torch._grouped_mm(low, b.transpose(1, 2), offs=offsets).to(y.dtype))
 
 
 def _expert_proj(x: torch.Tensor, weight: torch.Tensor, expert: int, lora: LowRank | None) -> torch.Tensor:
