@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout_helpers import run_layouts
 from transformers import MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
+from nxd_finetune.parallel.launch import launch
 from nxd_finetune.recipe import Recipe, load_recipe
 
 # conftest's TINY sizes
@@ -96,6 +98,20 @@ def moe_recipe(model: Path, out: Path, nproc: int, *overrides: str) -> Recipe:
     """The quickstart recipe on ``model`` with :data:`BASE`, ``nproc`` processes and ``overrides``."""
     return load_recipe(QUICKSTART, [*BASE, f"model.path={model}", f"parallel.nproc={nproc}", f"output.dir={out}",
                                     *overrides])
+
+
+def launch_layouts(model: Path, out: Path, world: int, layouts: dict[str, list[str]],
+                   modes: dict[str, list[str]]) -> list[tuple[str, dict | None]]:
+    """Every mode x layout of :func:`moe_recipe` (``world`` processes, into ``out/<mode>/<layout>``,
+    the layout's overrides then the mode's) run in one gloo world of ``world`` processes: each run's
+    ``<mode>/<layout>`` name and rank 0's summary."""
+    names, dicts = [], []
+    for mode, extra in modes.items():
+        for layout, overrides in layouts.items():
+            names.append(f"{mode}/{layout}")
+            dicts.append(moe_recipe(model, out / mode / layout, world, *overrides, *extra).to_dict())
+    results = launch(run_layouts, world, dicts, start_method="fork")
+    return list(zip(names, results[0], strict=True))
 
 
 def train(tmp_path: Path, model: Path, *overrides: str) -> dict[str, object]:

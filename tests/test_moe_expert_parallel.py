@@ -24,6 +24,7 @@ from moe_helpers import (  # noqa: F401  (fixtures)
     MODES,
     STEPS,
     build_tiny_moe,
+    launch_layouts,
     mixtral_with_aux,
     moe_recipe,
     moe_with_tokenizer,
@@ -59,13 +60,7 @@ def test_expert_parallel_layouts_reproduce_one_process(quickstart_cache, moe_wit
     refs = {mode: trainer.run(moe_recipe(model, tmp_path / "ref" / mode, 1, *REFERENCE, *extra))
             for mode, extra in MODES.items()}
     for world, layouts in LAYOUTS.items():
-        names, dicts = [], []
-        for mode, extra in MODES.items():
-            for layout, overrides in layouts.items():
-                names.append(f"{mode}/{layout}")
-                dicts.append(moe_recipe(model, tmp_path / mode / layout, world, *overrides, *extra).to_dict())
-        results = launch(run_layouts, world, dicts, start_method="fork")
-        for name, got in zip(names, results[0], strict=True):
+        for name, got in launch_layouts(model, tmp_path, world, layouts, MODES):
             assert got is not None and got["parallel"]["nproc"] == world and got["parallel"]["ep"] == 2, name
             assert_same_curves(name, got, refs[name.split("/")[0]], STEPS)
             assert_same_files(name, got, refs[name.split("/")[0]])
