@@ -4,6 +4,7 @@ against tiny stand-in checkpoints of the same architectures, ``run`` delegating 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -113,6 +114,35 @@ def test_training_imports_no_pipeline_runtime():
             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.pipelining')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_tokenizer_and_model_build_stay_light(quickstart_cache):
+    """Loading a local model's tokenizer and building the model on the meta device import neither
+    the model family's transformers config module (it pulls the DTensor stack, sympy and accelerate)
+    nor ``torch._dynamo`` (meta ``normal_``; a training run's optimizer still imports it, ``generate``
+    need not): ~60 and ~70 MB resident; the tokenizer is the one ``AutoTokenizer`` loads by itself
+    (issue 44 item 9)."""
+    code = ("import sys, torch\n"
+            "from types import SimpleNamespace\n"
+            "from transformers import AutoTokenizer\n"
+            "from nxd_finetune.data.inputs import load_tokenizer, resolve_model_dir\n"
+            "from nxd_finetune.models.config import DecoderConfig\n"
+            "from nxd_finetune.models.loading import build_model\n"
+            "d = resolve_model_dir('builtin:tiny-llama')\n"
+            "tok = load_tokenizer(SimpleNamespace(model=SimpleNamespace(tokenizer=None, revision=None)), d)\n"
+            "build_model(DecoderConfig.from_hf(d))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('accelerate', 'sympy') or "
+            "m.startswith(('torch._dynamo', 'torch.distributed.tensor', 'transformers.models.llama'))))\n"
+            "ref = AutoTokenizer.from_pretrained(d)\n"
+            "chat = [{'role': 'user', 'content': 'What is 2 + 2?'}]\n"
+            "same = (type(tok) is type(ref) and tok('a b c').input_ids == ref('a b c').input_ids and "
+            "tok.apply_chat_template(chat, add_generation_prompt=True) == "
+            "ref.apply_chat_template(chat, add_generation_prompt=True) and tok.eos_token_id == ref.eos_token_id "
+            "and tok.pad_token_id == (ref.pad_token_id if ref.pad_token_id is not None else ref.eos_token_id))\n"
+            "print(same)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NXD_FINETUNE_CACHE": str(quickstart_cache)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout[:1000] + out.stderr[-2000:]
 
 
 def test_run_help_says_what_run_trains(capsys):

@@ -119,6 +119,36 @@ def test_bad_prompt_rows_are_one_line(tokenizer, rows, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+def test_prompt_jsonl_read_as_datasets_reads_it_without_importing_it(tmp_path):
+    """Local ``.jsonl`` prompt data: the rows ``datasets`` gives (a column a row lacks is None),
+    read without importing ``datasets`` (pandas, pyarrow, scipy: ~110 MB a GRPO run never needs);
+    a bad line is one line naming it (issue 44 item 9)."""
+    import json
+    import subprocess
+    import sys
+
+    from nxd_finetune.data.datasets import load_rows
+
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "level": 3},
+            {"prompt": [{"role": "user", "content": "Say hi"}], "answer": None, "level": 1}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    code = ("import sys; from nxd_finetune.data.prompts import load_prompt_data\n"
+            f"print(repr(list(load_prompt_data('p.jsonl', {str(tmp_path)!r}))))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datasets', 'pandas', 'pyarrow')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ours, imported = out.stdout.splitlines()
+    assert imported == "[]", imported[:300]
+    assert eval(ours) == list(load_rows("p.jsonl", tmp_path))
+    from nxd_finetune.data.prompts import load_prompt_data
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(DataError) as err:
+        load_prompt_data(str(tmp_path / "bad.jsonl"))
+    assert str(err.value).startswith(f"cannot load dataset {str(tmp_path / 'bad.jsonl')!r}: line 2: ")
+    assert "\n" not in str(err.value)
+
+
 GRPO_RECIPE = {"model": {"path": "m"}, "data": {"train": "p.jsonl", "format": "prompt"}, "objective": "grpo",
                "lora": {},
                "rl": {"reward_funcs": ["exact_match"], "loss_type": "dr_grpo", "beta": 0.04, "epsilon_high": 0.3}}

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, load_rows, prepare_datasets
+from nxd_finetune.data.datasets import DataSpec, TokenizedDataset, cache_entry, prepare_datasets
 from nxd_finetune.data.packing import collate, make_rows, packing_stats
 from nxd_finetune.data.pairs import PairBatches, PreferencePairs
+from nxd_finetune.data.prompts import load_prompt_data
 from nxd_finetune.data.ref_store import load_ref_logps, save_ref_logps
 from nxd_finetune.data.sampler import ResumableSampler, one_pass
 from nxd_finetune.errors import DataError
@@ -207,7 +208,7 @@ def _prompt_loaders(spec: DataSpec, dp_rank: int, dp_world: int, seed: int,
     the prompts itself; the train loader here only counts them (one prompt per item)."""
     if spec.train is None:
         raise DataError("data.train is not set")
-    n = len(load_rows(spec.train, base_dir))
+    n = len(load_prompt_data(spec.train, base_dir))
     sampler = ResumableSampler(n, 1, seed=seed, shuffle=spec.shuffle, dp_rank=dp_rank, dp_world=dp_world)
     return DataLoaders(TrainLoader(sampler, lambda items: {"prompt_index": torch.tensor(list(items))}), None,
                        {"train": {"samples": n}})

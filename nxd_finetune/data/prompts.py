@@ -7,10 +7,13 @@ column of a row is kept, for the reward functions (they get it by name)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from nxd_finetune.data.datasets import load_rows, resolve_sources
 from nxd_finetune.data.formats import TemplateKwargs, normalize_messages, render_chat
 from nxd_finetune.errors import DataError
 
@@ -25,6 +28,38 @@ class PromptRow:
     prompt: PromptValue
     ids: list[int]
     columns: dict[str, object]
+
+
+def load_prompt_data(spec: str | Sequence[str], base_dir: str | Path | None = None) -> Sequence[Mapping[str, object]]:
+    """The rows of prompt data (``data.train``). Local ``.jsonl`` files are read here, as
+    ``datasets`` reads them (a column some rows lack is None in those), which keeps ``datasets``
+    and what it imports (pandas, pyarrow, scipy: ~110 MB resident) out of a GRPO run; any other
+    source through :func:`~nxd_finetune.data.datasets.load_rows`. DataError: a line that is not a
+    JSON object, sources whose columns differ."""
+    sources = resolve_sources(spec, base_dir)
+    if not sources or not all(s.lower().endswith(".jsonl") and Path(s).is_file() for s in sources):
+        return load_rows(spec, base_dir)
+    parts = [_jsonl_objects(Path(s)) for s in sources]
+    columns = [list(dict.fromkeys(key for row in part for key in row)) for part in parts]
+    if any(set(c) != set(columns[0]) for c in columns[1:]):
+        raise DataError(f"data sources {', '.join(sources)} do not share the same columns")
+    return [{key: row.get(key) for key in columns[0]} for part in parts for row in part]
+
+
+def _jsonl_objects(path: Path) -> list[dict[str, object]]:
+    rows = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"cannot load dataset {str(path)!r}: line {n}: {e}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"cannot load dataset {str(path)!r}: line {n}: not a JSON object")
+            rows.append(row)
+    return rows
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptValue, chat_template: str | None = None,

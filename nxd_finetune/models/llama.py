@@ -164,6 +164,13 @@ def compile_backend(compiled: bool | str) -> str | None:
     return "inductor" if compiled else None
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; under the meta device (shapes only, the weights loaded later)
+    without its ``normal_`` init, whose meta kernel imports ``torch._dynamo`` (~70 MB resident)."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight if weight.is_meta else None)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, layers and final norm (HF's ``model.`` prefix). Each layer gets the mask of its
     own sliding window (built once per batch and window, shared by the layers) and, with
@@ -174,7 +181,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Module | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module | None = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
         self.norm: nn.Module | None = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.attention = "auto"

@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nxd_finetune.data.datasets import load_rows
 from nxd_finetune.data.formats import load_chat_template
-from nxd_finetune.data.prompts import PromptRow, prompt_rows
+from nxd_finetune.data.prompts import PromptRow, load_prompt_data, prompt_rows
 from nxd_finetune.errors import NxdError
 from nxd_finetune.loss import IGNORE_INDEX
 from nxd_finetune.rl.metrics import generation_metrics
@@ -318,7 +317,7 @@ def grpo_source(rr: RankRun, generate: Generate | None = None) -> GRPOSource:
         raise NxdError("objective=grpo has no eval over data.eval / data.eval_fraction yet (a GRPO eval samples "
                        "completions): remove them (eval.prompts still shows sample generations)")
     template = load_chat_template(d.chat_template)
-    rows = prompt_rows(load_rows(d.train), rr.tokenizer, d.fields.get("prompt", "prompt"), template,
+    rows = prompt_rows(load_prompt_data(d.train), rr.tokenizer, d.fields.get("prompt", "prompt"), template,
                        d.chat_template_kwargs, rl.max_prompt_length)
     pad = rr.tokenizer.pad_token_id if rr.tokenizer.pad_token_id is not None else rr.tokenizer.eos_token_id
     kind = grpo_reference(rl, recipe.lora.init_from if recipe.lora else None)
