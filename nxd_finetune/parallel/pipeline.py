@@ -47,6 +47,10 @@ get the full-model gradient and, stepped by the same optimizer, stay equal.
 Eval. :meth:`PipelineRunner.eval_step` runs one batch forward only (GPipe / looped-BFS schedule
 of one micro-batch) and returns the objective's eval statistics (supervised: ``[loss sum,
 correct, targets]``) on every pipeline rank.
+
+Router auxiliary loss. A mixture-of-experts model with ``output_router_logits`` sends
+``(hidden, router sums)`` between stages (:mod:`nxd_finetune.parallel.pipeline_io`); the last adds
+the loss, and :meth:`PipelineRunner.take_aux_loss` gives the step's share on every pipeline rank.
 """
 
 from __future__ import annotations
@@ -63,9 +67,10 @@ import torch.distributed as dist
 from torch import nn
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.loss import IGNORE_INDEX, LogitScores, Scores, hidden_scores, shift_labels
+from nxd_finetune.loss import LogitScores, Scores, hidden_scores, shift_labels
 from nxd_finetune.models.llama import DecoderForCausalLM
 from nxd_finetune.objective import SFT, Objective, SideData, add_stats, maxed_entries
+from nxd_finetune.parallel.pipeline_io import MASK, RouterAux, RouterSumStage, aux_term, pad_to, router_masks
 from nxd_finetune.parallel.recompute import recording_graph
 from nxd_finetune.parallel.state import ParallelState
 
@@ -183,22 +188,6 @@ def build_stages(model: nn.Module, state: ParallelState, virtual_stages: int = 1
             for s in stage_ids_of_rank(state.coord("pp"), pp, virtual_stages)]
 
 
-def _pad_to(batch: dict[str, torch.Tensor], rows: int, cols: int) -> dict[str, torch.Tensor]:
-    """Pad a micro-batch to ``[rows, cols]`` with tokens that carry no loss and see nothing else:
-    label -100, position 0, segment -1 (attends only to earlier padding)."""
-    fill = {"labels": IGNORE_INDEX, "segment_ids": -1}
-    out = {}
-    for key, t in batch.items():
-        if t.dim() == 1:  # a per-row field the objective reads (preference: ref_logps): 0 on padding rows
-            padded = t.new_zeros((rows,))
-            padded[: t.shape[0]] = t
-        else:
-            padded = t.new_full((rows, cols), fill.get(key, 0))
-            padded[: t.shape[0], : t.shape[1]] = t
-        out[key] = padded
-    return out
-
-
 @dataclasses.dataclass
 class _Call:
     """One :meth:`PipelineRunner.train_step`'s objective, its micro-batches' side data (last stage)
@@ -207,6 +196,8 @@ class _Call:
     objective: Objective
     sides: list[SideData]
     stats: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    units: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each micro-batch's (router aux loss)
+    aux: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # their logged aux shares
 
 
 class PipelineRunner:
@@ -259,6 +250,9 @@ class PipelineRunner:
         self._schedules: dict[tuple[int, ...], Any] = {}
         self._stepped: weakref.WeakSet[Any] = weakref.WeakSet()  # schedules past their first (shape-inferring) step
         self._tied_group = self._make_tied_group()
+        # the router auxiliary loss, unless a custom loss replaces the objective's
+        self.router_aux = RouterAux.of(self.stage_modules[0]) if loss_fn is None and stats_fn is None else None
+        self.aux_loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -287,10 +281,16 @@ class PipelineRunner:
         side = call.sides[i]
         if self.custom_loss is not None:
             return self.custom_loss(output, side["labels"], n_targets)
+        sums = None
+        if isinstance(output, tuple):  # (output, the router sums of every stage)
+            output, sums = output
         loss, stats = call.objective.loss(self._scores(output, call.objective.labels(side)), side)
         if stats is not None:
             call.stats[i] = stats
-        return loss / n_targets
+        if sums is None or self.router_aux is None:
+            return loss / n_targets
+        term, call.aux[i] = aux_term(self.router_aux, sums, call.units[i], n_targets)
+        return loss / n_targets + term
 
     def _make_tied_group(self) -> dist.ProcessGroup | None:
         """The [first, last] stage group of this rank's pipeline, if embeddings are tied."""
@@ -325,8 +325,10 @@ class PipelineRunner:
 
             if len(self._schedules) >= _MAX_CACHED_SHAPES:
                 self._schedules.pop(next(iter(self._schedules)))
+            aux = self.router_aux
             stages: list[_PipelineStageBase] = [
-                pipelining.PipelineStage(m, sid, self.num_stages, self.device, group=self.state.group("pp"))
+                pipelining.PipelineStage(m if aux is None else RouterSumStage(m, aux), sid, self.num_stages,
+                                         self.device, group=self.state.group("pp"))
                 for m, sid in zip(self.stage_modules, self.stage_ids, strict=True)
             ]
             multi = len(stages) > 1
@@ -349,7 +351,7 @@ class PipelineRunner:
             raise NxdError("pipeline micro-batches of one step must all carry the same fields")
         rows = max(m["input_ids"].shape[0] for m in mbs)
         cols = max(m["input_ids"].shape[1] for m in mbs)
-        return [m if m["input_ids"].shape == (rows, cols) else _pad_to(m, rows, cols) for m in mbs]
+        return [m if m["input_ids"].shape == (rows, cols) else pad_to(m, rows, cols) for m in mbs]
 
     def _inputs(self, mbs: list[dict[str, torch.Tensor]]) -> tuple[tuple, dict[str, torch.Tensor]]:
         """``step`` arguments of this rank: ids for the first stage only (later stages receive hidden
@@ -393,6 +395,9 @@ class PipelineRunner:
         args, kwargs = self._inputs(mbs)
         last = self.state.is_last_stage
         call = _Call(objective, [objective.side(m) for m in mbs] if last else [])
+        if self.router_aux is not None:
+            kwargs[MASK] = router_masks(micro_batches, *mbs[0]["input_ids"].shape)
+            call.units = [objective.count(m) for m in mbs] if last else []
         index = torch.arange(len(mbs)) if last else None  # on the CPU: read without a device sync
         losses: list[torch.Tensor] | None = [] if last else None
         self._call = call
@@ -405,6 +410,9 @@ class PipelineRunner:
             self._call = None
         self._stepped.add(schedule)
         loss = self._from_last(torch.stack(losses).sum() if losses else None)
+        if self.router_aux is not None:  # the step's aux shares, for every rank
+            self.aux_loss = self._from_last(torch.stack([call.aux[i] for i in sorted(call.aux)]).sum() if last
+                                            else None)
         stats = None
         if objective.train_width:  # the objective's step metrics, computed on the last stage, for every rank
             mine = None
@@ -423,6 +431,8 @@ class PipelineRunner:
         schedule = self._schedule_for(tuple(mb[0]["input_ids"].shape), train=False)
         args, kwargs = self._inputs(mb)
         logits = schedule.step(*args, **kwargs)
+        if isinstance(logits, tuple):  # (logits, the router sums)
+            logits = logits[0]
         stats = None
         if self.state.is_last_stage:
             if self.stats_fn is not None:
@@ -431,6 +441,13 @@ class PipelineRunner:
                 side = objective.side(mb[0])
                 stats = objective.eval_stats(self._scores(logits, objective.labels(side)), side)
         return self._from_last(stats, (3,) if self.stats_fn is not None else (objective.eval_width,))
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The router auxiliary loss shares of the last :meth:`train_step`'s micro-batches, summed
+        (``aux x units / n_targets`` each; fp32, the same on every pipeline rank; None without
+        one), reset."""
+        out, self.aux_loss = self.aux_loss, None
+        return out
 
     @torch.no_grad()
     def sync_tied_weights(self) -> None:

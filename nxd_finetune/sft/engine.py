@@ -220,11 +220,10 @@ class Engine:
         sums over the micro-batches (None when it has none)."""
         with autocast(self.device, self.precision):
             aux = self.config.num_experts > 0 and self.config.output_router_logits
-            if self.runner is not None:
-                if aux:
-                    raise NxdError("output_router_logits (the router auxiliary loss) is not supported under "
-                                   "pipeline parallel: set it false in the model's config.json or use pp 1")
-                return self.runner.train_step(micro_batches, n_targets, objective)
+            if self.runner is not None:  # the last stage adds the router auxiliary loss (pipeline_io)
+                out = self.runner.train_step(micro_batches, n_targets, objective)
+                self._add_aux_loss(self.runner.take_aux_loss())
+                return out
             n_targets = n_targets.to(self.device)
             loss = (functools.partial(self._loss_with_aux, objective=objective, n_targets=n_targets) if aux
                     else lambda batch: objective.loss(*self.scores_and_side(batch, objective)))
@@ -249,9 +248,13 @@ class Engine:
         segments = batch.get("segment_ids")
         aux = router_aux_loss(model, logits, None if segments is None else segments > 0).to(loss_sum.dtype)
         units = objective.count(batch).to(loss_sum.dtype)
-        share = (aux * units / n_targets).detach()
-        self.aux_loss = share if self.aux_loss is None else self.aux_loss + share
+        self._add_aux_loss((aux * units / n_targets).detach())
         return loss_sum + self.config.router_aux_loss_coef * aux * units, stats
+
+    def _add_aux_loss(self, share: torch.Tensor | None) -> None:
+        """Add a router auxiliary loss ``share`` (None: none) to :attr:`aux_loss`."""
+        if share is not None:
+            self.aux_loss = share if self.aux_loss is None else self.aux_loss + share
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """:attr:`aux_loss` (None: none recorded), reset."""

@@ -1,0 +1,59 @@
+"""The router auxiliary loss (``output_router_logits``) under pipeline parallel, through the trainer
+in real gloo worlds: a tiny Mixtral (4 experts, every layer MoE, so both stages route) with
+``router_aux_loss_coef`` 0.1, 4 optimizer steps of single-row micro-batches, fp32, LoRA on
+attention and the experts with the router in ``modules_to_save`` (the auxiliary loss reaches it)
+and full fine-tuning.
+
+Each stage adds its layers' assignment counts, probability sums (with their gradient) and token
+count to a running sum sent with the hidden states; the last stage's auxiliary loss on the totals
+sends each stage its gradient back. Every layout equals the single-process run (loss and logged
+``aux_loss`` 1e-5 relative, gradient norms 1e-4, final adapter / weights 2e-5): pp2 (packed rows,
+and unpacked rows of unequal length, which the pipeline pads to one shape), pp2 x ep2 with every
+layer recomputed in backward, and pp2 x tp2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layout_helpers import assert_same_curves, assert_same_files
+from moe_helpers import MODES as EP_MODES
+from moe_helpers import (
+    launch_layouts,
+    mixtral_with_aux,  # noqa: F401  (a fixture)
+)
+from moe_helpers import moe_recipe as _recipe
+
+from nxd_finetune.sft import trainer
+
+STEPS = 4
+MODES = {"lora": [*EP_MODES["lora"], "lora.modules_to_save=[gate]"], "sft": EP_MODES["sft"]}
+UNPACKED = ["data.packing=false"]
+SINGLE = ["training.micro_batch_size=1"]
+# world size -> layout -> overrides; each sees 4 single-row micro-batches per optimizer step
+LAYOUTS: dict[int, dict[str, list[str]]] = {
+    2: {"pp2": ["parallel.pp=2", *SINGLE, "training.grad_accum=4"],
+        "pp2-unpacked": ["parallel.pp=2", *SINGLE, "training.grad_accum=4", *UNPACKED]},
+    4: {"pp2-ep2-recompute": ["parallel.pp=2", "parallel.ep=2", *SINGLE, "training.grad_accum=2",
+                              "parallel.activation_checkpointing=full"],
+        "pp2-tp2": ["parallel.pp=2", "parallel.tp=2", *SINGLE, "training.grad_accum=4"]},
+}
+
+pytestmark = pytest.mark.usefixtures("workers_tmpdir")
+
+
+@pytest.mark.slow  # worlds of 2 and 4 gloo processes
+def test_pipeline_with_router_aux_loss_reproduces_one_process(mixtral_with_aux, tmp_path):  # noqa: F811
+    model = mixtral_with_aux
+    refs = {(mode, packed): trainer.run(_recipe(model, tmp_path / "ref" / f"{mode}-{packed}", 1, *SINGLE,
+                                                "training.grad_accum=4", *extra, *([] if packed else UNPACKED)))
+            for mode, extra in MODES.items() for packed in (True, False)}
+    for world, layouts in LAYOUTS.items():
+        for name, got in launch_layouts(model, tmp_path, world, layouts, MODES):
+            ref = refs[(name.split("/")[0], "unpacked" not in name)]
+            assert got is not None and got["parallel"]["pp"] == 2, name
+            assert all("aux_loss" in h for h in got["history"]), name
+            aux = [torch.tensor([h["aux_loss"] for h in s["history"]]) for s in (got, ref)]
+            assert torch.allclose(aux[0], aux[1], rtol=1e-5, atol=0), (name, aux)
+            assert_same_curves(name, got, ref, STEPS)
+            assert_same_files(name, got, ref)
