@@ -57,3 +57,21 @@ def test_pipeline_with_router_aux_loss_reproduces_one_process(mixtral_with_aux, 
             assert torch.allclose(aux[0], aux[1], rtol=1e-5, atol=0), (name, aux)
             assert_same_curves(name, got, ref, STEPS)
             assert_same_files(name, got, ref)
+
+
+def test_router_masks_count_what_one_process_counts():
+    """Unpacked rows padded to ``max_seq_len`` (the loader's fixed shape under pp) count up to the
+    micro-batch's longest row, as one process's batch is that wide; packed rows their segments; the
+    pipeline's own padding to one shape nothing."""
+    from nxd_finetune.data.packing import collate
+    from nxd_finetune.parallel.pipeline_io import router_masks
+
+    class Samples:
+        def tensors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.arange(3 + 2 * i), torch.arange(3 + 2 * i)
+
+    unpacked = {k: v for k, v in collate(Samples(), [[0], [2]], 0, seq_len=10).items() if k != "segment_ids"}
+    packed = collate(Samples(), [[0, 1]], 0, seq_len=10)  # 3 + 5 tokens, 2 of padding
+    got = router_masks([unpacked, packed], 2, 10)
+    assert got[:2].tolist() == [[True] * 7 + [False] * 3] * 2  # the longer row's 7 tokens, both rows
+    assert got[2].tolist() == [True] * 8 + [False] * 2 and not got[3].any()  # a padding row of the pipeline's
