@@ -399,17 +399,29 @@ class ChunkedScores:
     rows: int
     tp_group: Group = None
     index: torch.Tensor | None = None
+    # (temperature, logits) of the last one-chunk token_nll under autograd, for token_entropy
+    _logits: tuple[float, torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
 
     def ce_sum(self) -> torch.Tensor:
         return chunked_ce_sum(self.hidden, self.head, self.targets, self.rows, self.tp_group)
 
     def token_nll(self, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """With one chunk under autograd (a loss's pass) the logits are kept, detached, until
+        :meth:`token_entropy` takes them: the output layer runs once for both."""
         head = self.head if temperature == 1.0 else lambda h: self.head(h) / temperature
-        nll = chunked_token_nll(self.hidden, head, self.targets, self.rows, self.tp_group)
+        if self.hidden.shape[0] <= self.rows and torch.is_grad_enabled():
+            logits = head(self.hidden)
+            self._logits = (temperature, logits.detach())
+            nll = token_nll(logits, self.targets, self.tp_group)
+        else:
+            nll = chunked_token_nll(self.hidden, head, self.targets, self.rows, self.tp_group)
         return nll, _positions_of(self.targets, self.index)
 
     @torch.no_grad()
     def token_entropy(self, temperature: float = 1.0) -> torch.Tensor:
+        kept, self._logits = self._logits, None
+        if kept is not None and kept[0] == temperature:
+            return token_entropy(kept[1], self.tp_group)
         parts = [token_entropy(self.head(self.hidden[start:start + self.rows]) / temperature, self.tp_group)
                  for start in range(0, self.hidden.shape[0], self.rows)]
         return torch.cat(parts) if parts else self.hidden.new_zeros(0, dtype=torch.float32)

@@ -113,6 +113,30 @@ def _vocab_parallel_worker() -> dict:
 
 
 @pytest.mark.usefixtures("workers_tmpdir")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_one_chunk_entropy_reuses_the_nll_logits(temperature):
+    """A GRPO loss asks for the token log-probs, then the entropy: with one chunk of targets the
+    entropy comes from the same logits (the output layer runs once, not twice), the same numbers
+    (issue 44 item 9)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(24, 16, requires_grad=True), torch.randn(40, 16)
+    targets = torch.randint(0, 40, (24,))
+    calls = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h @ weight.t()
+
+    expected = ChunkedScores(hidden.detach(), head, targets, 64).token_entropy(temperature)
+    calls.clear()
+    scores = ChunkedScores(hidden, head, targets, 64, index=torch.arange(24))
+    nll, _ = scores.token_nll(temperature)
+    entropy = scores.token_entropy(temperature)
+    assert calls == [24] and torch.equal(entropy, expected)
+    nll.sum().backward()
+    assert torch.equal(scores.token_entropy(temperature), expected) and calls == [24, 24]
+
+
 def test_vocab_parallel_chunked_equals_the_full_vocabulary_loss():
     from nxd_finetune.parallel.launch import launch
 
