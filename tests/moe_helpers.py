@@ -75,23 +75,27 @@ def moe_with_tokenizer(quickstart_cache: object, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def mixtral_with_aux(quickstart_cache: object, tmp_path: Path) -> Path:
-    """A tiny Mixtral (4 experts, every layer MoE) with the quickstart's tokenizer, trained with its
-    router auxiliary loss (``output_router_logits``)."""
+def build_mixtral_with_aux(path: Path, **overrides: object) -> Path:
+    """A tiny Mixtral (4 experts, every layer MoE; config ``overrides``) with the quickstart's
+    tokenizer at ``path``, trained with its router auxiliary loss (``output_router_logits``, coef 0.1)."""
     from transformers import AutoTokenizer
 
     from nxd_finetune.quickstart import ensure_tiny_model
 
     tok_dir = ensure_tiny_model()
-    path = tmp_path / "mixtral"
     config = tiny_moe_config("mixtral", vocab_size=len(AutoTokenizer.from_pretrained(tok_dir)),
-                             output_router_logits=True, router_aux_loss_coef=0.1)
+                             output_router_logits=True, router_aux_loss_coef=0.1, **overrides)
     build_tiny_moe(config, path)
     for f in Path(tok_dir).iterdir():
         if "token" in f.name or f.name == "chat_template.jinja":
             shutil.copy(f, path / f.name)
     return path
+
+
+@pytest.fixture
+def mixtral_with_aux(quickstart_cache: object, tmp_path: Path) -> Path:
+    """:func:`build_mixtral_with_aux` (two layers) in ``tmp_path``."""
+    return build_mixtral_with_aux(tmp_path / "mixtral")
 
 
 def moe_recipe(model: Path, out: Path, nproc: int, *overrides: str) -> Recipe:

@@ -9,7 +9,7 @@ count to a running sum sent with the hidden states; the last stage's auxiliary l
 sends each stage its gradient back. Every layout equals the single-process run (loss and logged
 ``aux_loss`` 1e-5 relative, gradient norms 1e-4, final adapter / weights 2e-5): pp2 (packed rows,
 and unpacked rows of unequal length, which the pipeline pads to one shape), pp2 x ep2 with every
-layer recomputed in backward, and pp2 x tp2.
+layer recomputed in backward, pp2 x tp2, and a four-layer model interleaved (two stages per rank).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from layout_helpers import assert_same_curves, assert_same_files
 from moe_helpers import MODES as EP_MODES
 from moe_helpers import (
+    build_mixtral_with_aux,
     launch_layouts,
     mixtral_with_aux,  # noqa: F401  (a fixture)
 )
@@ -57,6 +58,22 @@ def test_pipeline_with_router_aux_loss_reproduces_one_process(mixtral_with_aux, 
             assert torch.allclose(aux[0], aux[1], rtol=1e-5, atol=0), (name, aux)
             assert_same_curves(name, got, ref, STEPS)
             assert_same_files(name, got, ref)
+
+
+@pytest.mark.slow  # a world of 2 gloo processes
+def test_interleaved_pipeline_with_router_aux_loss_reproduces_one_process(quickstart_cache, tmp_path):
+    """Four layers in four stages, two on each rank (``interleaved_1f1b``): each rank adds the sums of
+    both its chunks, the running sum crossing between ranks three times."""
+    model = build_mixtral_with_aux(tmp_path / "mixtral4", num_hidden_layers=4)
+    extra = [*MODES["lora"], *SINGLE, "training.grad_accum=4", *UNPACKED]
+    ref = trainer.run(_recipe(model, tmp_path / "ref", 1, *extra))
+    layout = {"pp2-vs2": ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved_1f1b"]}
+    [(name, got)] = launch_layouts(model, tmp_path, 2, layout, {"lora": extra})
+    assert got is not None and got["parallel"]["pp"] == 2, name
+    aux = [torch.tensor([h["aux_loss"] for h in s["history"]]) for s in (got, ref)]
+    assert torch.allclose(aux[0], aux[1], rtol=1e-5, atol=0), (name, aux)
+    assert_same_curves(name, got, ref, STEPS)
+    assert_same_files(name, got, ref)
 
 
 def test_router_masks_count_what_one_process_counts():
