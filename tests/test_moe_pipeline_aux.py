@@ -92,3 +92,25 @@ def test_router_masks_count_what_one_process_counts():
     got = router_masks([unpacked, packed], 2, 10)
     assert got[:2].tolist() == [[True] * 7 + [False] * 3] * 2  # the longer row's 7 tokens, both rows
     assert got[2].tolist() == [True] * 8 + [False] * 2 and not got[3].any()  # a padding row of the pipeline's
+
+
+def test_router_masks_count_preference_pairs_as_one_process():
+    """Preference pairs padded to ``max_seq_len`` (pp's fixed shape) count every token up to the
+    micro-batch's longest sequence, the width one process's pairs batch has (padding pairs included)."""
+    from nxd_finetune.data.pairs import PreferencePairs, collate_pairs
+    from nxd_finetune.parallel.pipeline_io import router_masks
+
+    class Sequences:  # pair i: chosen of 4 + i tokens, rejected of 3 tokens; the last two are labels
+        def __len__(self) -> int:
+            return 4
+
+        def tensors(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+            n = 4 + s // 2 if s % 2 == 0 else 3
+            return torch.arange(1, n + 1), torch.cat([torch.full((n - 2,), -100), torch.arange(2)])
+
+    pairs = PreferencePairs(Sequences())  # type: ignore[arg-type]
+    one = collate_pairs(pairs, [0, 1, -1], 0)  # one process: as wide as the longest sequence (5)
+    fixed = collate_pairs(pairs, [0, 1, -1], 0, seq_len=12)
+    assert one["input_ids"].shape == (6, 5)
+    got = router_masks([fixed], 6, 12)
+    assert got.tolist() == [[True] * 5 + [False] * 7] * 6

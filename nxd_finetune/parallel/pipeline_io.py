@@ -12,9 +12,9 @@ the last stage's loss adds ``coef x balance_from_sums(total) x units / n_targets
 gradient of ``P`` flows back to each stage with the hidden states'.
 
 Which tokens count (:func:`router_masks`): those one process counts. Packed rows' real segments
-(``segment_ids > 0``); unpacked rows every token up to the micro-batch's longest row (its own right
-padding included, as at pp 1), never the padding to ``max_seq_len`` or to one shape that only the
-pipeline adds.
+(``segment_ids > 0``); unpacked rows and preference pairs every token up to the micro-batch's
+longest row (its own right padding included, as at pp 1), never the padding to ``max_seq_len`` or
+to one shape that only the pipeline adds.
 """
 
 from __future__ import annotations
@@ -99,9 +99,10 @@ class RouterSumStage(nn.Module):
 def router_masks(micro_batches: Sequence[Mapping[str, torch.Tensor]], rows: int, cols: int) -> torch.Tensor:
     """The tokens each micro-batch's router sums count, padded to ``[rows, cols]`` each (the
     pipeline's padding counts no token) and concatenated: ``segment_ids > 0`` where the rows are
-    packed; unpacked rows every token up to the micro-batch's longest row, which is the shape one
-    process gives it (under pp the loader pads unpacked rows to ``max_seq_len``; a row's padding
-    positions restart at 0, :func:`nxd_finetune.data.packing.collate`)."""
+    packed; unpacked rows and preference pairs every token up to the micro-batch's longest row,
+    which is the shape one process gives it (under pp the loader pads them to ``max_seq_len``; an
+    unpacked row's padding positions restart at 0, :func:`nxd_finetune.data.packing.collate`; a
+    pair's sequences end with their last completion label, :func:`nxd_finetune.data.pairs.collate_pairs`)."""
     out = []
     for mb in micro_batches:
         ids = mb["input_ids"]
@@ -111,6 +112,10 @@ def router_masks(micro_batches: Sequence[Mapping[str, torch.Tensor]], rows: int,
             restart = mb["position_ids"][:, 1:] == 0  # the first padding column of each row
             length = torch.where(restart.any(dim=1), restart.int().argmax(dim=1) + 1, ids.shape[1])
             real = (torch.arange(ids.shape[1], device=ids.device) < length.max()).expand(ids.shape)
+        elif "labels" in mb:  # preference pairs: every sequence ends with a completion token (pair_tokens)
+            positions = torch.arange(1, ids.shape[1] + 1, device=ids.device)
+            width = max(int(torch.where(mb["labels"] != IGNORE_INDEX, positions, 0).max()), 1)
+            real = (torch.arange(ids.shape[1], device=ids.device) < width).expand(ids.shape)
         else:
             real = torch.ones_like(ids, dtype=torch.bool)
         padded = torch.zeros((rows, cols), dtype=torch.bool, device=ids.device)
