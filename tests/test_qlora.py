@@ -83,6 +83,27 @@ def test_an_int8_recipe_round_trips_through_its_dict():
     assert again.model.quantization == recipe.model.quantization and again.to_dict() == recipe.to_dict()
 
 
+def test_a_quantized_base_recomputes_activations_unless_the_recipe_says_otherwise(quickstart_cache, capsys):
+    """``model.quantization`` without ``parallel.activation_checkpointing`` resolves to ``full`` (as
+    peft's ``prepare_model_for_kbit_training`` turns gradient checkpointing on); an explicit value,
+    ``none`` included, stays; ``validate`` says so and its activations estimate follows it."""
+    quant = ["model.quantization.method=nf4"]
+    assert load_recipe(QUICKSTART).parallel.activation_checkpointing == "none"
+    recipe = load_recipe(QUICKSTART, quant)
+    assert recipe.parallel.activation_checkpointing == "full"
+    assert recipe_from_dict(recipe.to_dict()).parallel.activation_checkpointing == "full"
+    for explicit in ("none", "selective", "full"):
+        kept = load_recipe(QUICKSTART, [*quant, f"parallel.activation_checkpointing={explicit}"])
+        assert kept.parallel.activation_checkpointing == explicit
+    off = load_recipe(QUICKSTART, [*quant, "parallel.activation_checkpointing=none"])
+    assert run_checks(recipe).memory["activations"] < run_checks(off).memory["activations"]
+    code, out, _ = run_cli(capsys, "validate", str(QUICKSTART), "model.quantization.method=nf4")
+    assert code == 0 and "checkpointing full (the default with model.quantization)" in " ".join(out.split()), out
+    code, out, _ = run_cli(capsys, "validate", str(QUICKSTART), "model.quantization.method=nf4",
+                           "parallel.activation_checkpointing=none")
+    assert code == 0 and "checkpointing none;" in " ".join(out.split()), out
+
+
 def test_the_docs_recipe_block_is_a_valid_recipe():
     block = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "qlora.md").read_text(), flags=re.S)[0]
     shown = yaml.safe_load(block)

@@ -12,6 +12,7 @@
 - pp2 equals one process (1e-5); tp2 quantizes each rank's vocabulary shard (bitsandbytes' bytes
   of its slice) and starts within 2% of one process;
 - ``validate``'s weights part equals the bytes the quantized model holds (1%);
+- the engine's load quantizes the embedding as soon as it is read, before any decoder linear;
 - int8, LoRA or ``modules_to_save`` on the embedding or head, a hidden size the block size does
   not divide: one line each.
 """
@@ -29,6 +30,7 @@ from qlora_helpers import _curve, _same, held_bytes, recipe
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import nxd_finetune.lora.quantized as quantized
 from nxd_finetune.data.inputs import resolve_model_dir
 from nxd_finetune.errors import NxdError, RecipeError
 from nxd_finetune.lora import LoraConfig, inject_lora
@@ -179,6 +181,31 @@ def test_tp2_and_pp2_with_a_quantized_embedding(tied, tmp_path):
     _same("pp2", summaries["pp2"], ref)
     first_tp2, first_ref = summaries["tp2"]["history"][0]["train_loss"], ref["history"][0]["train_loss"]
     assert first_tp2 != first_ref and abs(first_tp2 - first_ref) < 2e-2 * first_ref
+
+
+def test_loading_quantizes_the_embedding_as_soon_as_it_is_read(tied, tmp_path, monkeypatch):
+    """The engine's load quantizes the (tied) embedding when its weight is read, before any decoder
+    linear (its weight in the file's dtype is not held to the end of the load), once; the tied
+    head then shares the quantized weight."""
+    events: list[str] = []
+    by_rows, quantize_module = qe.quantized_by_rows, quantized.quantize_module
+
+    def embedding(weight: torch.Tensor, spec: QuantSpec) -> nn.Parameter:
+        events.append("embedding")
+        return by_rows(weight, spec)
+
+    def linear(module: nn.Module, spec: QuantSpec, device: torch.device) -> None:
+        events.append("linear")
+        quantize_module(module, spec, device)
+
+    monkeypatch.setattr(qe, "quantized_by_rows", embedding)
+    monkeypatch.setattr(quantized, "quantize_module", linear)
+    r = recipe(tmp_path, 1, f"model.path={tied}", *EMB)
+    model = build_engine(r, resolve_model_dir(r.model.path), CPU, total_steps=1).modules[0]
+    assert events[0] == "embedding" and events.count("embedding") == 1, events
+    assert events.count("linear") == sum(quantized.is_quantized(m) for m in model.modules()) > 0
+    assert isinstance(model.lm_head, qe.QuantizedHead) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.weight_dtype == torch.float32
 
 
 def test_validate_counts_the_quantized_embedding_as_held(tied):

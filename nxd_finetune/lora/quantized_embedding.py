@@ -20,6 +20,7 @@ which :func:`embedding_gap` checks (one line otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -196,32 +197,52 @@ def quantize_embeddings(model: nn.Module, spec: QuantSpec, device: torch.device)
     if not spec.embeddings:
         return []
     require_bitsandbytes()
-    found = [(n, m) for n, m in model.named_modules() if n.split(".")[-1] in EMBEDDING_NAMES]
     done: dict[int, nn.Parameter] = {}
-    names = []
-    for name, module in found:
-        if isinstance(module, _QuantizedRows):
-            done[id(module.weight)] = module.get_parameter("weight")
-            continue
-        weight = getattr(module, "weight", None)
-        if type(module) not in _QUANTIZED or not isinstance(weight, torch.Tensor) or weight.requires_grad:
-            raise NxdError(f"model.quantization.embeddings quantizes {name}, which is trained or adapted here "
-                           f"({type(module).__name__}); leave it out of lora.target_modules / modules_to_save, "
-                           "or set embeddings false")
+    return [name for name, module in model.named_modules()
+            if name.split(".")[-1] in EMBEDDING_NAMES and _quantize_one(name, module, spec, device, done)]
+
+
+def quantize_embeddings_on_load(model: nn.Module, spec: QuantSpec, device: torch.device
+                                ) -> Callable[[nn.Module, str], None]:
+    """For a model on the meta device: the ``tensor_loaded`` hook that quantizes its input embedding
+    and output layer (with ``spec.embeddings``) as soon as the weight is read, so the weight in the
+    file's dtype is freed before the decoder layers are read rather than held to the end of the
+    load; a tied head shares it after the load (:func:`quantize_embeddings` then swaps its class)."""
+    names = {id(m): n for n, m in model.named_modules() if n.split(".")[-1] in EMBEDDING_NAMES}
+    done: dict[int, nn.Parameter] = {}
+
+    def loaded(module: nn.Module, attr: str) -> None:
+        name = names.get(id(module))
+        if spec.embeddings and attr == "weight" and name is not None:
+            _quantize_one(name, module, spec, device, done)
+
+    return loaded
+
+
+def _quantize_one(name: str, module: nn.Module, spec: QuantSpec, device: torch.device,
+                  done: dict[int, nn.Parameter]) -> bool:
+    """``module`` (``name``) with its weight in 4 bits, ``done`` (the quantized weights by the ids of
+    their sources and their own) sharing a tied weight; False where it already was."""
+    if isinstance(module, _QuantizedRows):
+        done[id(module.weight)] = module.get_parameter("weight")
+        return False
+    weight = getattr(module, "weight", None)
+    if type(module) not in _QUANTIZED or not isinstance(weight, torch.Tensor) or weight.requires_grad:
+        raise NxdError(f"model.quantization.embeddings quantizes {name}, which is trained or adapted here "
+                       f"({type(module).__name__}); leave it out of lora.target_modules / modules_to_save, "
+                       "or set embeddings false")
+    quantized = done.get(id(weight))
+    if quantized is None:  # not the tied weight quantized already
         gap = embedding_gap(weight.shape[-1], spec)
         if gap:
             raise NxdError(gap)
         if weight.device.type == "meta":
             raise NxdError(f"cannot quantize {name}: its weight is not loaded (on the meta device)")
-        dtype = weight.dtype
-        quantized = done.get(id(weight))
-        if quantized is None:
-            quantized = quantized_by_rows(weight.detach().to(device), spec)
-            done[id(weight)] = quantized
-        module.__class__ = _QUANTIZED[type(module)]
-        assert isinstance(module, _QuantizedRows)
-        module.weight = quantized
-        module.quant_spec, module.weight_dtype = spec, dtype
-        done[id(quantized)] = quantized
-        names.append(name)
-    return names
+        quantized = quantized_by_rows(weight.detach().to(device), spec)
+        done[id(weight)] = quantized
+    module.__class__ = _QUANTIZED[type(module)]
+    assert isinstance(module, _QuantizedRows)
+    module.weight = quantized
+    module.quant_spec, module.weight_dtype = spec, quantized.quant_state.dtype  # type: ignore[attr-defined]
+    done[id(quantized)] = quantized
+    return True

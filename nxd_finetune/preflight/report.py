@@ -130,8 +130,11 @@ def print_report(result: Preflight) -> None:
     table.add_row("total", human_bytes(sum(result.memory.values())), style="bold")
     console.print(table)
     targets = "every position" if result.loss_targets is None else f"at most {result.loss_targets:,} targets"
+    recompute: str = par.activation_checkpointing
+    if recipe.model.quantization is not None and recompute == "full":
+        recompute += " (the default with model.quantization)"
     console.print(f"(busiest rank; activations for micro_batch_size {recipe.training.micro_batch_size} x "
-                  f"max_seq_len {recipe.data.max_seq_len}, checkpointing {par.activation_checkpointing}; "
+                  f"max_seq_len {recipe.data.max_seq_len}, checkpointing {recompute}; "
                   f"loss over {targets} per micro-batch; formulas: nxd_finetune.preflight.memory.estimate_memory)")
     if result.memory.get("allocator cache", 0.0) > 0:  # training on the CPU
         console.print("(on the CPU the peak can grow past this over a run's first steps, as micro-batches of other "

@@ -182,7 +182,9 @@ class ParallelSection(_Section):
     ``ep``: expert parallel (mixture-of-experts models), carved out of dp: each group of ``ep`` dp
     ranks splits the experts between them (``ep`` divides dp and the expert count).
     ``max_restarts``: how often ``nxd-finetune run`` restarts its workers after one failed (torch
-    elastic; the run resumes from the newest complete checkpoint)."""
+    elastic; the run resumes from the newest complete checkpoint). ``activation_checkpointing``
+    left out with ``model.quantization`` set resolves to ``full`` (as peft's
+    ``prepare_model_for_kbit_training`` turns gradient checkpointing on); an explicit value stays."""
 
     nproc: PosInt = 1
     tp: PosInt = 1
@@ -423,6 +425,9 @@ class Recipe(_Section):
             raise ValueError(f"model.quantization={self.model.quantization.method} needs a lora section: a quantized "
                              "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
         quant = self.model.quantization
+        if quant is not None and "activation_checkpointing" not in self.parallel.model_fields_set:
+            # a quantized base recomputes by default, as peft's prepare_model_for_kbit_training does
+            self.parallel.activation_checkpointing = "full"
         if quant is not None and quant.method == "int8" and self.lora is not None and self.lora.use_dora:
             raise ValueError("lora.use_dora with model.quantization.method=int8 is not supported (peft's DoRA does "
                              "not train on an 8-bit base); use nf4 or fp4")

@@ -45,7 +45,7 @@ from nxd_finetune.lora.quantized import (
     quantize_on_load,
     require_bitsandbytes,
 )
-from nxd_finetune.lora.quantized_embedding import quantize_embeddings
+from nxd_finetune.lora.quantized_embedding import quantize_embeddings, quantize_embeddings_on_load
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
@@ -318,8 +318,8 @@ def _lora_hooks(recipe: Recipe, config: DecoderConfig, lora_cfg: LoraConfig, tar
         for p in model.parameters():
             p.requires_grad_(False)
         targets.extend(inject_lora(model, lora_cfg))
-        if spec is not None:
-            on_load.append(quantize_on_load(model, spec, device))
+        if spec is not None:  # the embedding first (model.quantization.embeddings), then the linears
+            on_load.extend([quantize_embeddings_on_load(model, spec, device), quantize_on_load(model, spec, device)])
 
     def tensor_loaded(module: nn.Module, attr: str) -> None:
         for hook in on_load:
