@@ -10,15 +10,21 @@ one random row of ``--seq`` tokens per step (all of them targets), the same row 
 
 - ``nxd bf16 LoRA``: ``model.dtype: bf16``, ``training.precision: bf16-mixed``;
 - ``nxd NF4 QLoRA``: the same with ``model.quantization: {method: nf4, double_quant: true,
-  compute_dtype: bfloat16}``;
+  compute_dtype: bfloat16}`` (which recomputes activations by default: ``parallel.activation_checkpointing``
+  resolves to ``full``);
+- ``nxd NF4 QLoRA, 4-bit embedding``: the same with ``model.quantization.embeddings: true``;
 - ``HF+peft bf16 LoRA``: ``LlamaForCausalLM`` in bf16 + ``get_peft_model``, a plain loop with AdamW;
 - ``HF+peft+bnb QLoRA``: ``BitsAndBytesConfig`` with the same settings, ``prepare_model_for_kbit_training``
-  (as QLoRA users run it: it casts the parameters left unquantized, embeddings and norms, to fp32).
+  with its defaults, as QLoRA users run it: it casts the parameters left unquantized, embeddings and
+  norms, to fp32, and turns gradient checkpointing on.
 
 Measured in each worker: ``base`` = the bytes of the frozen tensors as held (bitsandbytes' packed
 weights and block scales included); ``load peak`` = peak resident memory (``VmHWM``) after building
 the model; then ``VmHWM`` is reset (``/proc/self/clear_refs``) and ``train peak`` is the peak over
-the steps; ``step`` = the median wall time of the steps after the first; tokens/s from it. For the
+the steps; ``step`` = the median wall time of the steps after the first; tokens/s from it, and
+tokens per CPU-second from the worker's CPU time over the same steps (``other cores``: what other
+processes kept busy meanwhile). The allocator's environment (``MALLOC_*``, ``LD_PRELOAD``) is the
+same for every row and recorded in the results. For the
 nxd rows, ``validate``'s estimate of the same run (its ``weights`` part and total) goes beside them.
 The 1B checkpoint is bench_scale.py's (random init, bf16, tied embeddings, vocab 128256, built once
 under ``bench/.cache/models/``). Results: ``bench/results/qlora[_quick].{json,md}``.
@@ -107,6 +113,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         engine = build_engine(recipe, model_dir, torch.device("cpu"), total_steps=steps)
         model = engine.modules[0]
         batch, n_targets, objective = {"input_ids": ids, "labels": ids}, torch.tensor(seq - 1), CrossEntropy()
+        recompute = recipe.parallel.activation_checkpointing != "none"
 
         def step() -> float:
             loss, _ = engine.forward_backward([batch], n_targets, objective)
@@ -122,11 +129,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                                        bnb_4bit_compute_dtype=torch.bfloat16)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, quantization_config=quant,
                                                   device_map="cpu", attn_implementation="sdpa")
-        if quant is not None:
-            hf = peft.prepare_model_for_kbit_training(hf, use_gradient_checkpointing=False)
+        if quant is not None:  # its defaults: gradient checkpointing on
+            hf = peft.prepare_model_for_kbit_training(hf)
         model = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                         task_type="CAUSAL_LM")).train()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        recompute = bool(hf.is_gradient_checkpointing)
 
         def step() -> float:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -138,14 +146,17 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     base, load_peak = _frozen_bytes(model), _vm("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         losses.append(step())
         times.append(time.perf_counter() - t)
+        cpu_times.append(time.process_time() - c)
     step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    cpu_s = statistics.median(cpu_times[1:]) if len(cpu_times) > 1 else cpu_times[0]
     return {"base_bytes": base, "load_peak_bytes": load_peak, "train_peak_bytes": _vm("VmHWM"), "build_s": build_s,
-            "step_s": step_s, "step_times": times, "tokens_per_s": seq / step_s, "losses": losses}
+            "step_s": step_s, "step_times": times, "tokens_per_s": seq / step_s, "cpu_s": cpu_s,
+            "cpu_times": cpu_times, "tokens_per_cpu_s": seq / cpu_s, "recompute": recompute, "losses": losses}
 
 
 def _estimate(model: Path, base: str, seq: int, steps: int) -> dict[str, float]:
@@ -156,25 +167,36 @@ def _estimate(model: Path, base: str, seq: int, steps: int) -> dict[str, float]:
     return {"weights": memory["weights"], "total": sum(memory.values())}
 
 
+def allocator_env() -> dict[str, str]:
+    """The allocator's settings in this environment, which every row's worker inherits as they are."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+
+
+def _allocator_text(env: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc malloc, no MALLOC_* / LD_PRELOAD set"
+
+
 def render(results: dict[str, Any]) -> str:
     rows = {(r["framework"], r["base"]): r for r in results["rows"]}
     lines = [f"# QLoRA memory and step time ({results['shape']})", "",
              f"{results['cpu']}, {results['threads']} torch threads, {results['seq']} tokens per step, "
-             f"{results['steps']} steps per row (the first not timed); {results['note']}", "",
-             "| row | base | load peak | train peak | validate: weights / total | step | tokens/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{results['steps']} steps per row (the first not timed); allocator environment, every row: "
+             f"{_allocator_text(results.get('allocator', {}))}; {results['note']}", "",
+             "| row | recompute | base | load peak | train peak | validate: weights / total | step | tokens/s | "
+             "tokens per CPU-s | other cores |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key in ROWS:
         r = rows.get(key)
         if r is None:
             continue
         est = r.get("estimate")
         est_s = f"{est['weights'] / GiB:.2f} / {est['total'] / GiB:.2f} GiB" if est else "-"
-        lines.append(f"| {LABELS[key]} | {r['base_bytes'] / GiB:.2f} GiB | {r['load_peak_bytes'] / GiB:.2f} GiB | "
-                     f"{r['train_peak_bytes'] / GiB:.2f} GiB | {est_s} | {r['step_s']:.2f} s | "
-                     f"{r['tokens_per_s']:.1f} |")
+        cpu_s = f"{r['tokens_per_cpu_s']:.1f}" if "tokens_per_cpu_s" in r else "-"
+        recompute = {True: "full", False: "none"}.get(r.get("recompute"), "-")
+        lines.append(f"| {LABELS[key]} | {recompute} | {r['base_bytes'] / GiB:.2f} GiB | "
+                     f"{r['load_peak_bytes'] / GiB:.2f} GiB | {r['train_peak_bytes'] / GiB:.2f} GiB | {est_s} | "
+                     f"{r['step_s']:.2f} s | {r['tokens_per_s']:.1f} | {cpu_s} | {r.get('other_cores', '-')} |")
     ours_b, hf_q = rows.get(("nxd", "bf16")), rows.get(("hf", "nf4"))
-    q_key = ("nxd", "nf4-emb") if ("nxd", "nf4-emb") in rows else ("nxd", "nf4")
-    ours_q = rows.get(q_key)
     if ours_b:
         lines.append("")
     for key in (("nxd", "nf4"), ("nxd", "nf4-emb")):
@@ -184,9 +206,13 @@ def render(results: dict[str, Any]) -> str:
                       "(goal <= 0.3x)",
                       f"- peak training memory {LABELS[key]} / bf16 LoRA: "
                       f"{q['train_peak_bytes'] / ours_b['train_peak_bytes']:.2f}x (goal <= 0.5x)"]
-    if ours_q and hf_q:
-        lines.append(f"- tokens/s {LABELS[q_key]} / HF+peft+bnb QLoRA: "
-                     f"{ours_q['tokens_per_s'] / hf_q['tokens_per_s']:.2f}x (goal >= 1x)")
+    for key in (("nxd", "nf4"), ("nxd", "nf4-emb")):
+        q = rows.get(key)
+        if q and hf_q:
+            per_cpu = (f", per CPU-second {q['tokens_per_cpu_s'] / hf_q['tokens_per_cpu_s']:.2f}x"
+                       if "tokens_per_cpu_s" in q and "tokens_per_cpu_s" in hf_q else "")
+            lines.append(f"- tokens/s {LABELS[key]} / HF+peft+bnb QLoRA: "
+                         f"{q['tokens_per_s'] / hf_q['tokens_per_s']:.2f}x{per_cpu} (goal >= 1x)")
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +239,7 @@ def main() -> None:
     model = build_model(name, shape)
     results: dict[str, Any] = {"shape": name, "cpu": report.cpu_model(), "machine": platform.machine(),
                                "threads": args.threads, "seq": args.seq, "steps": args.steps, "note": args.note,
-                               "rows": []}
+                               "allocator": allocator_env(), "rows": []}
     chosen = [tuple(r.split(":", 1)) for r in args.rows.split(",")]
     for framework, base in (key for key in ROWS if key in chosen):
         spec = {"framework": framework, "base": base, "model": str(model), "seq": args.seq, "steps": args.steps,
