@@ -171,15 +171,26 @@ def _offline() -> bool:
     )
 
 
-def _bad_json_line(path: Path) -> str | None:
-    """``line N: <JSON error>`` for the first line of a JSON-lines file that does not parse."""
+def jsonl_values(path: Path) -> list[object]:
+    """The values of a JSON-lines file's non-blank lines; ValueError ``line N: <JSON error>`` for
+    the first that does not parse."""
+    values = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    json.loads(line)
+                    values.append(json.loads(line))
                 except ValueError as e:
-                    return f"line {n}: {e}"
+                    raise ValueError(f"line {n}: {e}") from None
+    return values
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """``line N: <JSON error>`` for the first line of a JSON-lines file that does not parse."""
+    try:
+        jsonl_values(path)
+    except ValueError as e:
+        return str(e)
     return None
 
 

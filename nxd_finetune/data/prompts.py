@@ -7,13 +7,13 @@ column of a row is kept, for the reward functions (they get it by name)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from nxd_finetune.data.datasets import load_rows, resolve_sources
+from nxd_finetune.data.datasets import jsonl_values, load_rows, resolve_sources
 from nxd_finetune.data.formats import TemplateKwargs, normalize_messages, render_chat
 from nxd_finetune.errors import DataError
 
@@ -47,19 +47,14 @@ def load_prompt_data(spec: str | Sequence[str], base_dir: str | Path | None = No
 
 
 def _jsonl_objects(path: Path) -> list[dict[str, object]]:
-    rows = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"cannot load dataset {str(path)!r}: line {n}: {e}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"cannot load dataset {str(path)!r}: line {n}: not a JSON object")
-            rows.append(row)
-    return rows
+    try:
+        rows = jsonl_values(path)
+    except ValueError as e:  # the line datasets' path gives (load_rows)
+        raise DataError(f"cannot load dataset {str(path)!r}: {e}") from None
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"cannot load dataset {str(path)!r}: row {n}: not a JSON object")
+    return cast(list[dict[str, object]], rows)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptValue, chat_template: str | None = None,
