@@ -102,6 +102,9 @@ def test_a_quantized_base_recomputes_activations_unless_the_recipe_says_otherwis
     code, out, _ = run_cli(capsys, "validate", str(QUICKSTART), "model.quantization.method=nf4",
                            "parallel.activation_checkpointing=none")
     assert code == 0 and "checkpointing none;" in " ".join(out.split()), out
+    code, out, _ = run_cli(capsys, "validate", str(QUICKSTART), "model.quantization.method=nf4",
+                           "parallel.activation_checkpointing=full")  # set by the user: not called the default
+    assert code == 0 and "checkpointing full;" in " ".join(out.split()), out
 
 
 def test_the_docs_recipe_block_is_a_valid_recipe():

@@ -131,7 +131,8 @@ def print_report(result: Preflight) -> None:
     console.print(table)
     targets = "every position" if result.loss_targets is None else f"at most {result.loss_targets:,} targets"
     recompute: str = par.activation_checkpointing
-    if recipe.model.quantization is not None and recompute == "full":
+    if (recipe.model.quantization is not None and recompute == "full"
+            and "activation_checkpointing" not in par.model_fields_set):
         recompute += " (the default with model.quantization)"
     console.print(f"(busiest rank; activations for micro_batch_size {recipe.training.micro_batch_size} x "
                   f"max_seq_len {recipe.data.max_seq_len}, checkpointing {recompute}; "

@@ -426,8 +426,10 @@ class Recipe(_Section):
                              "base is frozen (QLoRA); full fine-tuning of a quantized base is not supported")
         quant = self.model.quantization
         if quant is not None and "activation_checkpointing" not in self.parallel.model_fields_set:
-            # a quantized base recomputes by default, as peft's prepare_model_for_kbit_training does
+            # a quantized base recomputes by default, as peft's prepare_model_for_kbit_training does;
+            # still not among the fields the recipe set (validate calls it the default)
             self.parallel.activation_checkpointing = "full"
+            self.parallel.model_fields_set.discard("activation_checkpointing")
         if quant is not None and quant.method == "int8" and self.lora is not None and self.lora.use_dora:
             raise ValueError("lora.use_dora with model.quantization.method=int8 is not supported (peft's DoRA does "
                              "not train on an 8-bit base); use nf4 or fp4")
