@@ -70,6 +70,12 @@ def decode(model: DecoderForCausalLM, ids: torch.Tensor, valid: torch.Tensor, ca
     """Logits ``[B, t, V]`` of the next ``t`` tokens of each row (``ids``, ``valid [B, t]``: False
     at padding), given the earlier ones in ``cache``, which then holds these too. A padding slot's
     logits are not meaningful (it attends to itself only); nothing attends to it."""
+    return model.head(decode_hidden(model, ids, valid, cache))
+
+
+def decode_hidden(model: DecoderForCausalLM, ids: torch.Tensor, valid: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """:func:`decode`'s final (normed) hidden states ``[B, t, H]``, before the output layer. Under
+    autograd the gradients reach every earlier token's keys and values through the cache."""
     b, t = ids.shape
     start = cache.length
     if start + t > cache.capacity:
@@ -105,7 +111,7 @@ def decode(model: DecoderForCausalLM, ids: torch.Tensor, valid: torch.Tensor, ca
         attention = _cached_attention(layer, q, cache.keys[name][:, :cache.length],
                                       cache.values[name][:, :cache.length], masks[window])
         x = _layer_after(layer, x, attention, None)
-    return model.head(inner.norm(x))
+    return inner.norm(x)
 
 
 def _cache_mask(cache: KVCache, start: int, t: int, window: int | None) -> torch.Tensor:

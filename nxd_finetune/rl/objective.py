@@ -11,7 +11,10 @@ The batch contract (made by :mod:`nxd_finetune.rl.source`). A micro-batch of ``B
 - ``old_logps`` ``[B, T]`` float32 (``num_iterations`` > 1): the log-prob of each target under the
   model that sampled it, at the position that predicts it (that of ``shift_labels``); without it
   the ratio is against the detached current log-probs (TRL's rule at ``num_iterations`` 1);
-- ``ref_logps`` ``[B, T]`` float32 (``beta`` > 0): the reference's log-probs, laid out the same.
+- ``ref_logps`` ``[B, T]`` float32 (``beta`` > 0): the reference's log-probs, laid out the same;
+- ``prompt_lengths`` / ``n_tokens`` ``[B]``: each row's prompt tokens and tokens in all; with them
+  the engine runs a prompt that rows share (a group's) once, its completions on the prompt's
+  keys and values (:mod:`nxd_finetune.models.shared_prefix`; the same numbers within float rounding).
 
 Per token: ``ratio = exp(logp - old)``, the clipped surrogate ``-min(ratio A, clip(ratio, 1 -
 epsilon, 1 + epsilon_high) A)``, plus ``beta`` times TRL's KL estimator ``exp(ref - logp) - (ref -

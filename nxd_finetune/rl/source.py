@@ -92,7 +92,8 @@ def token_logps(engine: Engine, batch: Batch, temperature: float) -> torch.Tenso
     was_training = engine.modules[0].training
     engine.train(False)
     try:
-        moved = {k: v.to(engine.device) for k, v in batch.items() if k in ("input_ids", "labels")}
+        moved = {k: v.to(engine.device) for k, v in batch.items()
+                 if k in ("input_ids", "labels", "prompt_lengths", "n_tokens")}
         flat = engine.eval_stats(moved, TokenLogps(rows, width, temperature))
     finally:
         engine.train(was_training)
@@ -249,9 +250,10 @@ class GRPOSource:
         out = []
         for start in range(0, len(rows), self.micro_batch_size):
             part = range(start, min(start + self.micro_batch_size, len(rows)))
-            seqs, labels = [], []
+            seqs, labels, prompts = [], [], []
             for i in part:
                 prompt = done.prompt_ids[i][done.prompt_mask[i].bool()].tolist()
+                prompts.append(len(prompt))
                 n = int(done.completion_mask[i].sum())
                 completion = done.completion_ids[i, :n].tolist()
                 keep = loss_mask[i, :n].tolist()
@@ -265,7 +267,7 @@ class GRPOSource:
                 ids[r, :len(s)] = torch.tensor(s)
                 lab[r, :len(lb)] = torch.tensor(lb)
             out.append({"input_ids": ids, "labels": lab, "advantages": adv[start:start + len(seqs)].float(),
-                        "n_tokens": torch.tensor([len(s) for s in seqs])})
+                        "n_tokens": torch.tensor([len(s) for s in seqs]), "prompt_lengths": torch.tensor(prompts)})
         return out
 
 

@@ -49,6 +49,7 @@ from nxd_finetune.lora.quantized_embedding import quantize_embeddings, quantize_
 from nxd_finetune.loss import ChunkedScores, LogitScores, Scores, chunk_rows, shift_labels, target_index
 from nxd_finetune.models import DecoderConfig, DecoderForCausalLM, build_model, llama, resolve_dtype
 from nxd_finetune.models.moe import record_router_logits, router_aux_loss
+from nxd_finetune.models.shared_prefix import can_share_prefix, shared_prefix_hidden
 from nxd_finetune.objective import Objective, SideData, TokenBatch, maxed_entries
 from nxd_finetune.parallel.data_parallel import dp_sum
 from nxd_finetune.parallel.optimizer import ParallelOptimizer
@@ -185,11 +186,16 @@ class Engine:
         position with :attr:`full_logits`), or with :attr:`loss_chunk_rows` the final hidden states
         there, the output layer running a chunk of positions at a time (:class:`loss.ChunkedScores`:
         no ``[targets, vocab]`` logits). ``every_position``: the model runs every position through
-        its last layer (the router auxiliary loss needs each layer's router on every token)."""
-        if self.full_logits or every_position or self.loss_chunk_rows is None:
+        its last layer (the router auxiliary loss needs each layer's router on every token).
+        Rows that share a prompt (GRPO's micro-batches carry ``prompt_lengths``) run it once where
+        :meth:`_shares_prefix` allows (:mod:`nxd_finetune.models.shared_prefix`)."""
+        shared = not (self.full_logits or every_position) and self._shares_prefix(batch)
+        if not shared and (self.full_logits or every_position or self.loss_chunk_rows is None):
             logits, targets, index = self._logits_at(batch, labels, every_position)
             return LogitScores(logits, targets, self.tp_group, index)
-        hidden, head, targets, index = self._hidden_and_targets(batch, labels)
+        hidden, head, targets, index = self._hidden_and_targets(batch, labels, shared)
+        if self.loss_chunk_rows is None:
+            return LogitScores(head(hidden), targets, self.tp_group, index)
         return ChunkedScores(hidden, head, targets, self.loss_chunk_rows, self.tp_group, index)
 
     def scores_and_side(self, batch: Batch, objective: Objective) -> tuple[Scores, SideData]:
@@ -198,14 +204,24 @@ class Engine:
         side = objective.side(batch)
         return self.scores(batch, objective.labels(side)), side
 
-    def _hidden_and_targets(self, batch: Batch,
-                            labels: torch.Tensor) -> tuple[torch.Tensor, Head, torch.Tensor, torch.Tensor]:
+    def _shares_prefix(self, batch: Batch) -> bool:
+        """Whether the micro-batch's rows that share a prompt (``prompt_lengths``, GRPO's) run it
+        once (:mod:`nxd_finetune.models.shared_prefix`)."""
+        return ("prompt_lengths" in batch and "n_tokens" in batch and self.runner is None
+                and can_share_prefix(self.modules[0], batch["input_ids"].shape[1]))
+
+    def _hidden_and_targets(self, batch: Batch, labels: torch.Tensor,
+                            shared: bool = False) -> tuple[torch.Tensor, Head, torch.Tensor, torch.Tensor]:
         """Final hidden states at the target positions of ``labels`` ``[N, H]``, the output layer,
-        the targets and their flat positions (:func:`loss.target_index`)."""
+        the targets and their flat positions (:func:`loss.target_index`). ``shared``: each distinct
+        prompt of the rows run once (:func:`shared_prefix_hidden`)."""
         model = self.modules[0]
         assert isinstance(model, DecoderForCausalLM) and model.lm_head is not None  # pp == 1: the whole decoder
         index, targets = target_index(labels)
-        hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
+        if shared:
+            hidden = shared_prefix_hidden(model, batch["input_ids"], batch["prompt_lengths"], batch["n_tokens"], index)
+        else:
+            hidden = model.model(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), index)
         return hidden, model.head, targets, index  # lm_head and the final soft-cap (Gemma 2)
 
     def forward_backward(self, micro_batches: Sequence[Batch], n_targets: torch.Tensor, objective: Objective,
