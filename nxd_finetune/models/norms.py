@@ -25,7 +25,10 @@ class RMSNorm(nn.Module):
             h = x.float()
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
             return (h * (1.0 + self.weight.float())).type_as(x)
-        if x.dtype != torch.float32 and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        # 16-bit: keeps less for backward; fp32 with a frozen weight (LoRA): keeps the same (input,
+        # rsqrt), and its backward makes six [N, H] tensors instead of autograd's eight (no pow backward)
+        if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+                and (x.dtype != torch.float32 or not self.weight.requires_grad)):
             return _RMSNormFn.apply(x, self.weight, self.variance_epsilon)
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -45,7 +48,8 @@ class AutogradCtx(Protocol):
 class _RMSNormFn(torch.autograd.Function):
     """:class:`RMSNorm` of a 16-bit input, the same forward, keeping the input (16-bit) and the
     fp32 ``rsqrt`` per row for backward instead of the fp32 copy of the input that the autograd
-    ops keep: 2 bytes per element less, twice per layer."""
+    ops keep: 2 bytes per element less, twice per layer. Also an fp32 input's with a frozen weight:
+    the same tensors kept, fewer passes in backward."""
 
     @staticmethod
     def forward(ctx: AutogradCtx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
