@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import peft
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 WORDS = [f"w{i}" for i in range(100)]
+STEPS = 6  # the layout tests' optimizer steps (the length of :func:`assert_same_curve`'s curve)
+KEYS = ("train_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+        "logps/chosen", "logps/rejected")
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
 
 
@@ -114,3 +118,15 @@ def dpo_recipe(setup: dict[str, Any], out: Path, beta: float, training: dict[str
         "output": {"dir": str(out)}, "logging": {"progress": False}, "eval": {"before": False},
         "checkpoint": {"every_n_steps": None}, **more,
     }
+
+
+def assert_same_curve(name: str, got: dict, ref: dict, keys: tuple[str, ...] = KEYS, dpo: bool = True) -> None:
+    """Every logged step's loss and reward metrics within 1e-5 of the single-process run's."""
+    want = [h for h in ref["history"] if "train_loss" in h]
+    assert len(want) == STEPS and len({round(h["train_loss"], 4) for h in want}) > 2
+    hist = [h for h in got["history"] if "train_loss" in h]
+    for step, (a, b) in enumerate(zip(hist, want, strict=True), 1):
+        for k in keys:
+            if dpo and k == "rewards/accuracies" and step == 1:
+                continue  # policy == reference: every margin is rounding noise, its sign arbitrary
+            assert a[k] == pytest.approx(b[k], abs=1e-5), (name, step, k, a[k], b[k])

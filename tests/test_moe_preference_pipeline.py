@@ -21,13 +21,11 @@ from moe_helpers import build_tiny_moe, tiny_moe_config
 from nxd_finetune.parallel.launch import launch
 from nxd_finetune.recipe import recipe_from_dict
 from nxd_finetune.sft import trainer
-from tests.preference_helpers import pairs, word_tokenizer
-from tests.test_preference_layouts import assert_same_curve
+from tests.preference_helpers import STEPS, assert_same_curve, pairs, word_tokenizer
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")
 
-STEPS = 6  # test_preference_layouts' curve length
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 MODES: dict[str, dict[str, object]] = {
     "lora": {"lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "o_proj"],

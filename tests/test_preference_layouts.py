@@ -12,12 +12,11 @@ import torch
 from nxd_finetune.parallel.launch import launch
 from nxd_finetune.recipe import recipe_from_dict
 from nxd_finetune.sft import trainer
-from tests.preference_helpers import dpo_recipe, dpo_setup
+from tests.preference_helpers import KEYS, STEPS, assert_same_curve, dpo_recipe, dpo_setup
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("workers_tmpdir")  # spawned workers write under tmp_path
 
-STEPS = 6
 # every layout sees 2 pairs per optimizer step (micro x accum x dp)
 LAYOUTS = {
     "tp2": ({"tp": 2}, {"micro_batch_size": 1, "grad_accum": 2}),
@@ -30,20 +29,6 @@ LAYOUTS = {
     # the last stage's output layer and the log-probs 8 target positions at a time
     "pp2-chunked": ({"pp": 2}, {"micro_batch_size": 1, "grad_accum": 2, "loss_chunk_tokens": 8}),
 }
-KEYS = ("train_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-        "logps/chosen", "logps/rejected")
-
-
-def assert_same_curve(name: str, got: dict, ref: dict, keys: tuple[str, ...] = KEYS, dpo: bool = True) -> None:
-    """Every logged step's loss and reward metrics within 1e-5 of the single-process run's."""
-    want = [h for h in ref["history"] if "train_loss" in h]
-    assert len(want) == STEPS and len({round(h["train_loss"], 4) for h in want}) > 2
-    hist = [h for h in got["history"] if "train_loss" in h]
-    for step, (a, b) in enumerate(zip(hist, want, strict=True), 1):
-        for k in keys:
-            if dpo and k == "rewards/accuracies" and step == 1:
-                continue  # policy == reference: every margin is rounding noise, its sign arbitrary
-            assert a[k] == pytest.approx(b[k], abs=1e-5), (name, step, k, a[k], b[k])
 
 
 def _run_layouts(recipe_dicts: list[dict]) -> list[dict | None]:
