@@ -83,6 +83,58 @@ def test_chunked_loss_saves_no_full_vocabulary_logits():
     assert chunked <= max(V * H, N * H)  # the head's weight and the hidden states; no [N, V]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_backward_holds_no_full_fp32_copies(dtype, monkeypatch):
+    """``ce_sum``: the loss and the logits' gradient equal ``F.cross_entropy`` of their fp32 copy bit
+    for bit, while autograd keeps only the logits as given (no fp32 copy, no log-probabilities) and
+    neither pass makes an ``[N, V]`` tensor but the backward's gradient (a chunk of rows at a time):
+    the fp32 copy, log-probabilities and their gradient, at once, were a QLoRA step's memory peak."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.storages: dict[int, int] = {}  # the bytes of each storage an op returned (a view: its base's)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return out
+
+    import nxd_finetune.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "CE_CHUNK_BYTES", 32 * V * 4, raising=False)  # 32 rows, a ragged last
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(N, V, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::7] = IGNORE_INDEX
+    ref_in = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    ref.backward(torch.tensor(0.37))
+    got_in = logits.clone().requires_grad_()
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Largest() as forward:
+        loss = ce_sum(got_in, targets)
+    assert torch.equal(loss, ref)
+    forward.storages.pop(got_in.untyped_storage().data_ptr(), None)  # views of the logits
+    assert max(forward.storages.values()) < logits.numel() * logits.element_size() // 4
+    assert sum(saved) <= logits.numel() * logits.element_size() + targets.numel() * 8 + 64, saved
+    with Largest() as mode:
+        loss.backward(torch.tensor(0.37))
+    assert torch.equal(got_in.grad, ref_in.grad)
+    full = logits.numel() * logits.element_size()
+    mode.storages.pop(got_in.untyped_storage().data_ptr())  # the saved logits (views of them)
+    sizes = sorted(mode.storages.values())
+    assert sizes[-1] == full and sizes[-2] < full // 4, sizes[-3:]
+
+
 def test_auto_chunk_rows():
     assert chunk_rows(128256, "auto") == 523  # 256 MB of fp32 logits at Llama-3's vocabulary
     assert chunk_rows(2048, "auto") == 32768 and chunk_rows(2048, 100) == 100 and chunk_rows(2048, None) is None

@@ -81,7 +81,7 @@ def test_the_quantized_embedding_and_head_are_bitsandbytes(name, monkeypatch):
     torch.manual_seed(0)
     weight = torch.randn(1000, 128)
     model = _Tied(weight)
-    monkeypatch.setattr(qe, "QUANTIZE_CHUNK_BYTES", 300 * 128 * 4)  # quantized 300 rows at a time
+    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ELEMENTS", 300 * 128)  # quantized 300 rows at a time
     assert qe.quantize_embeddings(model, spec, CPU) == ["embed_tokens", "lm_head"]
     packed = model.embed_tokens.weight
     assert model.lm_head.weight is packed  # the tied pair: one quantized weight

@@ -69,3 +69,40 @@ def test_an_unmapped_load_quantizes_to_the_same_model(tiny_llama_dir):
     materialize(unmapped, tiny_llama_dir, mapped=False)
     for name, p in unquantized.named_parameters():
         assert torch.equal(unmapped.get_parameter(name), p), name
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_a_4bit_linear_is_quantized_a_chunk_at_a_time_to_bitsandbytes_bytes(double_quant, monkeypatch):
+    """Each ``quantize_4bit`` call of a linear's quantization gets at most ``QUANTIZE_CHUNK_ELEMENTS``
+    elements (its CPU kernel holds several fp32 copies of its input: the whole weight at once was
+    the load's largest temporary), and the packed bytes and state equal bitsandbytes' ``Params4bit``
+    quantizing the whole weight at once, a last chunk of less than a block included."""
+    bnb = pytest.importorskip("bitsandbytes")
+    functional = bnb.functional
+    monkeypatch.setattr(quantized, "QUANTIZE_CHUNK_ELEMENTS", 5 * 64, raising=False)
+    seen: list[int] = []
+    quantize_4bit = functional.quantize_4bit
+
+    def spy(a: torch.Tensor, *args: object, **kwargs: object) -> object:
+        seen.append(a.numel())
+        return quantize_4bit(a, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "quantize_4bit", spy)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 41, bias=False, dtype=torch.bfloat16).requires_grad_(False)  # 3936 = 61.5 blocks
+    weight = linear.weight.detach().clone()
+    spec = quantized.QuantSpec("nf4", double_quant=double_quant, compute_dtype="bfloat16")
+    quantized.quantize_module(linear, spec, torch.device("cpu"))
+    assert seen and max(seen) <= 5 * 64, seen
+    monkeypatch.setattr(functional, "quantize_4bit", quantize_4bit)
+    ref = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=double_quant,
+                            quant_storage=torch.uint8).to("cpu")
+    got, state = linear.weight, linear.weight.quant_state
+    assert got.shape == ref.shape and torch.equal(got.data, ref.data)
+    assert torch.equal(state.absmax, ref.quant_state.absmax) and state.nested == double_quant
+    assert state.shape == ref.quant_state.shape and state.dtype == ref.quant_state.dtype
+    if double_quant:
+        assert torch.equal(state.offset, ref.quant_state.offset)
+        assert torch.equal(state.state2.absmax, ref.quant_state.state2.absmax)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), bnb.matmul_4bit(x, ref, quant_state=ref.quant_state))

@@ -28,13 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_finetune.errors import NxdError
-from nxd_finetune.lora.quantized import DTYPES, QuantSpec, require_bitsandbytes
+from nxd_finetune.lora.quantized import DTYPES, QuantSpec, params4bit, require_bitsandbytes
 from nxd_finetune.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 
 CHUNK_BYTES = 32 * 2**20
 """The most one dequantized chunk of the output layer's rows holds (in the compute dtype)."""
-QUANTIZE_CHUNK_BYTES = 64 * 2**20
-"""The most of the weight (in its dtype) one ``quantize_4bit`` call quantizes (:func:`quantized_by_rows`)."""
 EMBEDDING_NAMES = ("embed_tokens", "lm_head")
 """What ``embeddings: true`` quantizes; LoRA on them (or training them) is refused with it."""
 
@@ -52,34 +50,9 @@ def embedding_gap(hidden_size: int, spec: QuantSpec) -> str | None:
 
 
 def quantized_by_rows(weight: torch.Tensor, spec: QuantSpec) -> nn.Parameter:
-    """bitsandbytes' ``Params4bit`` of ``weight`` (``[V, H]``, ``H`` whole blocks), the same bytes
-    and state as ``Params4bit(weight)`` quantized at once: ``quantize_4bit`` runs on
-    :data:`QUANTIZE_CHUNK_BYTES` of rows at a time (its CPU kernel holds several fp32 copies of its
-    input: 3.6 GiB for Llama-3.2-1B's embedding at once), then double quantization as
-    ``quantize_4bit`` does it (``quantize_blockwise`` of the scales less their mean, blocks of 256)."""
-    functional = require_bitsandbytes().functional
-    rows = max(1, QUANTIZE_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
-    packed, scales = [], []
-    for start in range(0, weight.shape[0], rows):
-        data, state = functional.quantize_4bit(weight[start:start + rows].contiguous(), blocksize=spec.block_size,
-                                               quant_type=spec.method, compress_statistics=False)
-        packed.append(data)
-        scales.append(state.absmax)
-    absmax = torch.cat(scales)
-    del scales
-    offset, state2 = None, None
-    if spec.double_quant:
-        offset = absmax.mean()
-        absmax, state2 = functional.quantize_blockwise(absmax - offset, blocksize=256)
-    code = functional.get_4bit_type(spec.method, device=weight.device)
-    quant_state = functional.QuantState(absmax=absmax, shape=weight.shape, dtype=weight.dtype,
-                                        blocksize=spec.block_size, code=code, quant_type=spec.method,
-                                        offset=offset, state2=state2)
-    bnb = require_bitsandbytes()
-    return cast(nn.Parameter, bnb.nn.Params4bit(torch.cat(packed), requires_grad=False, quant_state=quant_state,
-                                                blocksize=spec.block_size, compress_statistics=spec.double_quant,
-                                                quant_type=spec.method, quant_storage=torch.uint8,
-                                                bnb_quantized=True))
+    """bitsandbytes' ``Params4bit`` of the embedding ``weight`` (``[V, H]``, ``H`` whole blocks) where
+    it is, quantized a chunk of rows at a time (:func:`~nxd_finetune.lora.quantized.params4bit`)."""
+    return params4bit(weight, spec, weight.device)
 
 
 def _absmax(weight: torch.Tensor) -> torch.Tensor:
@@ -125,8 +98,14 @@ class _ChunkedMatmul(torch.autograd.Function):
                 weight: torch.Tensor) -> torch.Tensor:
         ctx.weight = weight  # type: ignore[attr-defined]
         absmax = _absmax(weight)
-        return torch.cat([F.linear(x, dequantized_rows(weight, s, x.dtype, absmax)) for s in _chunks(weight, x.dtype)],
-                         dim=-1)
+        out: torch.Tensor | None = None
+        for s in _chunks(weight, x.dtype):  # each chunk's output written in place (not all kept, then joined)
+            part = F.linear(x, dequantized_rows(weight, s, x.dtype, absmax))  # autocast's dtype
+            if out is None:
+                out = part.new_empty(*part.shape[:-1], weight.quant_state.shape[0])  # type: ignore[attr-defined]
+            out[..., s] = part
+        assert out is not None
+        return out
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
