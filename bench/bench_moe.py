@@ -5,12 +5,16 @@ per-expert loop (transformers' reference) on the experts alone.
 
     python bench/bench_moe.py                     # 16 experts, top 2, hidden 512, 4 layers, 4 x 256 tokens
     python bench/bench_moe.py --quick             # 2 layers, 4 x 128 tokens (a few minutes on 2 cores)
+    python bench/bench_moe.py --shape qwen3-30b-a3b   # 128 experts, top 8, width 192, 8 q / 1 kv head
     python bench/bench_moe.py --layers 8 --seq 512 --steps 8 --note "quiet machine"
 
 The model: a random-init (seed 0) ``Qwen3MoeForCausalLM``, hidden 512, 8 query / 4 kv heads of
 head_dim 64, every layer 16 experts of width 256, top 2 renormalised, the quickstart tokenizer's
-vocabulary, fp32; written once under ``bench/.cache/models/`` (git-ignored). Every training row runs
-in its own process (``system.run_worker``) on the same random rows (all tokens targets), LoRA r16 alpha 32 on
+vocabulary, fp32; written once under ``bench/.cache/models/`` (git-ignored). ``--shape qwen3-30b-a3b``:
+Qwen3-30B-A3B's routing and proportions at hidden 512 (:data:`QWEN3_30B_A3B`: 8 query / 1 kv head
+of head_dim 64, 128 experts of width 192, top 8 renormalised; ~64 tokens per expert per step),
+cached as ``moe-qwen3-30b-a3b-<layers>l``. Every training row runs in its own process
+(``system.run_worker``) on the same random rows (all tokens targets), LoRA r16 alpha 32 on
 q/k/v/o and on both fused expert tensors (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``),
 router frozen, AdamW lr 1e-4, fp32:
 
@@ -30,7 +34,7 @@ memory (``VmHWM``) after building the model; then ``VmHWM`` is reset (``/proc/se
 optimizer, activations). Step-1 losses must agree (the same init and rows; LoRA B starts at zero).
 The experts alone: one MoE layer's experts with LoRA on both tensors, forward + backward over the
 routed tokens of one step, grouped against loop, median of ``--reps``.
-Results: ``bench/results/moe_cpu[_quick].{json,md,png}``.
+Results: ``bench/results/moe_cpu[_a3b][_quick].{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ SHAPE: dict[str, Any] = {"hidden_size": 512, "num_attention_heads": 8, "num_key_
                          "intermediate_size": 1024, "num_experts": 16, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 256, "norm_topk_prob": True, "max_position_embeddings": 2048,
                          "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+# Qwen3-30B-A3B's routing (128 experts, top 8 renormalised) and expert width / hidden (768 / 2048) at
+# hidden 512: expert width 192, 8 q / 1 kv head (its 8:1 ratio) of 64. Per token the experts are ~4x
+# the attention projections here (~2x in the real model, whose 32 x 128 query width is 2x its hidden);
+# 4 x 256 tokens give each expert ~64 rows per step.
+QWEN3_30B_A3B: dict[str, Any] = {**SHAPE, "num_key_value_heads": 1, "num_experts": 128,
+                                 "num_experts_per_tok": 8, "moe_intermediate_size": 192}
+SHAPES: dict[str, dict[str, Any]] = {"small": SHAPE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ROWS = (("nxd", "grouped"), ("nxd", "loop"), ("hf", "grouped_mm"), ("hf", "eager"))
@@ -64,10 +75,12 @@ LABELS = {("nxd", "grouped"): "nxd grouped", ("nxd", "loop"): "nxd loop (referen
           ("hf", "grouped_mm"): "HF+peft grouped_mm", ("hf", "eager"): "HF+peft eager"}
 
 
-def ensure_model(layers: int) -> Path:
-    """``bench/.cache/models/moe-<layers>l``: the quickstart tokenizer and a random-init (seed 0)
-    ``Qwen3MoeForCausalLM`` of :data:`SHAPE` with ``layers`` layers, fp32."""
-    return runs.ensure_model(f"moe-{layers}l", "Qwen3MoeConfig", SHAPE, layers)
+def ensure_model(layers: int, shape: str = "small") -> Path:
+    """``bench/.cache/models/moe-<layers>l`` (``moe-<shape>-<layers>l`` for a shape other than
+    ``small``): the quickstart tokenizer and a random-init (seed 0) ``Qwen3MoeForCausalLM`` of
+    :data:`SHAPES` ``[shape]`` with ``layers`` layers, fp32."""
+    name = f"moe-{layers}l" if shape == "small" else f"moe-{shape}-{layers}l"
+    return runs.ensure_model(name, "Qwen3MoeConfig", SHAPES[shape], layers)
 
 
 def recipe_dict(model: Path, seq: int, steps: int) -> dict[str, Any]:
@@ -145,9 +158,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "kernel_used": spec.get("kernel_used", spec["kernel"])}
 
 
-def experts_alone(tokens: int, reps: int) -> dict[str, Any]:
-    """One layer's experts (:data:`SHAPE`) with LoRA r16 on both tensors, forward + backward over
-    ``tokens`` tokens routed top-2 by a random router: grouped GEMMs against the per-expert loop."""
+def experts_alone(tokens: int, reps: int, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
+    """One layer's experts (``shape``) with LoRA r16 on both tensors, forward + backward over
+    ``tokens`` tokens routed top-k by a random router: grouped GEMMs against the per-expert loop."""
     import torch
 
     from nxd_finetune.lora import LoraConfig, inject_lora
@@ -155,7 +168,7 @@ def experts_alone(tokens: int, reps: int) -> dict[str, Any]:
     from nxd_finetune.models.moe import moe_blocks, set_expert_kernel
 
     config = DecoderConfig.from_hf({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                                    "num_hidden_layers": 1, "vocab_size": 64, **SHAPE})
+                                    "num_hidden_layers": 1, "vocab_size": 64, **shape})
     torch.manual_seed(0)
     model = build_model(config, device="cpu")
     for p in model.parameters():
@@ -165,7 +178,7 @@ def experts_alone(tokens: int, reps: int) -> dict[str, Any]:
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
     block = moe_blocks(model)[0]
-    x = torch.randn(tokens, SHAPE["hidden_size"], requires_grad=True)
+    x = torch.randn(tokens, shape["hidden_size"], requires_grad=True)
     _, weights, index = block.gate(x.detach())
     out: dict[str, Any] = {"tokens": tokens}
     results = {}
@@ -233,6 +246,9 @@ def plot(res: dict[str, Any], path: Path, plt: ModuleType) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                    help="small: 16 experts top 2, width 256 (default); qwen3-30b-a3b: 128 experts top 8, "
+                         "width 192, 8 q / 1 kv head (Qwen3-30B-A3B's proportions at hidden 512)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 4 x 128 tokens")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --quick 2)")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
@@ -241,14 +257,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="repeats of the experts-alone timing")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per run (1: on a shared machine, 2 threads stall each other)")
-    runs.add_result_args(ap, "moe_cpu[_quick]")
+    runs.add_result_args(ap, "moe_cpu[_a3b][_quick]")
     args = ap.parse_args()
     layers = args.layers or (2 if args.quick else 4)
     seq = args.seq or (128 if args.quick else 256)
-    model = ensure_model(layers)
-    shape = (f"{SHAPE['num_experts']} experts, top {SHAPE['num_experts_per_tok']}, hidden {SHAPE['hidden_size']}, "
-             f"expert width {SHAPE['moe_intermediate_size']}, {layers} layers")
-    res: dict[str, Any] = {"shape": shape, "cpu": report.cpu_model(), "machine": platform.machine(),
+    model, dims = ensure_model(layers, args.shape), SHAPES[args.shape]
+    shape = (f"{dims['num_experts']} experts, top {dims['num_experts_per_tok']}, hidden {dims['hidden_size']}, "
+             f"expert width {dims['moe_intermediate_size']}, {layers} layers")
+    if args.shape != "small":
+        shape = (f"{args.shape} shape: {shape}, {dims['num_attention_heads']} q / {dims['num_key_value_heads']} kv "
+                 f"heads of {dims['head_dim']}")
+    res: dict[str, Any] = {"shape": shape, "shape_name": args.shape,
+                           "model_config": {**dims, "num_hidden_layers": layers}, "cpu": report.cpu_model(),
+                           "machine": platform.machine(),
                            "threads": args.threads, "batch": args.batch, "seq": seq, "steps": args.steps,
                            "note": args.note, "rows": []}
     for framework, kernel in ROWS:
@@ -261,8 +282,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    res["experts_alone"] = experts_alone(args.batch * seq, args.reps)
-    runs.write_results(res, args.out or ("moe_cpu_quick" if args.quick else "moe_cpu"), render, plot)
+    res["experts_alone"] = experts_alone(args.batch * seq, args.reps, dims)
+    default = "moe_cpu" + ("" if args.shape == "small" else "_a3b") + ("_quick" if args.quick else "")
+    runs.write_results(res, args.out or default, render, plot)
 
 
 if __name__ == "__main__" and not runs.run_as_worker(worker):  # a worker (system.run_worker) runs one row
