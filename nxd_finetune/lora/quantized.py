@@ -2,12 +2,12 @@
 weights and matmuls, the kernels transformers' ``BitsAndBytesConfig`` and peft train QLoRA with.
 
 Nothing here quantizes or multiplies by itself: :func:`quantize_module` hands each frozen linear's
-loaded weight (this rank's shard under tensor parallel) to bitsandbytes' own parameter types
-(``Params4bit`` / ``Int8Params``, quantized where they are moved to, as ``Linear4bit`` and
-``Linear8bitLt`` are), and the forward is ``bitsandbytes.matmul_4bit`` / ``bitsandbytes.matmul`` with
-the casts ``Linear4bit.forward`` / ``Linear8bitLt.forward`` make. Same input weights and settings
-give the same quantized bytes as transformers' loader, so the logits equal theirs up to the kernels'
-rounding.
+loaded weight (this rank's shard under tensor parallel) to bitsandbytes: 4-bit to ``quantize_4bit``
+a chunk at a time into its ``Params4bit`` (:func:`params4bit`: the bytes ``Linear4bit`` gets), int8
+to ``Int8Params`` (quantized where it is moved to, as ``Linear8bitLt`` is), and the forward is
+``bitsandbytes.matmul_4bit`` / ``bitsandbytes.matmul`` with the casts ``Linear4bit.forward`` /
+``Linear8bitLt.forward`` make. Same input weights and settings give the same quantized bytes as
+transformers' loader, so the logits equal theirs up to the kernels' rounding.
 
 Which linears: every frozen ``nn.Linear`` / :class:`ColumnParallelLinear` / :class:`RowParallelLinear`
 (a LoRA layer's ``base_layer`` or an untargeted one) but the output layer (``lm_head``) and what
