@@ -5,13 +5,13 @@ per-expert loop (transformers' reference) on the experts alone.
 
     python bench/bench_moe.py                     # 16 experts, top 2, hidden 512, 4 layers, 4 x 256 tokens
     python bench/bench_moe.py --quick             # 2 layers, 4 x 128 tokens (a few minutes on 2 cores)
-    python bench/bench_moe.py --shape qwen3-30b-a3b   # 128 experts, top 8, width 192, 8 q / 1 kv head
+    python bench/bench_moe.py --shape qwen3-30b-a3b   # 128 experts, top 8, width 192, 16 q / 2 kv heads
     python bench/bench_moe.py --layers 8 --seq 512 --steps 8 --note "quiet machine"
 
 The model: a random-init (seed 0) ``Qwen3MoeForCausalLM``, hidden 512, 8 query / 4 kv heads of
 head_dim 64, every layer 16 experts of width 256, top 2 renormalised, the quickstart tokenizer's
 vocabulary, fp32; written once under ``bench/.cache/models/`` (git-ignored). ``--shape qwen3-30b-a3b``:
-Qwen3-30B-A3B's routing and proportions at hidden 512 (:data:`QWEN3_30B_A3B`: 8 query / 1 kv head
+Qwen3-30B-A3B's routing and proportions at hidden 512 (:data:`QWEN3_30B_A3B`: 16 query / 2 kv heads
 of head_dim 64, 128 experts of width 192, top 8 renormalised; ~64 tokens per expert per step),
 cached as ``moe-qwen3-30b-a3b-<layers>l``. Every training row runs in its own process
 (``system.run_worker``) on the same random rows (all tokens targets), LoRA r16 alpha 32 on
@@ -62,10 +62,10 @@ SHAPE: dict[str, Any] = {"hidden_size": 512, "num_attention_heads": 8, "num_key_
                          "moe_intermediate_size": 256, "norm_topk_prob": True, "max_position_embeddings": 2048,
                          "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
 # Qwen3-30B-A3B's routing (128 experts, top 8 renormalised) and expert width / hidden (768 / 2048) at
-# hidden 512: expert width 192, 8 q / 1 kv head (its 8:1 ratio) of 64. Per token the experts are ~4x
-# the attention projections here (~2x in the real model, whose 32 x 128 query width is 2x its hidden);
-# 4 x 256 tokens give each expert ~64 rows per step.
-QWEN3_30B_A3B: dict[str, Any] = {**SHAPE, "num_key_value_heads": 1, "num_experts": 128,
+# hidden 512: expert width 192, 16 q / 2 kv heads (its 8:1 ratio) of 64, so the query width is 2x the
+# hidden as in the real model (32 x 128 at 2048): per token the experts are ~2x the attention
+# projections, as there. 4 x 256 tokens give each expert ~64 rows per step.
+QWEN3_30B_A3B: dict[str, Any] = {**SHAPE, "num_attention_heads": 16, "num_key_value_heads": 2, "num_experts": 128,
                                  "num_experts_per_tok": 8, "moe_intermediate_size": 192}
 SHAPES: dict[str, dict[str, Any]] = {"small": SHAPE, "qwen3-30b-a3b": QWEN3_30B_A3B}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -248,7 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
                     help="small: 16 experts top 2, width 256 (default); qwen3-30b-a3b: 128 experts top 8, "
-                         "width 192, 8 q / 1 kv head (Qwen3-30B-A3B's proportions at hidden 512)")
+                         "width 192, 16 q / 2 kv heads (Qwen3-30B-A3B's proportions at hidden 512)")
     ap.add_argument("--quick", action="store_true", help="2 layers, 4 x 128 tokens")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; --quick 2)")
     ap.add_argument("--batch", type=int, default=4, help="rows per step")
